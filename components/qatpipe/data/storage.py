@@ -1,0 +1,211 @@
+"""S3 (MinIO or AWS) access: sync a prefix into a local cache, upload a folder.
+
+Credentials come only from the environment / boto's default chain; they are never
+arguments and never logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ReadTimeoutError,
+)
+
+from qatpipe.errors import StorageError
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = ".qatpipe-s3-manifest.json"
+_PROGRESS_EVERY = 50
+_DENIED_CODES = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
+
+
+@dataclass
+class SyncReport:
+    downloaded: int = 0
+    skipped: int = 0
+    bytes: int = 0  # bytes actually downloaded in this sync
+
+
+def is_s3_uri(uri: str) -> bool:
+    return str(uri).startswith("s3://")
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix/`` -> ``("bucket", "some/prefix")``."""
+    if not is_s3_uri(uri):
+        raise StorageError(f"not an s3:// URI: {uri!r}")
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    if not bucket:
+        raise StorageError(f"malformed S3 URI {uri!r}: expected s3://bucket/prefix")
+    return bucket, prefix.strip("/")
+
+
+def _env_endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("S3_ENDPOINT_URL") or None
+
+
+def s3_client(max_attempts: int = 5):
+    """A boto3 S3 client configured from the environment (endpoint, region, credentials)."""
+    region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
+    config = Config(
+        retries={"max_attempts": max_attempts, "mode": "standard"},
+        connect_timeout=5,
+        read_timeout=30,
+        s3={"addressing_style": "path"},  # MinIO does not serve virtual-host buckets by default
+    )
+    # A fresh Session re-reads the environment; boto3's default session caches credentials.
+    session = boto3.session.Session()
+    return session.client("s3", endpoint_url=_env_endpoint(), region_name=region, config=config)
+
+
+def _describe_endpoint(client) -> str:
+    url = client.meta.endpoint_url
+    return f"AWS default endpoint ({url})" if url.endswith("amazonaws.com") else url
+
+
+@contextlib.contextmanager
+def _s3_errors(uri: str, client):
+    """Turn boto errors into one-line StorageErrors naming the URI and the endpoint."""
+    where = f"{uri} (endpoint: {_describe_endpoint(client)})"
+    try:
+        yield
+    except (NoCredentialsError, PartialCredentialsError) as exc:
+        raise StorageError(
+            f"no S3 credentials for {where}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        ) from exc
+    except (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError, ConnectionClosedError) as exc:
+        raise StorageError(f"S3 endpoint unreachable for {where}: {exc}") from exc
+    except ClientError as exc:
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        if code in ("NoSuchBucket", "404"):
+            raise StorageError(f"bucket not found: {where}") from exc
+        if code in _DENIED_CODES:
+            raise StorageError(
+                f"access denied to {where}: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+            ) from exc
+        raise StorageError(f"S3 error {code or '?'} for {where}: {exc}") from exc
+    except BotoCoreError as exc:
+        raise StorageError(f"S3 request failed for {where}: {exc}") from exc
+
+
+def _safe_join(base: Path, rel: str) -> Path:
+    # Object keys are remote input: refuse any that would escape the destination folder.
+    target = (base / rel).resolve()
+    if target != base.resolve() and base.resolve() not in target.parents:
+        raise StorageError(f"refusing S3 key {rel!r}: it points outside {base}")
+    return target
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(part, path)
+
+
+def _load_manifest(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # missing or unreadable manifest: everything is re-checked by downloading
+
+
+def _download(client, bucket: str, key: str, target: Path) -> tuple[int, str]:
+    """Stream one object to ``target`` via a ``.part`` file; returns (size, etag)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_name(target.name + ".part")
+    try:
+        resp = client.get_object(Bucket=bucket, Key=key)
+        with open(part, "wb") as fh:
+            for chunk in resp["Body"].iter_chunks(1 << 20):
+                fh.write(chunk)
+        size = part.stat().st_size
+        os.replace(part, target)  # only a complete file ever gets the real name
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    return size, resp["ETag"]
+
+
+def sync_s3_prefix(uri: str, dest_dir: str | Path, *, client=None) -> SyncReport:
+    """Mirror every object under ``uri`` into ``dest_dir``, skipping unchanged ones."""
+    bucket, prefix = parse_s3_uri(uri)
+    client = client or s3_client()
+    dest = Path(dest_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    manifest_path = dest / MANIFEST_NAME
+    manifest = _load_manifest(manifest_path)
+    list_prefix = f"{prefix}/" if prefix else ""  # trailing slash: "train" must not match "train2"
+    report = SyncReport()
+
+    with _s3_errors(uri, client):
+        objects = []
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=list_prefix):
+            objects += [o for o in page.get("Contents", []) if not o["Key"].endswith("/")]
+        if not objects:
+            raise StorageError(f"no objects under {uri} (endpoint: {_describe_endpoint(client)})")
+        log.info("syncing %d objects from %s to %s", len(objects), uri, dest)
+
+        for i, obj in enumerate(objects, 1):
+            rel = obj["Key"][len(list_prefix):]
+            target = _safe_join(dest, rel)
+            entry = manifest.get(rel)
+            if (entry == {"size": obj["Size"], "etag": obj["ETag"]}
+                    and target.is_file() and target.stat().st_size == obj["Size"]):
+                report.skipped += 1
+            else:
+                size, etag = _download(client, bucket, obj["Key"], target)
+                manifest[rel] = {"size": size, "etag": etag}
+                report.downloaded += 1
+                report.bytes += size
+            if i % _PROGRESS_EVERY == 0:
+                _write_json_atomic(manifest_path, manifest)  # keep progress if interrupted later
+                log.info("%s: %d/%d objects (%.1f MB downloaded)", uri, i, len(objects), report.bytes / 1e6)
+
+    _write_json_atomic(manifest_path, manifest)
+    log.info("synced %s: %d downloaded, %d skipped, %.1f MB",
+             uri, report.downloaded, report.skipped, report.bytes / 1e6)
+    return report
+
+
+def resolve_dataset_dir(uri: str, cache_dir: str | Path) -> Path:
+    """A local path as-is; an s3:// URI synced into ``cache_dir/s3/<bucket>/<prefix>``."""
+    if not is_s3_uri(uri):
+        return Path(uri)
+    bucket, prefix = parse_s3_uri(uri)
+    root = Path(cache_dir) / "s3"
+    local = _safe_join(root, f"{bucket}/{prefix}" if prefix else bucket)
+    sync_s3_prefix(uri, local)
+    return local
+
+
+def upload_dir(local_dir: str | Path, uri: str, *, client=None) -> int:
+    """Upload every file under ``local_dir`` to ``uri``; returns the number of files."""
+    bucket, prefix = parse_s3_uri(uri)
+    src = Path(local_dir)
+    if not src.is_dir():
+        raise StorageError(f"cannot upload {src} to {uri}: not a folder")
+    client = client or s3_client()
+    files = sorted(p for p in src.rglob("*")
+                   if p.is_file() and p.name != MANIFEST_NAME and not p.name.endswith(".part"))
+    with _s3_errors(uri, client):
+        for path in files:
+            rel = path.relative_to(src).as_posix()
+            client.upload_file(str(path), bucket, f"{prefix}/{rel}" if prefix else rel)
+    log.info("uploaded %d files from %s to %s", len(files), src, uri)
+    return len(files)

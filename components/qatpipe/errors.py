@@ -1,0 +1,32 @@
+"""Error types that reach the user as one clear line (the CLI prints them without a traceback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class QatpipeError(Exception):
+    """Base class: a problem the user can fix (bad input, bad spec, unreachable service)."""
+
+
+class SpecError(QatpipeError):
+    """The experiment spec is invalid: names the key path."""
+
+
+class DataError(QatpipeError):
+    """A dataset file is missing or malformed: names the file and, for label files, the line."""
+
+    def __init__(self, path: str | Path, message: str, line: int | None = None):
+        self.path = str(path)
+        self.line = line
+        self.reason = message
+        where = f"{self.path}:{line}" if line is not None else self.path
+        super().__init__(f"{where}: {message}")
+
+
+class StorageError(QatpipeError):
+    """Remote storage (S3) could not be read: names the URI and endpoint."""
+
+
+class ModelFileError(QatpipeError):
+    """A model file is missing, corrupt or of the wrong kind."""

@@ -1,0 +1,52 @@
+"""The interface every detector architecture implements, so SSD/YOLO-style heads can follow DetectNet_v2.
+
+An architecture owns four things that must agree with each other: the Keras model, the target encoder
+(ground truth -> training targets, in TensorFlow so it runs inside tf.data), the losses, and the decoder
+(raw outputs -> boxes, in NumPy so it runs on any backend's outputs: TF, ONNX Runtime, TensorRT).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass
+class Detections:
+    """Boxes of one image: x1 y1 x2 y2 pixels, a score and a class id each."""
+
+    boxes: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.float32))
+    scores: np.ndarray = field(default_factory=lambda: np.zeros((0,), np.float32))
+    classes: np.ndarray = field(default_factory=lambda: np.zeros((0,), np.int32))
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+    def scaled(self, sx: float, sy: float) -> "Detections":
+        return Detections(self.boxes * np.array([sx, sy, sx, sy], np.float32), self.scores, self.classes)
+
+
+class DetectorArchitecture(abc.ABC):
+    """One detection architecture, configured from the spec."""
+
+    #: names of the model outputs, in the order the Keras model returns them
+    output_names: tuple[str, ...]
+
+    @abc.abstractmethod
+    def build_model(self):
+        """A tf_keras Functional model from standard layers only (loads without custom objects)."""
+
+    @abc.abstractmethod
+    def encode(self, boxes, classes) -> dict:
+        """TF ops: padded boxes (M,4) in input pixels and class ids (M,), -1 for padding -> targets per output."""
+
+    @abc.abstractmethod
+    def losses(self) -> dict[str, Callable]:
+        """Keras loss per output name, matching `encode`'s targets."""
+
+    @abc.abstractmethod
+    def decode(self, outputs: dict[str, np.ndarray]) -> list[Detections]:
+        """Batched raw outputs (NumPy) -> detections per image, in network input pixels."""

@@ -1,0 +1,239 @@
+"""DetectNet_v2 (TAO's PeopleNet architecture): a stride-16 grid with per-class coverage and bbox heads.
+
+Every output cell predicts, for each class, a coverage value (is this cell inside the centre of an object?)
+and four distances from the cell centre to the object's edges, in units of `bbox_norm` pixels. The decoder
+turns covered cells into candidate boxes and clusters them (NMS, or DBSCAN as TAO does).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+from qatpipe.models.base import Detections, DetectorArchitecture
+from qatpipe.models.resnet import resnet_backbone
+from qatpipe.spec import OUTPUT_STRIDE, DecoderSpec, ExperimentSpec
+
+COVERAGE = "output_cov"
+BBOX = "output_bbox"
+
+
+def _regularizer(spec: ExperimentSpec):
+    reg = spec.model.regularizer
+    if reg.type == "none" or reg.weight == 0:
+        return None
+    return keras.regularizers.L1(reg.weight) if reg.type == "l1" else keras.regularizers.L2(reg.weight)
+
+
+class DetectNetV2(DetectorArchitecture):
+    output_names = (COVERAGE, BBOX)
+
+    def __init__(self, spec: ExperimentSpec):
+        self.spec = spec
+        self.num_classes = spec.num_classes
+        self.height = spec.dataset.image_size.height
+        self.width = spec.dataset.image_size.width
+        self.stride = OUTPUT_STRIDE
+        self.grid_h, self.grid_w = self.height // self.stride, self.width // self.stride
+        self.coverage_ratio = spec.model.target.coverage_ratio
+        self.bbox_norm = spec.model.target.bbox_norm
+
+    # ----------------------------------------------------------------------------------------- model
+
+    def build_model(self) -> keras.Model:
+        backbone = self.spec.model.backbone
+        regularizer = _regularizer(self.spec)
+        inputs = keras.Input((self.height, self.width, 3), name="input_1")
+        features = resnet_backbone(inputs, backbone.depth, backbone.width, regularizer, backbone.all_projections)
+        cov = keras.layers.Conv2D(
+            self.num_classes, 1, name="conv_cov", kernel_regularizer=regularizer,
+            # start near the background prior so early training is not swamped by false positives
+            bias_initializer=keras.initializers.Constant(-4.0),
+        )(features)
+        bbox = keras.layers.Conv2D(4 * self.num_classes, 1, name="conv_bbox", kernel_regularizer=regularizer)(
+            features
+        )
+        # float32 outputs keep the losses stable under mixed precision
+        cov = keras.layers.Activation("sigmoid", dtype="float32", name=COVERAGE)(cov)
+        bbox = keras.layers.Activation("linear", dtype="float32", name=BBOX)(bbox)
+        return keras.Model(inputs, [cov, bbox], name=f"detectnet_v2_resnet{backbone.depth}")
+
+    # ---------------------------------------------------------------------------------------- encoder
+
+    def cell_centres(self):
+        ys = (tf.range(self.grid_h, dtype=tf.float32) + 0.5) * self.stride
+        xs = (tf.range(self.grid_w, dtype=tf.float32) + 0.5) * self.stride
+        return tf.meshgrid(xs, ys)  # each (grid_h, grid_w)
+
+    def encode(self, boxes, classes) -> dict:
+        """Padded boxes (M,4) and class ids (M,) with -1 for padding -> coverage and bbox targets.
+
+        A cell is covered for class c when its centre lies in the central `coverage_ratio` part of a box of
+        class c (at least the cell holding the box centre, so small objects are never lost). Where boxes of
+        one class overlap, the cell regresses the smallest of them: it is usually the one in front.
+        """
+        boxes = tf.cast(boxes, tf.float32)
+        cx, cy = self.cell_centres()
+        cx, cy = cx[..., None], cy[..., None]  # (gh, gw, 1) against M boxes
+        x1, y1, x2, y2 = (boxes[:, i] for i in range(4))
+        bx, by = (x1 + x2) / 2, (y1 + y2) / 2
+        half_w = tf.maximum((x2 - x1) * self.coverage_ratio / 2, self.stride / 2)
+        half_h = tf.maximum((y2 - y1) * self.coverage_ratio / 2, self.stride / 2)
+        inside = (tf.abs(cx - bx) <= half_w) & (tf.abs(cy - by) <= half_h) & (classes >= 0)  # (gh, gw, M)
+
+        one_hot = tf.one_hot(classes, self.num_classes, on_value=True, off_value=False, dtype=tf.bool)  # (M, C)
+        inside_c = inside[..., None] & one_hot  # (gh, gw, M, C)
+        area = (x2 - x1) * (y2 - y1)
+        masked_area = tf.where(inside_c, area[:, None], np.float32(np.inf))
+        chosen = tf.argmin(masked_area, axis=2, output_type=tf.int32)  # (gh, gw, C)
+        coverage = tf.cast(tf.reduce_any(inside_c, axis=2), tf.float32)
+
+        chosen_boxes = tf.gather(boxes, chosen)  # (gh, gw, C, 4)
+        distances = tf.stack(  # cx, cy are (gh, gw, 1) against C classes here
+            [cx - chosen_boxes[..., 0], cy - chosen_boxes[..., 1],
+             chosen_boxes[..., 2] - cx, chosen_boxes[..., 3] - cy],
+            axis=-1,
+        ) / self.bbox_norm
+        distances = distances * coverage[..., None]
+        bbox = tf.reshape(distances, (self.grid_h, self.grid_w, 4 * self.num_classes))
+        # The bbox loss needs the coverage mask: Keras gives each loss only its own output's target, so
+        # the mask rides along as extra channels of the bbox target.
+        return {COVERAGE: coverage, BBOX: tf.concat([bbox, coverage], axis=-1)}
+
+    # ----------------------------------------------------------------------------------------- losses
+
+    def losses(self) -> dict:
+        loss = self.spec.model.loss
+        num_classes = self.num_classes
+
+        def coverage_loss(y_true, y_pred):
+            # weighted BCE: positive cells are a few percent of the grid
+            eps = keras.backend.epsilon()
+            y_pred = tf.clip_by_value(y_pred, eps, 1 - eps)
+            bce = -(y_true * tf.math.log(y_pred) + (1 - y_true) * tf.math.log(1 - y_pred))
+            weights = 1.0 + (loss.positive_weight - 1.0) * y_true
+            return loss.coverage_weight * tf.reduce_mean(bce * weights)
+
+        def bbox_loss(y_true, y_pred):
+            target, mask = y_true[..., : 4 * num_classes], y_true[..., 4 * num_classes :]
+            mask4 = tf.repeat(mask, 4, axis=-1)
+            l1 = tf.reduce_sum(tf.abs(y_pred - target) * mask4)
+            return loss.bbox_weight * l1 / tf.maximum(tf.reduce_sum(mask4), 1.0)
+
+        coverage_loss.__name__ = "coverage_loss"
+        bbox_loss.__name__ = "bbox_loss"
+        return {COVERAGE: coverage_loss, BBOX: bbox_loss}
+
+    # ---------------------------------------------------------------------------------------- decoder
+
+    def decode(self, outputs: dict[str, np.ndarray]) -> list[Detections]:
+        coverage, bbox = np.asarray(outputs[COVERAGE]), np.asarray(outputs[BBOX])
+        return [
+            decode_detectnet(coverage[i], bbox[i], self.stride, self.bbox_norm, self.spec.model.decoder,
+                             (self.height, self.width))
+            for i in range(coverage.shape[0])
+        ]
+
+
+# ------------------------------------------------------------------------------------ NumPy decoding
+
+
+def decode_detectnet(
+    coverage: np.ndarray, bbox: np.ndarray, stride: int, bbox_norm: float, cfg: DecoderSpec,
+    image_hw: tuple[int, int],
+) -> Detections:
+    """One image's coverage (gh,gw,C) and bbox (gh,gw,4C) -> clustered detections in input pixels."""
+    grid_h, grid_w, num_classes = coverage.shape
+    height, width = image_hw
+    all_boxes, all_scores, all_classes = [], [], []
+    for c in range(num_classes):
+        ys, xs = np.nonzero(coverage[:, :, c] > cfg.coverage_threshold)
+        if len(ys) == 0:
+            continue
+        scores = coverage[ys, xs, c].astype(np.float32)
+        d = bbox[ys, xs, 4 * c : 4 * c + 4].astype(np.float32) * bbox_norm
+        cx, cy = (xs + 0.5) * stride, (ys + 0.5) * stride
+        boxes = np.stack([cx - d[:, 0], cy - d[:, 1], cx + d[:, 2], cy + d[:, 3]], axis=1)
+        boxes = np.clip(boxes, 0, [width, height, width, height]).astype(np.float32)
+        keep = ((boxes[:, 2] - boxes[:, 0]) >= max(cfg.min_box_size, 1e-3)) & (
+            (boxes[:, 3] - boxes[:, 1]) >= max(cfg.min_box_size, 1e-3)
+        )
+        boxes, scores = boxes[keep], scores[keep]
+        if cfg.method == "nms":
+            boxes, scores = nms(boxes, scores, cfg.nms_iou)
+        else:
+            boxes, scores = dbscan_cluster(boxes, scores, cfg.dbscan_eps, cfg.dbscan_min_samples)
+        all_boxes.append(boxes)
+        all_scores.append(scores)
+        all_classes.append(np.full(len(scores), c, np.int32))
+    if not all_scores:
+        return Detections()
+    boxes, scores, classes = np.concatenate(all_boxes), np.concatenate(all_scores), np.concatenate(all_classes)
+    order = np.argsort(-scores, kind="stable")[: cfg.max_detections]
+    return Detections(boxes[order], scores[order], classes[order])
+
+
+def iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """IoU of every box in a (N,4) with every box in b (M,4), x1 y1 x2 y2."""
+    tl = np.maximum(a[:, None, :2], b[None, :, :2])
+    br = np.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = np.prod(np.clip(br - tl, 0, None), axis=2)
+    area_a = np.prod(a[:, 2:] - a[:, :2], axis=1)
+    area_b = np.prod(b[:, 2:] - b[:, :2], axis=1)
+    return inter / np.maximum(area_a[:, None] + area_b[None, :] - inter, 1e-9)
+
+
+def nms(boxes: np.ndarray, scores: np.ndarray, iou_threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy non-maximum suppression; returns the kept boxes and scores, best first."""
+    order = np.argsort(-scores, kind="stable")
+    boxes, scores = boxes[order], scores[order]
+    if len(boxes) == 0:
+        return boxes, scores
+    ious = iou_matrix(boxes, boxes)
+    suppressed = np.zeros(len(boxes), bool)
+    keep = []
+    for i in range(len(boxes)):
+        if suppressed[i]:
+            continue
+        keep.append(i)
+        suppressed |= ious[i] > iou_threshold
+    return boxes[keep], scores[keep]
+
+
+def dbscan_cluster(
+    boxes: np.ndarray, scores: np.ndarray, eps: float, min_samples: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """TAO-style clustering: DBSCAN with distance 1-IoU; each cluster -> coverage-weighted mean box.
+
+    The cluster score is its highest coverage, so scores stay in [0, 1] and rank like NMS scores.
+    """
+    n = len(boxes)
+    if n == 0:
+        return boxes, scores
+    neighbours = (1.0 - iou_matrix(boxes, boxes)) <= eps
+    core = neighbours.sum(axis=1) >= min_samples
+    labels = np.full(n, -1)
+    cluster = 0
+    for i in np.argsort(-scores, kind="stable"):
+        if labels[i] != -1 or not core[i]:
+            continue
+        labels[i] = cluster
+        frontier = [i]
+        while frontier:
+            j = frontier.pop()
+            if not core[j]:
+                continue  # border points join a cluster but do not extend it
+            for k in np.nonzero(neighbours[j] & (labels == -1))[0]:
+                labels[k] = cluster
+                frontier.append(k)
+        cluster += 1
+    out_boxes = np.zeros((cluster, 4), np.float32)
+    out_scores = np.zeros(cluster, np.float32)
+    for c in range(cluster):
+        members = labels == c
+        w = scores[members]
+        out_boxes[c] = (boxes[members] * w[:, None]).sum(axis=0) / w.sum()
+        out_scores[c] = w.max()
+    order = np.argsort(-out_scores, kind="stable")
+    return out_boxes[order], out_scores[order]

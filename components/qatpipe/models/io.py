@@ -1,0 +1,34 @@
+"""Loading saved detector models with clear errors for missing, corrupt or wrong-kind files."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+from qatpipe.errors import ModelFileError
+
+KERAS_SUFFIXES = (".keras", ".h5", ".hdf5")
+
+
+def load_keras_model(path: str | Path, expected_outputs: tuple[str, ...] | None = None):
+    """A tf_keras model saved by a qatpipe stage (`.keras`, or TAO-style `.hdf5`)."""
+    import tf_keras as keras
+
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"{path}: model file not found")
+    if path.is_dir() or path.suffix.lower() not in KERAS_SUFFIXES:
+        raise ModelFileError(f"{path}: not a Keras model file (expected one of {', '.join(KERAS_SUFFIXES)})")
+    if path.suffix.lower() == ".keras" and not zipfile.is_zipfile(path):
+        raise ModelFileError(f"{path}: corrupt model file (a .keras file is a zip archive)")
+    try:
+        model = keras.models.load_model(path, compile=False)
+    except Exception as exc:  # Keras raises many kinds (ValueError, OSError, KeyError) for bad files
+        raise ModelFileError(f"{path}: cannot load model: {type(exc).__name__}: {exc}") from None
+    if expected_outputs is not None:
+        names = tuple(name.split("/")[0] for name in model.output_names)
+        if names != tuple(expected_outputs):
+            raise ModelFileError(
+                f"{path}: outputs {list(names)} do not match the spec's architecture {list(expected_outputs)}"
+            )
+    return model

@@ -1,0 +1,60 @@
+"""ResNet backbones of TAO's DetectNet_v2: stride 16, configurable depth and width.
+
+Layer names follow TAO (`conv1`, `block_2a_conv_1`, `block_2a_bn_shortcut`, ...) so that pruning and
+quantisation rules can address layers by name.
+"""
+
+from __future__ import annotations
+
+import tf_keras as keras
+
+BLOCKS_PER_STAGE = {10: (1, 1, 1, 1), 18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}
+STAGE_FILTERS = (64, 128, 256, 512)
+# conv1 /2, max-pool /2, stage 2 /2, stage 3 /2; stage 4 keeps stride 1 (TAO's DetectNet_v2) -> /16
+STAGE_STRIDES = (1, 2, 2, 1)
+
+
+def _conv(filters, kernel, strides, name, regularizer):
+    return keras.layers.Conv2D(
+        filters, kernel, strides=strides, padding="same", use_bias=False, name=name,
+        kernel_initializer="he_normal", kernel_regularizer=regularizer,
+    )
+
+
+def _bn(name):
+    return keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name)
+
+
+def _basic_block(x, filters, strides, name, regularizer, projection):
+    shortcut = x
+    y = _conv(filters, 3, strides, f"{name}_conv_1", regularizer)(x)
+    y = _bn(f"{name}_bn_1")(y)
+    y = keras.layers.Activation("relu", name=f"{name}_relu_1")(y)
+    y = _conv(filters, 3, 1, f"{name}_conv_2", regularizer)(y)
+    y = _bn(f"{name}_bn_2")(y)
+    if projection or strides != 1 or x.shape[-1] != filters:
+        shortcut = _conv(filters, 1, strides, f"{name}_conv_shortcut", regularizer)(x)
+        shortcut = _bn(f"{name}_bn_shortcut")(shortcut)
+    y = keras.layers.Add(name=f"{name}_add")([y, shortcut])
+    return keras.layers.Activation("relu", name=f"{name}_relu")(y)
+
+
+def resnet_backbone(inputs, depth: int, width: float, regularizer=None, all_projections: bool = True):
+    """Feature map at stride 16 of `inputs` (NHWC float in [0, 1])."""
+    if depth not in BLOCKS_PER_STAGE:
+        raise ValueError(f"ResNet depth must be one of {sorted(BLOCKS_PER_STAGE)}, got {depth}")
+    filters = [max(8, int(round(f * width / 8)) * 8) for f in STAGE_FILTERS]  # multiples of 8 for int8 kernels
+    x = _conv(filters[0], 7, 2, "conv1", regularizer)(inputs)
+    x = _bn("bn_conv1")(x)
+    x = keras.layers.Activation("relu", name="activation_1")(x)
+    x = keras.layers.MaxPooling2D(3, strides=2, padding="same", name="max_pool_1")(x)
+    for stage, (blocks, stage_filters, stride) in enumerate(
+        zip(BLOCKS_PER_STAGE[depth], filters, STAGE_STRIDES), start=1
+    ):
+        for block in range(blocks):
+            name = f"block_{stage}{chr(ord('a') + block)}"
+            x = _basic_block(
+                x, stage_filters, stride if block == 0 else 1, name, regularizer,
+                projection=all_projections,
+            )
+    return x

@@ -1,0 +1,335 @@
+"""The experiment spec: one YAML file, typed and validated, with TAO-like sections.
+
+Every stage reads its settings from here; nothing else defines defaults. Unknown keys are errors
+(`extra="forbid"`) so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import copy
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from qatpipe.errors import SpecError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ----------------------------------------------------------------------------------------------- dataset
+
+
+class ImageSize(_Section):
+    height: int = Field(192, ge=32, description="network input height (multiple of the output stride)")
+    width: int = Field(320, ge=32, description="network input width (multiple of the output stride)")
+
+
+class DatasetSpec(_Section):
+    train: str = Field(description="KITTI folder (images/ + labels/): local path or s3://bucket/prefix")
+    val: str = Field(description="KITTI folder used for evaluation")
+    classes: list[str] = Field(min_length=1, description="class names; the order fixes the output channels")
+    class_mapping: dict[str, str] = Field(
+        default_factory=dict, description="label name -> class name (e.g. van: car); others must be in classes"
+    )
+    ignore_classes: list[str] = Field(
+        default_factory=list, description="label names skipped on purpose (e.g. DontCare)"
+    )
+    image_size: ImageSize = Field(default_factory=ImageSize)
+    box_tolerance_px: float = Field(2.0, ge=0, description="how far a box may stick out of its image")
+    cache_dir: str = Field(".qatpipe-cache", description="local cache for s3:// datasets")
+    max_boxes_per_image: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _check_classes(self) -> "DatasetSpec":
+        if len(set(self.classes)) != len(self.classes):
+            raise ValueError(f"classes has duplicates: {self.classes}")
+        unknown = sorted(set(self.class_mapping.values()) - set(self.classes))
+        if unknown:
+            raise ValueError(f"class_mapping maps to names not in classes: {unknown}")
+        return self
+
+
+# ------------------------------------------------------------------------------------------------- model
+
+
+class BackboneSpec(_Section):
+    name: Literal["resnet"] = "resnet"
+    depth: Literal[10, 18, 34] = 10
+    width: float = Field(1.0, gt=0, le=2.0, description="multiplier on ResNet's 64-128-256-512 filters")
+    all_projections: bool = Field(True, description="1x1 conv shortcut in every block (TAO default)")
+
+
+class RegularizerSpec(_Section):
+    type: Literal["l1", "l2", "none"] = "l1"  # L1 drives filter norms to zero: makes pruning effective
+    weight: float = Field(1e-5, ge=0)
+
+
+class TargetSpec(_Section):
+    """Ground truth -> coverage/bbox tensors (DetectNet_v2's target encoder)."""
+
+    coverage_ratio: float = Field(
+        0.4, gt=0, le=1, description="central fraction of each box (per side) whose cells get coverage 1"
+    )
+    bbox_norm: float = Field(35.0, gt=0, description="pixels per unit of the bbox regression targets")
+
+
+class DecoderSpec(_Section):
+    """Network outputs -> boxes (DetectNet_v2's clustering)."""
+
+    method: Literal["nms", "dbscan"] = "nms"
+    coverage_threshold: float = Field(0.2, ge=0, le=1, description="cells below this coverage are ignored")
+    nms_iou: float = Field(0.5, gt=0, le=1)
+    dbscan_eps: float = Field(0.3, gt=0, le=1, description="max 1-IoU between neighbours in a cluster")
+    dbscan_min_samples: int = Field(1, ge=1)
+    min_box_size: float = Field(4.0, ge=0, description="boxes smaller than this (pixels) are dropped")
+    max_detections: int = Field(100, ge=1)
+
+
+class LossSpec(_Section):
+    coverage_weight: float = Field(1.0, gt=0)
+    bbox_weight: float = Field(1.0, gt=0)
+    positive_weight: float = Field(
+        4.0, gt=0, description="weight of positive coverage cells; they are rare next to background"
+    )
+
+
+class ModelSpec(_Section):
+    arch: Literal["detectnet_v2"] = "detectnet_v2"
+    backbone: BackboneSpec = Field(default_factory=BackboneSpec)
+    regularizer: RegularizerSpec = Field(default_factory=RegularizerSpec)
+    target: TargetSpec = Field(default_factory=TargetSpec)
+    decoder: DecoderSpec = Field(default_factory=DecoderSpec)
+    loss: LossSpec = Field(default_factory=LossSpec)
+
+
+# ---------------------------------------------------------------------------------------- augmentation
+
+
+class AugmentationSpec(_Section):
+    hflip_prob: float = Field(0.5, ge=0, le=1)
+    scale_min: float = Field(0.8, gt=0, description="zoom jitter: image scaled by a factor in [min, max]")
+    scale_max: float = Field(1.2, gt=0)
+    translate: float = Field(0.1, ge=0, le=0.5, description="max shift as a fraction of the image size")
+    brightness: float = Field(0.15, ge=0, le=1)
+    contrast: float = Field(0.2, ge=0, le=1)
+    saturation: float = Field(0.2, ge=0, le=1)
+    hue: float = Field(0.03, ge=0, le=0.5)
+    min_visible_fraction: float = Field(
+        0.5, ge=0, le=1, description="boxes cut by the crop to less than this fraction of their area are dropped"
+    )
+
+    @model_validator(mode="after")
+    def _check_scale(self) -> "AugmentationSpec":
+        if self.scale_min > self.scale_max:
+            raise ValueError(f"scale_min ({self.scale_min}) > scale_max ({self.scale_max})")
+        return self
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+class LearningRateSpec(_Section):
+    """TAO's soft-start annealing schedule: log-linear ramp min->max, plateau, log-linear decay to min."""
+
+    min_lr: float = Field(1e-5, gt=0)
+    max_lr: float = Field(1e-3, gt=0)
+    soft_start: float = Field(0.1, ge=0, lt=1, description="fraction of training spent ramping up")
+    annealing_point: float = Field(0.7, gt=0, le=1, description="fraction of training where decay starts")
+
+    @model_validator(mode="after")
+    def _check_order(self) -> "LearningRateSpec":
+        if self.min_lr > self.max_lr:
+            raise ValueError(f"min_lr ({self.min_lr}) > max_lr ({self.max_lr})")
+        if self.soft_start > self.annealing_point:
+            raise ValueError(f"soft_start ({self.soft_start}) > annealing_point ({self.annealing_point})")
+        return self
+
+
+class TrainSpec(_Section):
+    epochs: int = Field(20, ge=1)
+    batch_size: int = Field(16, ge=1)
+    seed: int = 42
+    optimizer: Literal["adam", "sgd"] = "adam"
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum / Adam beta_1")
+    learning_rate: LearningRateSpec = Field(default_factory=LearningRateSpec)
+    checkpoint_interval: int = Field(1, ge=1, description="epochs between checkpoints")
+    keep_checkpoints: int = Field(3, ge=1)
+    use_amp: bool = Field(False, description="mixed float16 on GPU; FP32 with a warning on CPU")
+    log_every_n_steps: int = Field(25, ge=1)
+
+
+class EvaluateSpec(_Section):
+    batch_size: int = Field(16, ge=1)
+
+
+# ---------------------------------------------------------------- later stages (room kept, typed now)
+
+
+class PruneSpec(_Section):
+    threshold: float = Field(0.1, ge=0)
+    normalizer: Literal["max", "L2"] = "max"
+    granularity: int = Field(8, ge=1)
+    min_filters: int = Field(16, ge=1)
+    equalization: Literal["union", "intersection", "arithmetic_mean", "geometric_mean"] = "union"
+    excluded_layers: list[str] = Field(default_factory=list)
+
+
+class QatSpec(_Section):
+    enabled: bool = False
+
+
+class ExportSpec(_Section):
+    opset: int = Field(17, ge=13)
+
+
+class EngineSpec(_Section):
+    backend: Literal["auto", "tensorrt", "onnxruntime"] = "auto"
+
+
+class ValidateSpec(_Section):
+    max_map_drop: float = Field(0.01, ge=0, description="largest allowed mAP@0.5 drop vs FP32 (0.01 = 1 point)")
+
+
+class TrackingSpec(_Section):
+    experiment: str = "qatpipe"
+
+
+# ------------------------------------------------------------------------------------------------ root
+
+
+class ExperimentSpec(_Section):
+    dataset: DatasetSpec
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    augmentation: AugmentationSpec = Field(default_factory=AugmentationSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
+    prune: PruneSpec = Field(default_factory=PruneSpec)
+    qat: QatSpec = Field(default_factory=QatSpec)
+    export: ExportSpec = Field(default_factory=ExportSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    validate_: ValidateSpec = Field(default_factory=ValidateSpec, alias="validate")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _check_stride(self) -> "ExperimentSpec":
+        size = self.dataset.image_size
+        if size.height % OUTPUT_STRIDE or size.width % OUTPUT_STRIDE:
+            raise ValueError(
+                f"dataset.image_size {size.height}x{size.width} must be a multiple of the output stride "
+                f"{OUTPUT_STRIDE}"
+            )
+        return self
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.dataset.classes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+
+OUTPUT_STRIDE = 16
+
+
+# -------------------------------------------------------------------------------------- load / override
+
+
+def bundled_spec_path(name: str) -> Path:
+    """Path of a spec shipped with the package (`default`, `tiny`)."""
+    path = Path(str(resources.files("qatpipe") / "specs" / f"{name}.yaml"))
+    if not path.is_file():
+        raise SpecError(f"no bundled spec named {name!r} (looked for {path})")
+    return path
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise SpecError(f"--set {item!r}: expected KEY.PATH=VALUE")
+    key, raw = item.split("=", 1)
+    keys = [k for k in key.strip().split(".") if k]
+    if not keys:
+        raise SpecError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw)  # '3' -> 3, 'true' -> True, '[a, b]' -> list
+    except yaml.YAMLError as exc:
+        raise SpecError(f"--set {item!r}: value is not valid YAML: {exc}") from exc
+    return keys, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `data` with `a.b.c=value` overrides applied."""
+    data = copy.deepcopy(data)
+    for item in overrides:
+        keys, value = _parse_override(item)
+        node = data
+        for depth, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise SpecError(f"--set {item!r}: {'.'.join(keys[: depth + 1])} is not a section")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def _format_validation_error(source: str, exc: ValidationError) -> str:
+    lines = [f"{source}: invalid spec"]
+    for err in exc.errors():
+        loc = ".".join(str(part) for part in err["loc"]) or "<root>"
+        loc = loc.replace("validate_", "validate")
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_spec(data: dict[str, Any], source: str = "<spec>") -> ExperimentSpec:
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: the spec must be a YAML mapping, got {type(data).__name__}")
+    try:
+        return ExperimentSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_format_validation_error(source, exc)) from None
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> ExperimentSpec:
+    """Read, override and validate a spec file. Errors name the file and the key."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}: spec file not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    if overrides:
+        if not isinstance(data, dict):
+            raise SpecError(f"{path}: the spec must be a YAML mapping")
+        data = apply_overrides(data, overrides)
+    return parse_spec(data, source=str(path))
+
+
+def dump_spec(spec: ExperimentSpec, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}: for experiment trackers' flat params."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat

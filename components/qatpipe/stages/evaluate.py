@@ -1,0 +1,75 @@
+"""Stage: evaluate a detector on the spec's val set (TAO `evaluate`): mAP, per class, PR curves."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+
+from qatpipe.data.splits import load_split
+from qatpipe.fileio import write_json
+from qatpipe.metrics.coco import GroundTruth, evaluate_detections, plot_pr_curves
+from qatpipe.spec import ExperimentSpec
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.json"
+PR_CURVE_FILE = "pr_curves.png"
+
+
+def predict_keras(model, samples, spec: ExperimentSpec, arch) -> list:
+    """Run a tf_keras detector over samples and decode, boxes in each image's own pixels."""
+    from qatpipe.data.pipeline import eval_dataset
+
+    detections = []
+    size = spec.dataset.image_size
+    for batch in eval_dataset(samples, spec):
+        outputs = model(batch, training=False)
+        decoded = arch.decode(dict(zip(arch.output_names, (o.numpy() for o in outputs))))
+        for det in decoded:
+            sample = samples[len(detections)]
+            detections.append(det.scaled(sample.width / size.width, sample.height / size.height))
+        if len(detections) % (20 * spec.evaluate.batch_size) == 0:
+            log.info("evaluated %d/%d images", len(detections), len(samples))
+    return detections
+
+
+def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Path | None = None) -> dict:
+    """Score `model_path` on dataset.val; writes metrics.json and pr_curves.png to `output_dir`."""
+    from qatpipe.models import get_architecture
+    from qatpipe.models.io import load_keras_model
+
+    model_path = Path(model_path)
+    output_dir = Path(output_dir) if output_dir else model_path.parent / "evaluate"
+    arch = get_architecture(spec)
+    model = load_keras_model(model_path, expected_outputs=arch.output_names)
+    samples = load_split(spec, "val")
+
+    started = time.perf_counter()
+    detections = predict_keras(model, samples, spec, arch)
+    seconds = time.perf_counter() - started
+    metrics = evaluate_detections(
+        [GroundTruth(s.boxes, s.classes) for s in samples], detections, spec.dataset.classes
+    )
+    output_dir.mkdir(parents=True, exist_ok=True)
+    result = {
+        "model": str(model_path),
+        **metrics.to_dict(with_curves=True),
+        "images_per_second": round(len(samples) / max(seconds, 1e-9), 2),
+    }
+    write_json(output_dir / METRICS_FILE, result)
+    plot_pr_curves(metrics, output_dir / PR_CURVE_FILE, title=f"{model_path.name}: PR @ IoU 0.5")
+    log.info("mAP@0.5 %.4f  mAP@[.5:.95] %.4f  (%d images, %d detections)", metrics.map50, metrics.map,
+             metrics.num_images, metrics.num_detections)
+    for name, values in metrics.per_class.items():
+        ap50, ap = values["ap50"], values["ap"]
+        log.info("  %-12s AP50 %s  AP %s  (%d objects)", name, "n/a" if ap50 is None else f"{ap50:.4f}",
+                 "n/a" if ap is None else f"{ap:.4f}", values["num_gt"])
+    result.pop("pr_curves")
+    result["metrics_file"] = str(output_dir / METRICS_FILE)
+    result["pr_curve_file"] = str(output_dir / PR_CURVE_FILE)
+    return result
+
+
+__all__ = ["evaluate", "predict_keras", "METRICS_FILE", "PR_CURVE_FILE"]

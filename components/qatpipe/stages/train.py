@@ -1,0 +1,162 @@
+"""Stage: FP32 training (TAO `train`), with checkpoints and automatic resume."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from qatpipe.data.splits import load_split
+from qatpipe.errors import QatpipeError
+from qatpipe.fileio import save_keras_model, write_json
+from qatpipe.spec import ExperimentSpec, dump_spec, load_spec
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.keras"
+SPEC_FILE = "spec.yaml"
+SUMMARY_FILE = "train_summary.json"
+
+
+def _configure_precision(use_amp: bool) -> bool:
+    import tensorflow as tf
+    import tf_keras as keras
+
+    if not use_amp:
+        keras.mixed_precision.set_global_policy("float32")
+        return False
+    if not tf.config.list_physical_devices("GPU"):
+        log.warning("--use-amp: no GPU found, mixed precision needs one; training in FP32")
+        keras.mixed_precision.set_global_policy("float32")
+        return False
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    log.info("mixed precision: mixed_float16 (loss scaling on)")
+    return True
+
+
+# spec parts that change the weights' shapes: a checkpoint cannot be resumed across a change of these
+_WEIGHT_SHAPING = {
+    "model.backbone": lambda d: d["model"]["backbone"],
+    "dataset.classes": lambda d: d["dataset"]["classes"],
+}
+
+
+def _check_resume_compatible(results_dir: Path, spec: ExperimentSpec) -> None:
+    """A checkpoint from another architecture or class list cannot be resumed into this spec."""
+    previous_path = results_dir / SPEC_FILE
+    if not previous_path.is_file():
+        return
+    previous, current = load_spec(previous_path).to_dict(), spec.to_dict()
+    for section, get in _WEIGHT_SHAPING.items():
+        if get(previous) != get(current):
+            raise QatpipeError(
+                f"{results_dir}: holds checkpoints of a run whose {section} differs from this spec; "
+                "use a new results directory (or delete the old one) to start over"
+            )
+
+
+def _build_optimizer(spec: ExperimentSpec, total_steps: int):
+    import tf_keras as keras
+
+    from qatpipe.training.schedules import SoftStartAnnealingSchedule
+
+    lr = spec.train.learning_rate
+    schedule = SoftStartAnnealingSchedule(total_steps, lr.min_lr, lr.max_lr, lr.soft_start, lr.annealing_point)
+    if spec.train.optimizer == "sgd":
+        return keras.optimizers.SGD(schedule, momentum=spec.train.momentum, nesterov=True)
+    return keras.optimizers.Adam(schedule, beta_1=spec.train.momentum)
+
+
+def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = None, model=None,
+          extra_callbacks: list | None = None) -> dict:
+    """Train the spec's detector into `results_dir`; resumes from its latest checkpoint if there is one.
+
+    `model` (optional) starts from an existing tf_keras model instead of a fresh one (used by retrain).
+    `extra_callbacks` run after the checkpoint callback (experiment tracking hooks in here).
+    Returns the training summary (also written to results_dir/train_summary.json).
+    """
+    import tensorflow as tf
+    import tf_keras as keras
+
+    from qatpipe.data.pipeline import train_dataset
+    from qatpipe.models import get_architecture
+    from qatpipe.training.callbacks import CheckpointEveryN, ProgressLogger
+
+    results_dir = Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    _check_resume_compatible(results_dir, spec)
+    dump_spec(spec, results_dir / SPEC_FILE)
+    amp = _configure_precision(spec.train.use_amp if use_amp is None else use_amp)
+    keras.utils.set_random_seed(spec.train.seed)
+
+    samples = load_split(spec, "train")
+    arch = get_architecture(spec)
+    model = model if model is not None else arch.build_model()
+
+    # the step count per epoch is fixed by the data, so the schedule's total is known up front
+    _, steps_per_epoch = train_dataset(samples, spec, arch, initial_epoch=spec.train.epochs)
+    total_steps = steps_per_epoch * spec.train.epochs
+    optimizer = _build_optimizer(spec, total_steps)
+    model.compile(optimizer=optimizer, loss=arch.losses())
+
+    epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch_var)
+    manager = tf.train.CheckpointManager(checkpoint, results_dir / "checkpoints", max_to_keep=spec.train.keep_checkpoints)
+    if manager.latest_checkpoint:
+        checkpoint.restore(manager.latest_checkpoint).expect_partial()
+        log.info("resuming from %s at epoch %d/%d", manager.latest_checkpoint, int(epoch_var), spec.train.epochs)
+    initial_epoch = int(epoch_var.numpy())
+
+    progress = ProgressLogger(steps_per_epoch, spec.train.epochs, spec.train.batch_size, spec.train.log_every_n_steps)
+    started = time.perf_counter()
+    if initial_epoch < spec.train.epochs:
+        dataset, _ = train_dataset(samples, spec, arch, initial_epoch=initial_epoch)
+        log.info(
+            "training %s on %d images: epochs %d..%d, %d steps/epoch, batch %d, %s",
+            model.name, len(samples), initial_epoch + 1, spec.train.epochs, steps_per_epoch, spec.train.batch_size,
+            "mixed_float16" if amp else "float32",
+        )
+        history = model.fit(
+            dataset, epochs=spec.train.epochs, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+            verbose=0,
+            callbacks=[
+                progress,
+                CheckpointEveryN(manager, epoch_var, spec.train.checkpoint_interval, spec.train.epochs),
+                keras.callbacks.TensorBoard(str(results_dir / "tensorboard"), update_freq="epoch",
+                                            profile_batch=0),
+                keras.callbacks.CSVLogger(str(results_dir / "training_log.csv"), append=True),
+                *(extra_callbacks or []),
+            ],
+        )
+        final_losses = {k: float(v[-1]) for k, v in history.history.items()}
+    else:
+        log.info("%s: already trained for %d epochs; re-exporting the model", results_dir, spec.train.epochs)
+        final_losses = {}
+
+    # Save an uncompiled twin: no optimizer state or custom losses, so later stages load it plainly.
+    export = keras.Model(model.inputs, model.outputs, name=model.name)
+    model_path = save_keras_model(export, results_dir / MODEL_FILE)
+    summary = {
+        "model": str(model_path),
+        "epochs": spec.train.epochs,
+        "resumed_from_epoch": initial_epoch,
+        "epochs_run": spec.train.epochs - initial_epoch,
+        "train_images": len(samples),
+        "steps_per_epoch": steps_per_epoch,
+        "images_per_second": round(progress.images_per_second, 2),
+        "wall_seconds": round(time.perf_counter() - started, 2),
+        "params": int(model.count_params()),
+        "final_losses": final_losses,
+        "mixed_precision": amp,
+    }
+    write_json(results_dir / SUMMARY_FILE, summary)
+    log.info("model saved: %s (%d params)", model_path, summary["params"])
+    return summary
+
+
+def train_from_file(spec_path: str | Path, results_dir: str | Path, overrides: list[str] | None = None,
+                    use_amp: bool | None = None) -> dict:
+    return train(load_spec(spec_path, overrides), results_dir, use_amp=use_amp)
+
+
+__all__ = ["train", "train_from_file", "MODEL_FILE"]

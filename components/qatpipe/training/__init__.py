@@ -1,0 +1,1 @@
+"""Training utilities: learning-rate schedules, callbacks, checkpoint/resume."""

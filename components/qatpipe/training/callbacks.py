@@ -1,0 +1,62 @@
+"""Keras callbacks: progress on the console through logging, and periodic checkpoints for resume."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import tensorflow as tf
+import tf_keras as keras
+
+log = logging.getLogger("qatpipe.train")
+
+
+class ProgressLogger(keras.callbacks.Callback):
+    """Logs loss, learning rate and images/s every N steps and at each epoch end."""
+
+    def __init__(self, steps_per_epoch: int, epochs: int, batch_size: int, every_n_steps: int):
+        super().__init__()
+        self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
+        self.batch_size, self.every = batch_size, every_n_steps
+        self.images = 0
+        self.train_seconds = 0.0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch, self.epoch_start, self.window_start = epoch, time.perf_counter(), time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (batch + 1) % self.every == 0 and batch + 1 < self.steps_per_epoch:
+            rate = self.every * self.batch_size / max(time.perf_counter() - self.window_start, 1e-9)
+            log.info("epoch %d/%d step %d/%d  loss %.4f  %.1f img/s", self.epoch + 1, self.epochs, batch + 1,
+                     self.steps_per_epoch, (logs or {}).get("loss", float("nan")), rate)
+            self.window_start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        seconds = time.perf_counter() - self.epoch_start
+        self.images += self.steps_per_epoch * self.batch_size
+        self.train_seconds += seconds
+        lr = self.model.optimizer.learning_rate
+        lr = float(lr(self.model.optimizer.iterations)) if callable(lr) else float(lr)
+        parts = "  ".join(f"{k} {v:.4f}" for k, v in logs.items() if k != "lr")
+        log.info("epoch %d/%d done in %.1fs  %s  lr %.2e  %.1f img/s", epoch + 1, self.epochs, seconds, parts, lr,
+                 self.steps_per_epoch * self.batch_size / max(seconds, 1e-9))
+
+    @property
+    def images_per_second(self) -> float:
+        return self.images / self.train_seconds if self.train_seconds else 0.0
+
+
+class CheckpointEveryN(keras.callbacks.Callback):
+    """Saves model + optimizer + epoch counter every `interval` epochs and after the last one."""
+
+    def __init__(self, manager: tf.train.CheckpointManager, epoch_var: tf.Variable, interval: int, epochs: int):
+        super().__init__()
+        self.manager, self.epoch_var, self.interval, self.epochs = manager, epoch_var, interval, epochs
+
+    def on_epoch_end(self, epoch, logs=None):
+        done = epoch + 1
+        if done % self.interval == 0 or done == self.epochs:
+            self.epoch_var.assign(done)
+            path = self.manager.save(checkpoint_number=done)
+            log.info("checkpoint: %s (epoch %d)", path, done)

@@ -1,0 +1,69 @@
+"""mAP through pycocotools on hand-built cases whose answer is known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qatpipe.metrics.coco import GroundTruth, evaluate_detections, plot_pr_curves
+from qatpipe.models.base import Detections
+
+CLASSES = ["car", "pedestrian"]
+
+
+def gt(boxes, classes):
+    return GroundTruth(np.array(boxes, np.float32).reshape(-1, 4), np.array(classes, np.int32))
+
+
+def det(boxes, scores, classes):
+    return Detections(np.array(boxes, np.float32).reshape(-1, 4), np.array(scores, np.float32),
+                      np.array(classes, np.int32))
+
+
+def test_perfect_detections_score_one():
+    truth = [gt([[10, 10, 50, 50], [60, 60, 100, 120]], [0, 1])]
+    result = evaluate_detections(truth, [det(truth[0].boxes, [0.9, 0.8], [0, 1])], CLASSES)
+    assert result.map50 == pytest.approx(1.0)
+    assert result.map == pytest.approx(1.0)
+    assert result.per_class["car"]["ap50"] == pytest.approx(1.0)
+
+
+def test_one_false_positive_between_two_hits():
+    # ranked: hit (P=1, R=.5), false positive, hit (P=2/3, R=1). COCO's 101-point interpolation:
+    # recall 0..0.50 (51 points) at precision 1, 0.51..1.00 (50 points) at 2/3.
+    truth = [gt([[10, 10, 50, 50]], [0]), gt([[20, 20, 80, 80]], [0])]
+    dets = [det([[10, 10, 50, 50], [100, 100, 140, 140]], [0.9, 0.8], [0, 0]), det([[20, 20, 80, 80]], [0.7], [0])]
+    result = evaluate_detections(truth, dets, ["car"])
+    expected = (51 * 1.0 + 50 * (2 / 3)) / 101
+    assert result.map50 == pytest.approx(expected, abs=1e-6)
+    assert result.per_class["car"]["ap50"] == pytest.approx(expected, abs=1e-6)
+    recall, precision = result.pr_curves["car"]
+    assert recall[0] == 0.0 and precision[0] == pytest.approx(1.0) and precision[-1] == pytest.approx(2 / 3)
+
+
+def test_iou_threshold_sweep():
+    # IoU of the detection with its box is exactly 0.64 (40x32 inside 40x40, sharing three edges):
+    # counted at IoU thresholds .50 .55 .60 (3 of 10) -> AP@[.5:.95] = 0.3, AP@0.5 = 1.
+    truth = [gt([[0, 0, 40, 40]], [0])]
+    result = evaluate_detections(truth, [det([[0, 0, 40, 25.6]], [0.9], [0])], ["car"])
+    assert result.map50 == pytest.approx(1.0)
+    assert result.map == pytest.approx(0.3)
+
+
+def test_wrong_class_and_missing_detections():
+    truth = [gt([[10, 10, 50, 50]], [0])]
+    result = evaluate_detections(truth, [det([[10, 10, 50, 50]], [0.9], [1])], CLASSES)
+    assert result.map50 == pytest.approx(0.0)
+    assert result.per_class["car"]["ap50"] == pytest.approx(0.0)
+    assert result.per_class["pedestrian"]["ap50"] is None  # no ground truth: undefined, not zero
+    empty = evaluate_detections(truth, [Detections()], CLASSES)
+    assert empty.map50 == 0.0 and empty.num_detections == 0 and empty.per_class["car"]["ap50"] == 0.0
+
+
+def test_mismatched_lengths_and_plot(tmp_path):
+    with pytest.raises(ValueError, match="2 ground-truth images but 1"):
+        evaluate_detections([gt([], []), gt([], [])], [Detections()], CLASSES)
+    truth = [gt([[10, 10, 50, 50]], [0])]
+    result = evaluate_detections(truth, [det([[10, 10, 50, 50]], [0.9], [0])], CLASSES)
+    png = plot_pr_curves(result, tmp_path / "pr.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

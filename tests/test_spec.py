@@ -1,0 +1,96 @@
+"""Spec validation: unknown keys, wrong types, missing keys and files are errors naming the key or path."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from qatpipe.errors import SpecError
+from qatpipe.spec import apply_overrides, bundled_spec_path, flatten, load_spec, parse_spec
+
+MINIMAL = {"dataset": {"train": "a", "val": "b", "classes": ["car"]}}
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["default", "tiny"])
+def test_bundled_specs_are_valid(name):
+    spec = load_spec(bundled_spec_path(name))
+    assert spec.dataset.classes == ["car", "pedestrian", "cyclist"]
+    assert spec.model.arch == "detectnet_v2"
+
+
+def test_defaults_fill_every_section():
+    spec = parse_spec(MINIMAL)
+    assert spec.train.epochs == 20 and spec.model.backbone.depth == 10
+    assert spec.validate_.max_map_drop == 0.01
+    assert set(spec.to_dict()) == {"dataset", "model", "augmentation", "train", "evaluate", "prune", "qat",
+                                   "export", "engine", "validate", "tracking"}
+
+
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        ({"train": {"epochz": 3}}, "train.epochz: unknown key"),
+        ({"model": {"backbone": {"depth": 11}}}, "model.backbone.depth: Input should be 10, 18 or 34"),
+        ({"train": {"batch_size": "big"}}, "train.batch_size: Input should be a valid integer"),
+        ({"train": {"learning_rate": {"min_lr": 1.0, "max_lr": 0.1}}}, "min_lr (1.0) > max_lr (0.1)"),
+        ({"dataset": {**MINIMAL["dataset"], "image_size": {"height": 100, "width": 160}}},
+         "multiple of the output stride 16"),
+        ({"dataset": {**MINIMAL["dataset"], "class_mapping": {"van": "truck"}}}, "names not in classes: ['truck']"),
+        ({"validate": {"max_map_dropp": 1}}, "validate.max_map_dropp: unknown key"),
+    ],
+)
+def test_invalid_values_name_the_key(tmp_path, patch, expected):
+    data = {**MINIMAL, **patch}
+    with pytest.raises(SpecError) as info:
+        load_spec(write(tmp_path, data))
+    assert str(tmp_path / "spec.yaml") in str(info.value)
+    assert expected in str(info.value)
+
+
+def test_missing_required_key(tmp_path):
+    with pytest.raises(SpecError, match=r"dataset\.classes: required key is missing"):
+        load_spec(write(tmp_path, {"dataset": {"train": "a", "val": "b"}}))
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(SpecError, match=r"nope\.yaml: spec file not found"):
+        load_spec(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("dataset: [unclosed\n")
+    with pytest.raises(SpecError, match=r"bad\.yaml: not valid YAML"):
+        load_spec(bad)
+    with pytest.raises(SpecError, match="no bundled spec named 'huge'"):
+        bundled_spec_path("huge")
+
+
+def test_overrides_parse_yaml_values(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL), [
+        "train.epochs=7", "train.learning_rate.max_lr=0.01", "dataset.classes=[a, b]", "train.use_amp=true",
+        "model.decoder.method=dbscan",
+    ])
+    assert spec.train.epochs == 7 and spec.train.learning_rate.max_lr == 0.01
+    assert spec.dataset.classes == ["a", "b"] and spec.train.use_amp is True
+    assert spec.model.decoder.method == "dbscan"
+
+
+def test_bad_overrides(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(SpecError, match="expected KEY.PATH=VALUE"):
+        load_spec(path, ["train.epochs"])
+    with pytest.raises(SpecError, match="train.epochs is not a section"):
+        load_spec(write(tmp_path, {**MINIMAL, "train": {"epochs": 3}}), ["train.epochs.x=1"])
+    with pytest.raises(SpecError, match="train.nope: unknown key"):
+        load_spec(path, ["train.nope=1"])
+
+
+def test_apply_overrides_does_not_mutate_and_flatten():
+    data = {"a": {"b": 1}}
+    assert apply_overrides(data, ["a.c=2"]) == {"a": {"b": 1, "c": 2}}
+    assert data == {"a": {"b": 1}}
+    assert flatten({"a": {"b": 1, "c": {"d": [1]}}, "e": 2}) == {"a.b": 1, "a.c.d": [1], "e": 2}

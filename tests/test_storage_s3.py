@@ -1,0 +1,257 @@
+"""Tests for qatpipe.data.storage against a real HTTP S3 endpoint.
+
+No real S3 or MinIO can run here, so moto's standalone server (ThreadedMotoServer)
+stands in for it: boto3 talks HTTP to it exactly as it would to MinIO/S3.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+import boto3
+import pytest
+from botocore.exceptions import ReadTimeoutError
+from moto.server import ThreadedMotoServer
+
+from qatpipe.data.storage import (
+    MANIFEST_NAME,
+    SyncReport,
+    is_s3_uri,
+    parse_s3_uri,
+    resolve_dataset_dir,
+    s3_client,
+    sync_s3_prefix,
+    upload_dir,
+)
+from qatpipe.errors import StorageError
+
+BUCKET = "bucket"
+PREFIX = "datasets/train"
+URI = f"s3://{BUCKET}/{PREFIX}"
+
+# A tiny KITTI-like tree: relative path -> bytes.
+TREE = {
+    "images/000000.jpg": b"\xff\xd8\xff\xe0fake-jpeg-0" + bytes(range(256)),
+    "images/000001.jpg": b"\xff\xd8\xff\xe0fake-jpeg-1" + bytes(range(255, -1, -1)),
+    "labels/000000.txt": b"Car 0.00 0 -1.58 587.01 173.33 614.12 200.12 1.65 1.67 3.64 -0.65 1.71 46.70 -1.59\n",
+    "labels/000001.txt": b"Pedestrian 0.00 0 0.21 423.17 173.67 433.17 224.03 1.60 0.38 0.30 -5.87 1.63 23.11 -0.03\n",
+}
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint():
+    # Port 0: the OS picks a free port for the server's own socket (no race with other processes).
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(moto_endpoint, monkeypatch):
+    """Point boto at the moto server with fake credentials; start each test with empty S3."""
+    urllib.request.urlopen(urllib.request.Request(f"{moto_endpoint}/moto-api/reset", method="POST"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    monkeypatch.delenv("S3_ENDPOINT_URL", raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return moto_endpoint
+
+
+@pytest.fixture
+def raw(s3_env):
+    """A plain boto3 client (independent of the module under test) to seed/inspect S3."""
+    return boto3.client("s3", endpoint_url=s3_env, region_name="us-east-1")
+
+
+@pytest.fixture
+def seeded(raw):
+    raw.create_bucket(Bucket=BUCKET)
+    for rel, data in TREE.items():
+        raw.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{rel}", Body=data)
+    # Neighbours that must NOT be synced: a sibling prefix sharing the string prefix.
+    raw.put_object(Bucket=BUCKET, Key="datasets/train2/images/x.jpg", Body=b"nope")
+    raw.put_object(Bucket=BUCKET, Key="datasets/val/labels/x.txt", Body=b"nope")
+    return raw
+
+
+def _local_files(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes()
+            for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_NAME}
+
+
+def test_resolve_dataset_dir_downloads_tree(seeded, tmp_path):
+    local = resolve_dataset_dir(URI, tmp_path)
+    assert local == tmp_path / "s3" / BUCKET / "datasets" / "train"
+    assert _local_files(local) == TREE
+    assert not list(local.rglob("*.part"))
+    assert (local / MANIFEST_NAME).is_file()
+
+
+def test_resolve_local_path_unchanged(tmp_path):
+    assert resolve_dataset_dir("/data/kitti/train", tmp_path) == Path("/data/kitti/train")
+    assert not (tmp_path / "s3").exists()
+
+
+def test_second_sync_skips_and_changed_object_is_redownloaded(seeded, tmp_path):
+    first = sync_s3_prefix(URI, tmp_path)
+    assert first == SyncReport(downloaded=4, skipped=0, bytes=sum(map(len, TREE.values())))
+
+    second = sync_s3_prefix(URI, tmp_path)
+    assert (second.downloaded, second.skipped, second.bytes) == (0, 4, 0)
+
+    # Same size, different content: only the ETag tells them apart.
+    old = TREE["labels/000000.txt"]
+    new = old.replace(b"Car", b"Van")
+    assert len(new) == len(old)
+    seeded.put_object(Bucket=BUCKET, Key=f"{PREFIX}/labels/000000.txt", Body=new)
+
+    third = sync_s3_prefix(URI, tmp_path)
+    assert (third.downloaded, third.skipped, third.bytes) == (1, 3, len(new))
+    assert (tmp_path / "labels/000000.txt").read_bytes() == new
+    assert _local_files(tmp_path) == {**TREE, "labels/000000.txt": new}
+
+
+def test_locally_deleted_file_is_redownloaded(seeded, tmp_path):
+    sync_s3_prefix(URI, tmp_path)
+    (tmp_path / "images/000001.jpg").unlink()
+    report = sync_s3_prefix(URI, tmp_path)
+    assert (report.downloaded, report.skipped) == (1, 3)
+    assert _local_files(tmp_path) == TREE
+
+
+class _FailingBodyClient:
+    """Delegates to a real client, but every download dies after its first chunk."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def get_object(self, **kwargs):
+        resp = self._client.get_object(**kwargs)
+
+        def chunks(_size):
+            yield resp["Body"].read(5)
+            raise ReadTimeoutError(endpoint_url=self._client.meta.endpoint_url)
+
+        resp["Body"].iter_chunks = chunks
+        return resp
+
+
+def test_interrupted_download_leaves_old_file_and_no_partial(seeded, tmp_path):
+    sync_s3_prefix(URI, tmp_path)
+    old = TREE["images/000000.jpg"]
+    seeded.put_object(Bucket=BUCKET, Key=f"{PREFIX}/images/000000.jpg", Body=b"new-content" * 100)
+
+    with pytest.raises(StorageError, match="unreachable"):
+        sync_s3_prefix(URI, tmp_path, client=_FailingBodyClient(s3_client(max_attempts=1)))
+    assert (tmp_path / "images/000000.jpg").read_bytes() == old
+    assert not list(tmp_path.rglob("*.part"))
+
+    # The next (healthy) sync picks up the change.
+    report = sync_s3_prefix(URI, tmp_path)
+    assert (report.downloaded, report.skipped) == (1, 3)
+    assert (tmp_path / "images/000000.jpg").read_bytes() == b"new-content" * 100
+
+
+def test_missing_bucket_names_uri(s3_env, tmp_path):
+    uri = "s3://no-such-bucket/datasets/train"
+    with pytest.raises(StorageError) as ei:
+        sync_s3_prefix(uri, tmp_path)
+    msg = str(ei.value)
+    assert uri in msg
+    assert "bucket not found" in msg
+    assert s3_env in msg
+
+
+def test_empty_prefix_says_no_objects(seeded, tmp_path):
+    uri = f"s3://{BUCKET}/datasets/test"
+    with pytest.raises(StorageError, match="no objects under s3://bucket/datasets/test"):
+        resolve_dataset_dir(uri, tmp_path)
+
+
+def test_unreachable_endpoint_keeps_existing_files(monkeypatch, tmp_path):
+    # A bound but non-listening socket: connecting to it is refused, and no one else can take the port.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        existing = tmp_path / "images" / "000000.jpg"
+        existing.parent.mkdir()
+        existing.write_bytes(b"precious")
+
+        start = time.monotonic()
+        with pytest.raises(StorageError) as ei:
+            sync_s3_prefix(URI, tmp_path, client=s3_client(max_attempts=2))
+        assert time.monotonic() - start < 10
+
+    msg = str(ei.value)
+    assert "unreachable" in msg
+    assert endpoint in msg and URI in msg
+    assert existing.read_bytes() == b"precious"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["000000.jpg", "images"]
+
+
+def test_missing_credentials_names_env_vars(s3_env, monkeypatch, tmp_path):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    # Keep boto from finding credentials anywhere else (files, instance metadata).
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(StorageError) as ei:
+        sync_s3_prefix(URI, tmp_path / "dest")
+    msg = str(ei.value)
+    assert "AWS_ACCESS_KEY_ID" in msg and "AWS_SECRET_ACCESS_KEY" in msg and URI in msg
+
+
+@pytest.mark.parametrize("uri", ["s3://", "s3:///x", "http://bucket/x", "bucket/x"])
+def test_malformed_uri(uri, tmp_path):
+    with pytest.raises(StorageError):
+        parse_s3_uri(uri)
+    with pytest.raises(StorageError):
+        sync_s3_prefix(uri, tmp_path)
+
+
+def test_uri_helpers():
+    assert is_s3_uri("s3://b/p") and not is_s3_uri("/data/s3://x")
+    assert parse_s3_uri("s3://b") == ("b", "")
+    assert parse_s3_uri("s3://b/a/b/") == ("b", "a/b")
+
+
+def test_upload_dir_round_trip(s3_env, raw, tmp_path):
+    raw.create_bucket(Bucket="results")
+    src = tmp_path / "src"
+    for rel, data in TREE.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    (src / MANIFEST_NAME).write_text("{}")  # bookkeeping is never published
+
+    assert upload_dir(src, "s3://results/run-1/") == 4
+    keys = sorted(o["Key"] for o in raw.list_objects_v2(Bucket="results")["Contents"])
+    assert keys == sorted(f"run-1/{rel}" for rel in TREE)
+
+    back = resolve_dataset_dir("s3://results/run-1", tmp_path / "cache")
+    assert _local_files(back) == TREE
+
+
+def test_secret_never_logged(s3_env, seeded, monkeypatch, caplog, tmp_path):
+    secret = "testing-secret-xyz"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)  # moto accepts any credentials
+    caplog.set_level(logging.DEBUG, logger="qatpipe")
+    caplog.set_level(logging.DEBUG)  # botocore/urllib3 too
+    report = sync_s3_prefix(URI, tmp_path)
+    assert report.downloaded == 4
+    assert any(r.name == "qatpipe.data.storage" and "4 downloaded" in r.getMessage() for r in caplog.records)
+    assert secret not in caplog.text
