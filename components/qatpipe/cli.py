@@ -42,7 +42,7 @@ def cmd_data_synth(args) -> int:
 
     summary = write_synthetic_dataset(
         args.out, args.train, args.val, args.seed, image_height=args.height, image_width=args.width,
-        overwrite=args.overwrite,
+        overwrite=args.overwrite, object_height_px=tuple(args.object_height),
     )
     log.info("synthetic dataset written to %s: %s", args.out, json.dumps(summary))
     return 0
@@ -73,6 +73,8 @@ def cmd_spec_show(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from qatpipe.data.synth import DEFAULT_OBJECT_HEIGHT_PX
+
     parser = argparse.ArgumentParser(prog="qatpipe", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--height", type=int, default=192)
     synth.add_argument("--width", type=int, default=320)
+    synth.add_argument("--object-height", type=float, nargs=2, metavar=("MIN", "MAX"),
+                       default=DEFAULT_OBJECT_HEIGHT_PX, help="object box heights in px at a 192-px-high image")
     synth.add_argument("--overwrite", action="store_true", help="replace existing train/val folders")
     synth.set_defaults(func=cmd_data_synth)
 

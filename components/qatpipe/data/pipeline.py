@@ -103,6 +103,17 @@ def _augment(image, boxes, classes, aug: AugmentationSpec, height, width, seed):
     return _colour(image, aug, seeds[2:]), boxes, classes
 
 
+def steps_per_epoch(num_samples: int, batch_size: int, world_size: int = 1) -> int:
+    """Full batches per epoch and worker (the last partial batch is dropped)."""
+    steps = (num_samples // world_size) // batch_size
+    if steps == 0:
+        raise QatpipeError(
+            f"dataset.train has {num_samples} images: fewer than one batch of {batch_size} per worker "
+            f"({world_size} workers)"
+        )
+    return steps
+
+
 def train_dataset(
     samples: list[KittiSample], spec: ExperimentSpec, arch: DetectorArchitecture, initial_epoch: int = 0,
     shard: tuple[int, int] = (0, 1),
@@ -115,11 +126,7 @@ def train_dataset(
     packed = pack_samples(samples, spec.dataset.max_boxes_per_image)
     n = len(samples)
     rank, world = shard
-    steps = (n // world) // train.batch_size
-    if steps == 0:
-        raise QatpipeError(
-            f"dataset.train has {n} images: fewer than one batch of {train.batch_size} per worker ({world})"
-        )
+    steps = steps_per_epoch(n, train.batch_size, world)
     table = {k: tf.constant(v) for k, v in packed.items()}
     seed = train.seed
 

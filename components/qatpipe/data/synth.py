@@ -43,6 +43,9 @@ _MAX_TRUNCATION = 0.3
 _EMPTY_IMAGE_PROB = 0.01
 _PLACEMENT_TRIES = 10
 _PROGRESS_EVERY = 500
+# Object box heights (pixels at a 192-px-high image, scaled with the height). Below ~24 px a pedestrian is
+# under 8 px wide, narrower than half a cell of DetectNet_v2's stride-16 grid: too small to localise.
+DEFAULT_OBJECT_HEIGHT_PX = (24.0, 100.0)
 
 # Part ids in an object's part map; each object picks one colour per part.
 _BG, _PRIMARY, _SECONDARY, _HEAD, _TIRE, _HUB, _GLASS, _FRAME = range(8)
@@ -57,6 +60,7 @@ class _Job:
     seed: int
     height: int
     width: int
+    object_height_px: tuple[float, float]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -74,12 +78,14 @@ def write_synthetic_dataset(
     image_width: int = 320,
     overwrite: bool = False,
     workers: int | None = None,
+    object_height_px: tuple[float, float] = DEFAULT_OBJECT_HEIGHT_PX,
 ) -> dict:
     """Write a synthetic KITTI dataset to `out_dir/{train,val}/{images,labels}` and `out_dir/classes.txt`.
 
     Refuses (QatpipeError) to replace a non-empty `train`/`val` folder unless `overwrite`. Each split is
     written to a temporary sibling folder and renamed into place when complete. `workers` is the number
-    of processes (default: up to 2 for large sets); it does not change the output.
+    of processes (default: up to 2 for large sets); it does not change the output. `object_height_px` is the
+    (min, max) object box height at a 192-px-high image; sizes are drawn log-uniformly and scaled with the height.
 
     Returns {"out_dir", "classes", "image_height", "image_width", "seed", "splits": {split: {"images",
     "objects", "empty_images", "per_class", "occluded", "truncated"}}, "per_class", "seconds"}.
@@ -90,6 +96,9 @@ def write_synthetic_dataset(
     for name, n in counts.items():
         if n < 0:
             raise QatpipeError(f"synthetic dataset: num_{name} must be >= 0, got {n}")
+    lo, hi = object_height_px
+    if not 4 <= lo <= hi:
+        raise QatpipeError(f"synthetic dataset: object_height_px must satisfy 4 <= min <= max, got {object_height_px}")
     if image_height < 32 or image_width < 32:
         raise QatpipeError(f"synthetic dataset: image size {image_width}x{image_height} is too small (min 32x32)")
 
@@ -119,7 +128,8 @@ def write_synthetic_dataset(
     try:
         for name, split_id in _SPLITS:
             summary["splits"][name] = _write_split(
-                out, name, split_id, counts[name], seed, image_height, image_width, overwrite, pool
+                out, name, split_id, counts[name], seed, image_height, image_width, overwrite, pool,
+                (float(lo), float(hi)),
             )
     finally:
         if pool is not None:
@@ -162,7 +172,8 @@ def _make_pool(workers: int):
 
 
 def _write_split(
-    out: Path, name: str, split_id: int, count: int, seed: int, height: int, width: int, overwrite: bool, pool
+    out: Path, name: str, split_id: int, count: int, seed: int, height: int, width: int, overwrite: bool, pool,
+    object_height_px: tuple[float, float],
 ) -> dict:
     target = out / name
     tmp = out / f".{name}.partial"
@@ -171,7 +182,7 @@ def _write_split(
     (tmp / "images").mkdir(parents=True)
     (tmp / "labels").mkdir(parents=True)
 
-    jobs = [_Job(str(tmp), split_id, i, int(seed), int(height), int(width)) for i in range(count)]
+    jobs = [_Job(str(tmp), split_id, i, int(seed), int(height), int(width), object_height_px) for i in range(count)]
     stats = {
         "images": count,
         "objects": 0,
@@ -210,7 +221,7 @@ def _write_split(
 
 def _generate_and_write(job: _Job) -> list[tuple[str, int, float]]:
     rng = np.random.default_rng([job.seed, job.split_id, job.index])
-    image, objects = _generate_image(rng, job.height, job.width)
+    image, objects = _generate_image(rng, job.height, job.width, job.object_height_px)
     buf = BytesIO()
     Image.fromarray(image, "RGB").save(buf, "JPEG", quality=_JPEG_QUALITY)
     stem = f"{job.index:06d}"
@@ -232,7 +243,9 @@ def _label_line(obj: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def _generate_image(rng: np.random.Generator, height: int, width: int) -> tuple[np.ndarray, list[dict]]:
+def _generate_image(
+    rng: np.random.Generator, height: int, width: int, object_height_px: tuple[float, float] = DEFAULT_OBJECT_HEIGHT_PX
+) -> tuple[np.ndarray, list[dict]]:
     """Returns (uint8 HxWx3 image, objects back-to-front with class/box/occluded/truncated)."""
     scale = height / 192.0
     canvas = _background(rng, height, width, scale)
@@ -243,7 +256,8 @@ def _generate_image(rng: np.random.Generator, height: int, width: int) -> tuple[
     plans = []
     for _ in range(n_objects):
         cls = SYNTH_CLASSES[int(rng.integers(len(SYNTH_CLASSES)))]
-        box_h = math.exp(rng.uniform(math.log(18.0 * scale), math.log(100.0 * scale)))
+        lo, hi = object_height_px
+        box_h = math.exp(rng.uniform(math.log(lo * scale), math.log(hi * scale)))
         plans.append((box_h, cls))
     plans.sort(key=lambda p: p[0])  # far (small) objects first: drawn back-to-front
 

@@ -78,7 +78,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     import tensorflow as tf
     import tf_keras as keras
 
-    from qatpipe.data.pipeline import train_dataset
+    from qatpipe.data.pipeline import steps_per_epoch, train_dataset
     from qatpipe.models import get_architecture
     from qatpipe.training.callbacks import CheckpointEveryN, ProgressLogger
 
@@ -93,10 +93,8 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     arch = get_architecture(spec)
     model = model if model is not None else arch.build_model()
 
-    # the step count per epoch is fixed by the data, so the schedule's total is known up front
-    _, steps_per_epoch = train_dataset(samples, spec, arch, initial_epoch=spec.train.epochs)
-    total_steps = steps_per_epoch * spec.train.epochs
-    optimizer = _build_optimizer(spec, total_steps)
+    steps = steps_per_epoch(len(samples), spec.train.batch_size)
+    optimizer = _build_optimizer(spec, total_steps=steps * spec.train.epochs)
     model.compile(optimizer=optimizer, loss=arch.losses())
 
     epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
@@ -107,17 +105,17 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         log.info("resuming from %s at epoch %d/%d", manager.latest_checkpoint, int(epoch_var), spec.train.epochs)
     initial_epoch = int(epoch_var.numpy())
 
-    progress = ProgressLogger(steps_per_epoch, spec.train.epochs, spec.train.batch_size, spec.train.log_every_n_steps)
+    progress = ProgressLogger(steps, spec.train.epochs, spec.train.batch_size, spec.train.log_every_n_steps)
     started = time.perf_counter()
     if initial_epoch < spec.train.epochs:
         dataset, _ = train_dataset(samples, spec, arch, initial_epoch=initial_epoch)
         log.info(
             "training %s on %d images: epochs %d..%d, %d steps/epoch, batch %d, %s",
-            model.name, len(samples), initial_epoch + 1, spec.train.epochs, steps_per_epoch, spec.train.batch_size,
+            model.name, len(samples), initial_epoch + 1, spec.train.epochs, steps, spec.train.batch_size,
             "mixed_float16" if amp else "float32",
         )
         history = model.fit(
-            dataset, epochs=spec.train.epochs, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+            dataset, epochs=spec.train.epochs, initial_epoch=initial_epoch, steps_per_epoch=steps,
             verbose=0,
             callbacks=[
                 progress,
@@ -130,7 +128,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         )
         final_losses = {k: float(v[-1]) for k, v in history.history.items()}
     else:
-        log.info("%s: already trained for %d epochs; re-exporting the model", results_dir, spec.train.epochs)
+        log.info("%s: already trained for %d epochs; re-exporting the model", results_dir, initial_epoch)
         final_losses = {}
 
     # Save an uncompiled twin: no optimizer state or custom losses, so later stages load it plainly.
@@ -142,7 +140,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         "resumed_from_epoch": initial_epoch,
         "epochs_run": spec.train.epochs - initial_epoch,
         "train_images": len(samples),
-        "steps_per_epoch": steps_per_epoch,
+        "steps_per_epoch": steps,
         "images_per_second": round(progress.images_per_second, 2),
         "wall_seconds": round(time.perf_counter() - started, 2),
         "params": int(model.count_params()),
@@ -154,9 +152,4 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     return summary
 
 
-def train_from_file(spec_path: str | Path, results_dir: str | Path, overrides: list[str] | None = None,
-                    use_amp: bool | None = None) -> dict:
-    return train(load_spec(spec_path, overrides), results_dir, use_amp=use_amp)
-
-
-__all__ = ["train", "train_from_file", "MODEL_FILE"]
+__all__ = ["train", "MODEL_FILE"]

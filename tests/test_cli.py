@@ -1,0 +1,52 @@
+"""The `qatpipe` command: clear one-line errors (exit 2) that name the file and line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from conftest import kitti_line, write_kitti
+from qatpipe.cli import main
+
+
+def test_bad_label_is_reported_with_file_and_line(tmp_path, caplog):
+    root = write_kitti(tmp_path / "ds", {"000001": kitti_line() + "\n" + kitti_line("car", 10, 20, 500, 60)})
+    with caplog.at_level(logging.ERROR):
+        code = main(["train", "-e", "tiny", "-r", str(tmp_path / "run"), "--set", f"dataset.train={root}",
+                     "--set", f"dataset.val={root}"])
+    assert code == 2
+    assert f"{root / 'labels' / '000001.txt'}:2: box 10.0 20.0 500.0 60.0 lies outside" in caplog.text
+    assert "Traceback" not in caplog.text
+
+
+def test_missing_dataset_names_the_spec_key(tmp_path, caplog):
+    with caplog.at_level(logging.ERROR):
+        code = main(["evaluate", "-e", "tiny", "-m", str(tmp_path / "m.keras"),
+                     "--set", f"dataset.val={tmp_path / 'nowhere'}"])
+    assert code == 2
+    assert "m.keras: model file not found" in caplog.text
+
+
+def test_spec_show_and_bad_override(capsys, caplog):
+    assert main(["spec", "show", "-e", "tiny", "--set", "train.epochs=9"]) == 0
+    assert "epochs: 9" in capsys.readouterr().out
+    with caplog.at_level(logging.ERROR):
+        assert main(["spec", "show", "-e", "tiny", "--set", "train.epochs=-1"]) == 2
+    assert "train.epochs: Input should be greater than or equal to 1" in caplog.text
+
+
+def test_synth_refuses_to_overwrite(tmp_path, caplog):
+    assert main(["data", "synth", "--out", str(tmp_path), "--train", "2", "--val", "1", "--height", "96",
+                 "--width", "160"]) == 0
+    before = sorted(p.read_bytes() for p in (tmp_path / "train" / "labels").iterdir())
+    with caplog.at_level(logging.ERROR):
+        assert main(["data", "synth", "--out", str(tmp_path), "--train", "2", "--val", "1", "--seed", "5"]) == 2
+    assert sorted(p.read_bytes() for p in (tmp_path / "train" / "labels").iterdir()) == before
+
+
+@pytest.mark.parametrize("argv", [["train"], ["evaluate", "-e", "tiny"]])
+def test_missing_arguments_exit_with_usage(argv):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
