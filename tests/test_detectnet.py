@@ -137,3 +137,17 @@ def test_model_file_errors(tmp_path):
     other.save(tmp_path / "classifier.keras")
     with pytest.raises(ModelFileError, match=r"do not match the spec's architecture"):
         load_keras_model(tmp_path / "classifier.keras", expected_outputs=("output_cov", "output_bbox"))
+
+
+def test_backbone_width_scales_filters_with_a_floor():
+    import tf_keras as keras
+
+    from qatpipe.models.resnet import resnet_backbone
+
+    def stage_filters(width):
+        model = keras.Model(*(lambda i: (i, resnet_backbone(i, 10, width)))(keras.Input((64, 64, 3))))
+        return [model.get_layer(f"block_{s}a_conv_1").filters for s in range(1, 5)]
+
+    assert stage_filters(1.0) == [64, 128, 256, 512]
+    assert stage_filters(0.5) == [32, 64, 128, 256]
+    assert stage_filters(0.0625) == [16, 16, 16, 32]  # floor of 16 (see MIN_FILTERS)

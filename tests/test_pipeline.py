@@ -43,13 +43,13 @@ def test_batches_have_the_spec_shapes(tiny_spec):
     (batch,), steps = first_batches(spec)
     images, targets = batch
     assert steps == 192 // spec.train.batch_size
-    assert images.shape == (8, 96, 160, 3) and images.dtype == np.float32
+    assert images.shape == (8, 192, 320, 3) and images.dtype == np.float32
     assert 0.0 <= images.min() and images.max() <= 1.0
-    assert targets["output_cov"].shape == (8, 6, 10, 3)
-    assert targets["output_bbox"].shape == (8, 6, 10, 15)
+    assert targets["output_cov"].shape == (8, 12, 20, 3)
+    assert targets["output_bbox"].shape == (8, 12, 20, 15)
     assert targets["output_cov"].sum() > 0
     evaluated = next(iter(eval_dataset(load_split(spec, "val"), spec, batch_size=4)))
-    assert evaluated.shape == (4, 96, 160, 3)
+    assert evaluated.shape == (4, 192, 320, 3)
 
 
 def _box_image(height, width, box):

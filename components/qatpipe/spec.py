@@ -73,7 +73,9 @@ class TargetSpec(_Section):
     """Ground truth -> coverage/bbox tensors (DetectNet_v2's target encoder)."""
 
     coverage_ratio: float = Field(
-        0.4, gt=0, le=1, description="central fraction of each box (per side) whose cells get coverage 1"
+        0.6, gt=0, le=1,
+        # narrow objects (pedestrians) get a single covered column at 0.4, too little training signal
+        description="central fraction of each box (per side) whose cells get coverage 1",
     )
     bbox_norm: float = Field(35.0, gt=0, description="pixels per unit of the bbox regression targets")
 
@@ -82,7 +84,9 @@ class DecoderSpec(_Section):
     """Network outputs -> boxes (DetectNet_v2's clustering)."""
 
     method: Literal["nms", "dbscan"] = "nms"
-    coverage_threshold: float = Field(0.2, ge=0, le=1, description="cells below this coverage are ignored")
+    coverage_threshold: float = Field(
+        0.05, ge=0, le=1, description="cells below this coverage are ignored (low for mAP, like TAO's evaluation)"
+    )
     nms_iou: float = Field(0.5, gt=0, le=1)
     dbscan_eps: float = Field(0.3, gt=0, le=1, description="max 1-IoU between neighbours in a cluster")
     dbscan_min_samples: int = Field(1, ge=1)

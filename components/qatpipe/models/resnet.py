@@ -10,6 +10,7 @@ import tf_keras as keras
 
 BLOCKS_PER_STAGE = {10: (1, 1, 1, 1), 18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}
 STAGE_FILTERS = (64, 128, 256, 512)
+MIN_FILTERS = 16
 # conv1 /2, max-pool /2, stage 2 /2, stage 3 /2; stage 4 keeps stride 1 (TAO's DetectNet_v2) -> /16
 STAGE_STRIDES = (1, 2, 2, 1)
 
@@ -43,7 +44,9 @@ def resnet_backbone(inputs, depth: int, width: float, regularizer=None, all_proj
     """Feature map at stride 16 of `inputs` (NHWC float in [0, 1])."""
     if depth not in BLOCKS_PER_STAGE:
         raise ValueError(f"ResNet depth must be one of {sorted(BLOCKS_PER_STAGE)}, got {depth}")
-    filters = [max(8, int(round(f * width / 8)) * 8) for f in STAGE_FILTERS]  # multiples of 8 for int8 kernels
+    # Multiples of 8 suit int8 kernels. At least 16: TensorFlow 2.21's oneDNN CPU kernels segfault while
+    # training the 8-filter network (width 0.125) at 192x320; 16 filters train fine.
+    filters = [max(MIN_FILTERS, int(round(f * width / 8)) * 8) for f in STAGE_FILTERS]
     x = _conv(filters[0], 7, 2, "conv1", regularizer)(inputs)
     x = _bn("bn_conv1")(x)
     x = keras.layers.Activation("relu", name="activation_1")(x)
