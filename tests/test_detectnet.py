@@ -115,7 +115,7 @@ def test_model_outputs_and_plain_reload(tmp_path):
     assert {layer.name for layer in model.layers} >= {"conv1", "block_1a_conv_1", "block_4a_conv_shortcut"}
     path = tmp_path / "m.keras"
     model.save(path)
-    reloaded = load_keras_model(path, expected_outputs=arch.output_names)  # no custom objects needed
+    reloaded = load_keras_model(path, arch)  # no custom objects needed
     x = np.random.default_rng(0).random((1, 192, 320, 3), np.float32)
     np.testing.assert_allclose(reloaded(x)[0], model(x)[0], atol=1e-6)
 
@@ -135,8 +135,18 @@ def test_model_file_errors(tmp_path):
 
     other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="logits")])
     other.save(tmp_path / "classifier.keras")
-    with pytest.raises(ModelFileError, match=r"do not match the spec's architecture"):
-        load_keras_model(tmp_path / "classifier.keras", expected_outputs=("output_cov", "output_bbox"))
+    arch = get_architecture(make_spec())
+    with pytest.raises(ModelFileError, match=r"classifier.keras: outputs \['logits'\] are not DetectNet_v2's"):
+        load_keras_model(tmp_path / "classifier.keras", arch)
+    arch.build_model().save(tmp_path / "detector.keras")
+    two_classes = parse_spec({"dataset": {"train": "t", "val": "v", "classes": ["a", "b"],
+                                          "image_size": {"height": 192, "width": 320}}})
+    with pytest.raises(ModelFileError, match="model predicts 3 classes, the spec's dataset.classes has 2"):
+        load_keras_model(tmp_path / "detector.keras", get_architecture(two_classes))
+    other_size = make_spec().model_copy(deep=True)
+    other_size.dataset.image_size.height = 96
+    with pytest.raises(ModelFileError, match="model input is 192x320, the spec's dataset.image_size is 96x320"):
+        load_keras_model(tmp_path / "detector.keras", get_architecture(other_size))
 
 
 def test_backbone_width_scales_filters_with_a_floor():

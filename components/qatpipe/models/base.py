@@ -48,5 +48,9 @@ class DetectorArchitecture(abc.ABC):
         """Keras loss per output name, matching `encode`'s targets."""
 
     @abc.abstractmethod
+    def check_model(self, model, source: str) -> None:
+        """Raise ModelFileError (naming `source`) if `model` does not fit this spec (input size, classes)."""
+
+    @abc.abstractmethod
     def decode(self, outputs: dict[str, np.ndarray]) -> list[Detections]:
         """Batched raw outputs (NumPy) -> detections per image, in network input pixels."""

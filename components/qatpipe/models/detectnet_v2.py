@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
+from qatpipe.errors import ModelFileError
 from qatpipe.models.base import Detections, DetectorArchitecture
 from qatpipe.models.resnet import resnet_backbone
 from qatpipe.spec import OUTPUT_STRIDE, DecoderSpec, ExperimentSpec
@@ -58,6 +59,22 @@ class DetectNetV2(DetectorArchitecture):
         cov = keras.layers.Activation("sigmoid", dtype="float32", name=COVERAGE)(cov)
         bbox = keras.layers.Activation("linear", dtype="float32", name=BBOX)(bbox)
         return keras.Model(inputs, [cov, bbox], name=f"detectnet_v2_resnet{backbone.depth}")
+
+    def check_model(self, model, source: str) -> None:
+        names = tuple(name.split("/")[0] for name in model.output_names)
+        if names != self.output_names:
+            raise ModelFileError(f"{source}: outputs {list(names)} are not DetectNet_v2's {list(self.output_names)}")
+        height, width = model.input_shape[1:3]
+        if (height, width) != (self.height, self.width):
+            raise ModelFileError(
+                f"{source}: model input is {height}x{width}, the spec's dataset.image_size is "
+                f"{self.height}x{self.width}"
+            )
+        classes = model.output_shape[0][-1]
+        if classes != self.num_classes:
+            raise ModelFileError(
+                f"{source}: model predicts {classes} classes, the spec's dataset.classes has {self.num_classes}"
+            )
 
     # ---------------------------------------------------------------------------------------- encoder
 

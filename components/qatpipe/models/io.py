@@ -10,8 +10,8 @@ from qatpipe.errors import ModelFileError
 KERAS_SUFFIXES = (".keras", ".h5", ".hdf5")
 
 
-def load_keras_model(path: str | Path, expected_outputs: tuple[str, ...] | None = None):
-    """A tf_keras model saved by a qatpipe stage (`.keras`, or TAO-style `.hdf5`)."""
+def load_keras_model(path: str | Path, arch=None):
+    """A tf_keras model saved by a qatpipe stage (`.keras`, or TAO-style `.hdf5`), checked against `arch`."""
     import tf_keras as keras
 
     path = Path(path)
@@ -25,10 +25,6 @@ def load_keras_model(path: str | Path, expected_outputs: tuple[str, ...] | None 
         model = keras.models.load_model(path, compile=False)
     except Exception as exc:  # Keras raises many kinds (ValueError, OSError, KeyError) for bad files
         raise ModelFileError(f"{path}: cannot load model: {type(exc).__name__}: {exc}") from None
-    if expected_outputs is not None:
-        names = tuple(name.split("/")[0] for name in model.output_names)
-        if names != tuple(expected_outputs):
-            raise ModelFileError(
-                f"{path}: outputs {list(names)} do not match the spec's architecture {list(expected_outputs)}"
-            )
+    if arch is not None:
+        arch.check_model(model, str(path))
     return model

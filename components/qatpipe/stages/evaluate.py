@@ -43,7 +43,7 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
     model_path = Path(model_path)
     output_dir = Path(output_dir) if output_dir else model_path.parent / "evaluate"
     arch = get_architecture(spec)
-    model = load_keras_model(model_path, expected_outputs=arch.output_names)
+    model = load_keras_model(model_path, arch)
     samples = load_split(spec, "val")
 
     started = time.perf_counter()
