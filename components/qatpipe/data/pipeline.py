@@ -175,10 +175,3 @@ def eval_dataset(samples: list[KittiSample], spec: ExperimentSpec, batch_size: i
 
     ds = tf.data.Dataset.from_tensor_slices(paths).map(load, num_parallel_calls=_PARALLEL_CALLS)
     return _finish(ds.batch(batch_size or spec.evaluate.batch_size))
-
-
-def resized_boxes(sample: KittiSample, spec: ExperimentSpec) -> np.ndarray:
-    """Ground-truth boxes of a sample in network input pixels."""
-    size = spec.dataset.image_size
-    scale = np.array([size.width / sample.width, size.height / sample.height] * 2, np.float32)
-    return sample.boxes * scale
