@@ -39,6 +39,14 @@ def test_one_false_positive_between_two_hits():
     assert result.per_class["car"]["ap50"] == pytest.approx(expected, abs=1e-6)
     recall, precision = result.pr_curves["car"]
     assert recall[0] == 0.0 and precision[0] == pytest.approx(1.0) and precision[-1] == pytest.approx(2 / 3)
+    assert recall[-1] == pytest.approx(1.0) and len(recall) == 101
+
+
+def test_pr_curve_ends_at_the_highest_recall_reached():
+    truth = [gt([[10, 10, 50, 50], [60, 60, 100, 100]], [0, 0])]  # one of two found: recall stops at 0.5
+    result = evaluate_detections(truth, [det([[10, 10, 50, 50]], [0.9], [0])], ["car"])
+    recall, precision = result.pr_curves["car"]
+    assert recall[-1] == pytest.approx(0.5) and min(precision) == pytest.approx(1.0)
 
 
 def test_iou_threshold_sweep():

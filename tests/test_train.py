@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 
 import pytest
 import tf_keras as keras
@@ -38,6 +39,12 @@ def test_tiny_training_learns_to_detect(tiny_spec, tmp_path):
     assert (tmp_path / "eval" / "pr_curves.png").stat().st_size > 5000
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 class _Preempted(Exception):
     pass
 
@@ -69,8 +76,15 @@ def test_preempted_training_resumes_from_the_checkpoint(tiny_spec, tmp_path, cap
     with open(run / "training_log.csv") as handle:
         assert [int(r["epoch"]) for r in csv.DictReader(handle)] == [0, 1, 2]
 
-    again = train(spec, run)  # a finished run is not trained again
-    assert again["epochs_run"] == 0 and (run / "model.keras").is_file()
+    summary_bytes, model_mtime = (run / "train_summary.json").read_bytes(), (run / "model.keras").stat().st_mtime_ns
+    again = train(spec, run)  # a finished run is neither trained nor rewritten
+    assert again == summary
+    assert (run / "train_summary.json").read_bytes() == summary_bytes
+    assert (run / "model.keras").stat().st_mtime_ns == model_mtime
+    assert oct((run / "train_summary.json").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+    (run / "model.keras").unlink()  # stopped after the last checkpoint, before the export
+    assert train(spec, run)["epochs_run"] == 0 and (run / "model.keras").is_file()
 
     with pytest.raises(QatpipeError, match="model.backbone differs"):
         train(tiny_spec("train.epochs=3", "model.backbone.width=0.25"), run)

@@ -31,7 +31,7 @@ class DetectionMetrics:
     per_class: dict[str, dict[str, float | int | None]]
     num_images: int
     num_detections: int
-    # class name -> (recall thresholds, precision at IoU 0.5); recall points with no data are dropped
+    # class name -> (recall thresholds, precision at IoU 0.5) up to the highest recall reached
     pr_curves: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict, repr=False)
 
     def to_dict(self, with_curves: bool = False) -> dict:
@@ -104,8 +104,10 @@ def evaluate_detections(
         ap50 = float(np.mean(p50[p50 > -1])) if has_gt and (p50 > -1).any() else None
         per_class[name] = {"ap50": ap50, "ap": ap, "num_gt": int(gt_counts[k])}
         if has_gt:
-            valid = p50 > -1
-            curves[name] = (recall_thresholds[valid].tolist(), p50[valid].tolist())
+            # COCO pads precision with 0 beyond the highest recall reached; the curve ends there instead
+            reached = np.nonzero(p50 > 0)[0]
+            end = reached[-1] + 1 if len(reached) else 1
+            curves[name] = (recall_thresholds[:end].tolist(), np.maximum(p50[:end], 0).tolist())
     return DetectionMetrics(
         map50=float(evaluator.stats[1]), map=float(evaluator.stats[0]), per_class=per_class,
         num_images=len(images), num_detections=len(results), pr_curves=curves,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -104,6 +105,11 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         checkpoint.restore(manager.latest_checkpoint).expect_partial()
         log.info("resuming from %s at epoch %d/%d", manager.latest_checkpoint, int(epoch_var), spec.train.epochs)
     initial_epoch = int(epoch_var.numpy())
+    summary_path = results_dir / SUMMARY_FILE
+    if initial_epoch >= spec.train.epochs and (results_dir / MODEL_FILE).is_file() and summary_path.is_file():
+        # a finished run: keep its model and summary (throughput, losses) as they are
+        log.info("%s: already trained for %d epochs; nothing to do", results_dir, initial_epoch)
+        return json.loads(summary_path.read_text())
 
     progress = ProgressLogger(steps, spec.train.epochs, spec.train.batch_size, spec.train.log_every_n_steps)
     started = time.perf_counter()
@@ -127,8 +133,8 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
             ],
         )
         final_losses = {k: float(v[-1]) for k, v in history.history.items()}
-    else:
-        log.info("%s: already trained for %d epochs; re-exporting the model", results_dir, initial_epoch)
+    else:  # finished, but stopped before the model was exported
+        log.info("%s: already trained for %d epochs; exporting the model", results_dir, initial_epoch)
         final_losses = {}
 
     # Save an uncompiled twin: no optimizer state or custom losses, so later stages load it plainly.
@@ -147,7 +153,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         "final_losses": final_losses,
         "mixed_precision": amp,
     }
-    write_json(results_dir / SUMMARY_FILE, summary)
+    write_json(summary_path, summary)
     log.info("model saved: %s (%d params)", model_path, summary["params"])
     return summary
 
