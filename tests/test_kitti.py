@@ -98,3 +98,12 @@ def test_missing_folders_name_the_spec_key(tmp_path):
     (tmp_path / "only_images" / "images").mkdir(parents=True)
     with pytest.raises(DataError, match=r"labels: dataset\.train: missing folder"):
         read(tmp_path / "only_images")
+
+
+def test_windows_line_endings_and_bom_are_accepted(tmp_path):
+    text = "\ufeff" + kitti_line("car", 10, 20, 50, 60) + "\r\n" + kitti_line("pedestrian", 60, 10, 80, 90) + "\r\n"
+    root = write_kitti(tmp_path, {"w": ""})
+    (root / "labels" / "w.txt").write_bytes(text.encode("utf-8"))
+    sample = read(root)[0]
+    assert sample.classes.tolist() == [0, 1]
+    np.testing.assert_allclose(sample.boxes, [[10, 20, 50, 60], [60, 10, 80, 90]])

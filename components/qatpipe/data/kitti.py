@@ -69,7 +69,7 @@ def parse_label_file(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Parse and validate one KITTI label file. Returns (boxes, class ids)."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8-sig")  # tolerate the BOM Windows editors write
     except FileNotFoundError:
         raise DataError(path, "label file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
