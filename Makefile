@@ -21,7 +21,7 @@ install: $(STAMP)
 # Main job: synthetic KITTI data -> FP32 train -> evaluate (mAP). Re-running resumes: existing data is
 # kept and training continues from its last checkpoint.
 main: $(STAMP)
-	test -d $(DATA)/train || $(BIN)/qatpipe data synth --out $(DATA) --train 2000 --val 300 --seed 0
+	test -d $(DATA)/train -a -d $(DATA)/val || $(BIN)/qatpipe data synth --out $(DATA) --train 2000 --val 300 --seed 0
 	$(BIN)/qatpipe train -e default -r $(RESULTS)/train
 	$(BIN)/qatpipe evaluate -e default -m $(RESULTS)/train/model.keras -o $(RESULTS)/evaluate
 

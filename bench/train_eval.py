@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import platform
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -40,8 +39,9 @@ def main() -> None:
     from qatpipe.stages.train import train
 
     work = args.work or Path(tempfile.mkdtemp(prefix="qatpipe-bench-"))
-    if (work / "train").exists():
-        shutil.rmtree(work / "train")  # a benchmark measures a run from scratch
+    if (work / "train").exists() or (work / "evaluate").exists():
+        # a benchmark measures a run from scratch, and never deletes results it did not make
+        parser.error(f"{work} already holds train/ or evaluate/ results: pass an empty or new --work folder")
     data = work / "data"
     times: dict[str, float] = {}
     total = time.perf_counter()

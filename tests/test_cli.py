@@ -22,8 +22,16 @@ def test_bad_label_is_reported_with_file_and_line(tmp_path, caplog):
 
 def test_missing_dataset_names_the_spec_key(tmp_path, caplog):
     with caplog.at_level(logging.ERROR):
+        code = main(["train", "-e", "tiny", "-r", str(tmp_path / "run"),
+                     "--set", f"dataset.train={tmp_path / 'nowhere'}"])
+    assert code == 2
+    assert f"{tmp_path / 'nowhere'}: dataset.train: dataset folder not found" in caplog.text
+
+
+def test_missing_model_file(tmp_path, caplog, tiny_dataset):
+    with caplog.at_level(logging.ERROR):
         code = main(["evaluate", "-e", "tiny", "-m", str(tmp_path / "m.keras"),
-                     "--set", f"dataset.val={tmp_path / 'nowhere'}"])
+                     "--set", f"dataset.val={tiny_dataset / 'val'}"])
     assert code == 2
     assert "m.keras: model file not found" in caplog.text
 

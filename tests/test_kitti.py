@@ -107,3 +107,31 @@ def test_windows_line_endings_and_bom_are_accepted(tmp_path):
     sample = read(root)[0]
     assert sample.classes.tolist() == [0, 1]
     np.testing.assert_allclose(sample.boxes, [[10, 20, 50, 60], [60, 10, 80, 90]])
+
+
+@pytest.mark.parametrize("box", [(160.5, 10, 161.5, 20), (-1.8, 10, -0.5, 20)])
+def test_box_entirely_in_the_tolerance_band_is_an_error(tmp_path, box):
+    root = write_kitti(tmp_path, {"e": kitti_line("car", *box)})
+    with pytest.raises(DataError, match=r"e\.txt:1: box .* has no area inside the 160x96 image"):
+        read(root)
+
+
+def test_image_format_tensorflow_cannot_decode(tmp_path):
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (160, 96)).save(buffer, "TIFF")
+    root = write_kitti(tmp_path, {"t": kitti_line()}, image_bytes={"t": buffer.getvalue()})
+    with pytest.raises(DataError, match=r"t\.jpg: TIFF image: the input pipeline reads BMP, GIF, JPEG, PNG, WEBP"):
+        read(root)
+
+
+def test_two_images_with_one_name(tmp_path):
+    from PIL import Image
+
+    root = write_kitti(tmp_path, {"a": kitti_line()})
+    Image.new("RGB", (640, 480)).save(root / "images" / "a.png")
+    with pytest.raises(DataError, match=r"a\.png: dataset\.train: a\.jpg has the same name"):
+        read(root)

@@ -70,8 +70,22 @@ def test_wrong_class_and_missing_detections():
 
 def test_mismatched_lengths_and_plot(tmp_path):
     with pytest.raises(ValueError, match="2 ground-truth images but 1"):
-        evaluate_detections([gt([], []), gt([], [])], [Detections()], CLASSES)
+        evaluate_detections([gt([[0, 0, 5, 5]], [0]), gt([], [])], [Detections()], CLASSES)
     truth = [gt([[10, 10, 50, 50]], [0])]
     result = evaluate_detections(truth, [det([[10, 10, 50, 50]], [0.9], [0])], CLASSES)
     png = plot_pr_curves(result, tmp_path / "pr.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_max_detections_beyond_coco_default_count():
+    # the true positive ranks 151st: it counts only when maxDets covers 151 detections per image
+    truth = [gt([[0, 0, 20, 20]], [0])]
+    fps = [[100 + i, 100, 110 + i, 110] for i in range(150)]
+    dets = [det(fps + [[0, 0, 20, 20]], [0.9] * 150 + [0.1], [0] * 151)]
+    assert evaluate_detections(truth, dets, ["car"]).map50 == pytest.approx(0.0)
+    assert evaluate_detections(truth, dets, ["car"], max_detections=200).map50 > 0.0
+
+
+def test_no_ground_truth_is_an_error_not_minus_one():
+    with pytest.raises(ValueError, match="no ground-truth objects"):
+        evaluate_detections([gt([], [])], [det([[0, 0, 5, 5]], [0.9], [0])], ["car"])

@@ -87,3 +87,18 @@ def test_box_cut_off_by_zoom_is_dropped():
                                          tf.constant([0, 0], tf.int64))
     np.testing.assert_allclose(out_boxes.numpy()[0], [80, 48, 240, 144], atol=1e-3)
     assert out_classes.numpy().tolist() == [0, -1]
+
+
+@pytest.mark.parametrize("source_hw", [(384, 640), (96, 160), (192, 320)])
+def test_training_resample_matches_evaluation_resize(source_hw):
+    """Without zoom or shift, the training resample samples exactly where tf.image.resize does.
+
+    Only the outermost pixel ring may differ when upsampling: its sample lies 0.25 px outside the source, where
+    crop_and_resize fills grey and resize clamps to the edge.
+    """
+    aug = AugmentationSpec(hflip_prob=0, scale_min=1, scale_max=1, translate=0, brightness=0, contrast=0,
+                           saturation=0, hue=0)
+    image = tf.random.stateless_uniform((*source_hw, 3), seed=[1, 2])
+    out, _, _ = _augment(image, tf.zeros((1, 4)), tf.constant([-1]), aug, 192, 320, tf.constant([0, 0], tf.int64))
+    expected = tf.image.resize(image, (192, 320)).numpy()
+    np.testing.assert_allclose(out.numpy()[1:-1, 1:-1], expected[1:-1, 1:-1], atol=1e-4)

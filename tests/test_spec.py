@@ -94,3 +94,85 @@ def test_apply_overrides_does_not_mutate_and_flatten():
     assert apply_overrides(data, ["a.c=2"]) == {"a": {"b": 1, "c": 2}}
     assert data == {"a": {"b": 1}}
     assert flatten({"a": {"b": 1, "c": {"d": [1]}}, "e": 2}) == {"a.b": 1, "a.c.d": [1], "e": 2}
+
+
+def test_non_utf8_file_is_a_spec_error(tmp_path):
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(b"\x7fELF\x02\x01\x01\x00\xff\xfe\x80\x00")  # like `head -c 100 /bin/ls`
+    with pytest.raises(SpecError, match=r"bin\.yaml: not a UTF-8 text file"):
+        load_spec(path)
+
+
+def test_unreadable_file_is_a_spec_error(tmp_path, monkeypatch):
+    path = tmp_path / "spec.yaml"
+    path.write_text("dataset: {}\n")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(type(path), "read_text", refuse)
+    with pytest.raises(SpecError, match=r"spec\.yaml: cannot read the spec file: Permission denied"):
+        load_spec(path)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("dataset: {train: a, val: b, classes: [car]}\ntrain: {epochs: 3}\ntrain: {batch_size: 4}\n",
+         "spec.yaml:3: duplicate key 'train' (first at line 2)"),
+        ("dataset: {train: a, val: b, classes: [car]}\ntrain:\n  epochs: 3\n  seed: 1\n  epochs: 4\n",
+         "spec.yaml:5: duplicate key 'epochs' (first at line 3)"),
+        ("dataset:\n  train: a\n  val: b\n  classes: [car]\n  class_mapping: {van: car, van: car}\n",
+         "spec.yaml:5: duplicate key 'van' (first at line 5)"),
+    ],
+)
+def test_duplicate_yaml_keys_are_errors(tmp_path, text, expected):
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert expected in str(info.value)
+
+
+def test_yaml_merge_keys_may_be_overridden(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(
+        "dataset: {train: a, val: b, classes: [car]}\n"
+        "evaluate: &common {batch_size: 4}\n"
+        "train: {<<: *common, batch_size: 8}\n"
+    )
+    spec = load_spec(path)
+    assert spec.evaluate.batch_size == 4 and spec.train.batch_size == 8
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ({"classes": ["car", "Car"]}, "classes has duplicates (case-insensitive): [['car', 'Car']]"),
+        ({"ignore_classes": ["CAR"]}, "names in both classes and ignore_classes: ['CAR']"),
+        ({"class_mapping": {"van": "car", "Van": "car"}},
+         "class_mapping has keys that differ only in case: [['van', 'Van']]"),
+        ({"class_mapping": {"van": "truck"}}, "class_mapping maps to names not in classes: ['truck']"),
+        ({"class_mapping": {"van": "car"}, "ignore_classes": ["VAN"]},
+         "class_mapping keys also in ignore_classes: ['van']"),
+    ],
+)
+def test_class_names_are_checked_case_insensitively(extra, expected):
+    with pytest.raises(SpecError) as info:
+        parse_spec({"dataset": {**MINIMAL["dataset"], **extra}})
+    assert expected in str(info.value)
+
+
+def test_class_mapping_target_may_differ_in_case():
+    spec = parse_spec({"dataset": {**MINIMAL["dataset"], "class_mapping": {"Van": "CAR"},
+                                   "ignore_classes": ["DontCare"]}})
+    assert spec.dataset.class_mapping == {"Van": "CAR"}
+
+
+@pytest.mark.parametrize("text, kind", [("- a\n- b\n", "list"), ("just text\n", "str")])
+def test_non_mapping_spec_with_overrides(tmp_path, text, kind):
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    for overrides in (None, ["train.epochs=3"]):
+        with pytest.raises(SpecError, match=rf"spec\.yaml: the spec must be a YAML mapping, got {kind}"):
+            load_spec(path, overrides)

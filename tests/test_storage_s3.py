@@ -6,7 +6,10 @@ stands in for it: boto3 talks HTTP to it exactly as it would to MinIO/S3.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
 import socket
 import time
 import urllib.request
@@ -127,11 +130,46 @@ def test_locally_deleted_file_is_redownloaded(seeded, tmp_path):
     assert _local_files(tmp_path) == TREE
 
 
-class _FailingBodyClient:
-    """Delegates to a real client, but every download dies after its first chunk."""
+def test_objects_deleted_from_bucket_are_removed_locally(seeded, tmp_path, caplog):
+    dest = tmp_path / "dest"
+    assert sync_s3_prefix(URI, dest).downloaded == 4
+    # Things the pruning must leave alone: another process's download in flight, and a
+    # symlinked folder whose files live outside dest.
+    foreign_part = dest / "images" / "000002.jpg.4242-deadbeef.part"
+    foreign_part.write_bytes(b"in flight")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_bytes(b"not ours")
+    (dest / "linked").symlink_to(outside, target_is_directory=True)
 
-    def __init__(self, client):
+    gone = ["images/000001.jpg", "labels/000001.txt"]
+    for rel in gone:
+        seeded.delete_object(Bucket=BUCKET, Key=f"{PREFIX}/{rel}")
+    caplog.set_level(logging.INFO, logger="qatpipe")
+    report = sync_s3_prefix(URI, dest)
+
+    assert report == SyncReport(downloaded=0, skipped=2, bytes=0, removed=2)
+    assert _local_files(dest) == {
+        **{rel: data for rel, data in TREE.items() if rel not in gone},
+        "images/000002.jpg.4242-deadbeef.part": b"in flight",
+    }
+    assert (dest / "linked").is_symlink()
+    assert (outside / "keep.txt").read_bytes() == b"not ours"
+    manifest = json.loads((dest / MANIFEST_NAME).read_text())
+    assert sorted(manifest) == ["images/000000.jpg", "labels/000000.txt"]
+    assert any("2 removed" in r.getMessage() for r in caplog.records)
+
+
+class _FailingBodyClient:
+    """Delegates to a real client, but every download dies after its first chunk.
+
+    While a download is in flight it records the ``.part`` files under ``watch``.
+    """
+
+    def __init__(self, client, watch=None):
         self._client = client
+        self._watch = watch
+        self.parts_seen = []
 
     def __getattr__(self, name):
         return getattr(self._client, name)
@@ -140,6 +178,8 @@ class _FailingBodyClient:
         resp = self._client.get_object(**kwargs)
 
         def chunks(_size):
+            if self._watch is not None:
+                self.parts_seen += sorted(p.name for p in self._watch.rglob("*.part"))
             yield resp["Body"].read(5)
             raise ReadTimeoutError(endpoint_url=self._client.meta.endpoint_url)
 
@@ -151,16 +191,60 @@ def test_interrupted_download_leaves_old_file_and_no_partial(seeded, tmp_path):
     sync_s3_prefix(URI, tmp_path)
     old = TREE["images/000000.jpg"]
     seeded.put_object(Bucket=BUCKET, Key=f"{PREFIX}/images/000000.jpg", Body=b"new-content" * 100)
+    # Another process sharing the cache is downloading the same file right now.
+    foreign = tmp_path / "images" / "000000.jpg.part"
+    foreign.write_bytes(b"theirs")
 
+    client = _FailingBodyClient(s3_client(max_attempts=1), watch=tmp_path)
     with pytest.raises(StorageError, match="unreachable"):
-        sync_s3_prefix(URI, tmp_path, client=_FailingBodyClient(s3_client(max_attempts=1)))
+        sync_s3_prefix(URI, tmp_path, client=client)
     assert (tmp_path / "images/000000.jpg").read_bytes() == old
-    assert not list(tmp_path.rglob("*.part"))
+    # Our temp name is our own (pid + random suffix), and it is cleaned up; theirs is untouched.
+    ours = [name for name in client.parts_seen if name != foreign.name]
+    assert len(ours) == 1
+    assert re.fullmatch(rf"000000\.jpg\.{os.getpid()}-[0-9a-f]{{8}}\.part", ours[0])
+    assert list(tmp_path.rglob("*.part")) == [foreign]
+    assert foreign.read_bytes() == b"theirs"
 
     # The next (healthy) sync picks up the change.
     report = sync_s3_prefix(URI, tmp_path)
-    assert (report.downloaded, report.skipped) == (1, 3)
+    assert (report.downloaded, report.skipped, report.removed) == (1, 3, 0)
     assert (tmp_path / "images/000000.jpg").read_bytes() == b"new-content" * 100
+    assert foreign.read_bytes() == b"theirs"
+
+
+class _VanishingObjectClient:
+    """Delegates to a real client; the 2nd object is deleted between the listing and its GET."""
+
+    def __init__(self, client, raw):
+        self._client = client
+        self._raw = raw
+        self.gets = []
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def get_object(self, **kwargs):
+        self.gets.append(kwargs["Key"])
+        if len(self.gets) == 2:
+            self._raw.delete_object(**kwargs)
+        return self._client.get_object(**kwargs)
+
+
+def test_failed_sync_keeps_manifest_of_finished_downloads(seeded, tmp_path):
+    client = _VanishingObjectClient(s3_client(max_attempts=1), seeded)
+    with pytest.raises(StorageError, match="NoSuchKey"):
+        sync_s3_prefix(URI, tmp_path, client=client)
+    first, failed = [key[len(PREFIX) + 1:] for key in client.gets]
+    manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    assert sorted(manifest) == [first]
+    assert _local_files(tmp_path) == {first: TREE[first]}
+
+    # The object comes back; the retry fetches only what is still missing.
+    seeded.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{failed}", Body=TREE[failed])
+    report = sync_s3_prefix(URI, tmp_path)
+    assert (report.downloaded, report.skipped) == (3, 1)
+    assert _local_files(tmp_path) == TREE
 
 
 def test_missing_bucket_names_uri(s3_env, tmp_path):

@@ -62,19 +62,19 @@ class _PreemptAfter(keras.callbacks.Callback):
 
 
 def test_preempted_training_resumes_from_the_checkpoint(tiny_spec, tmp_path, caplog):
-    spec = tiny_spec("train.epochs=3", "model.backbone.width=0.125")
+    spec = tiny_spec("train.epochs=4", "train.checkpoint_interval=2", "model.backbone.width=0.125")
     run = tmp_path / "run"
-    with pytest.raises(_Preempted):
-        train(spec, run, extra_callbacks=[_PreemptAfter(2)])
+    with pytest.raises(_Preempted):  # killed after epoch 3; the last checkpoint is epoch 2
+        train(spec, run, extra_callbacks=[_PreemptAfter(3)])
     assert not (run / "model.keras").exists()
-    assert sorted(p.name for p in (run / "checkpoints").glob("ckpt-*.index")) == ["ckpt-1.index", "ckpt-2.index"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("ckpt-*.index")) == ["ckpt-2.index"]
 
     with caplog.at_level(logging.INFO):
         summary = train(spec, run)
-    assert "resuming from" in caplog.text and "at epoch 2/3" in caplog.text
-    assert summary["resumed_from_epoch"] == 2 and summary["epochs_run"] == 1
-    with open(run / "training_log.csv") as handle:
-        assert [int(r["epoch"]) for r in csv.DictReader(handle)] == [0, 1, 2]
+    assert "resuming from" in caplog.text and "at epoch 2/4" in caplog.text
+    assert summary["resumed_from_epoch"] == 2 and summary["epochs_run"] == 2
+    with open(run / "training_log.csv") as handle:  # epoch 2 was trained twice, logged once
+        assert [int(r["epoch"]) for r in csv.DictReader(handle)] == [0, 1, 2, 3]
 
     summary_bytes, model_mtime = (run / "train_summary.json").read_bytes(), (run / "model.keras").stat().st_mtime_ns
     again = train(spec, run)  # a finished run is neither trained nor rewritten
@@ -86,10 +86,32 @@ def test_preempted_training_resumes_from_the_checkpoint(tiny_spec, tmp_path, cap
     (run / "model.keras").unlink()  # stopped after the last checkpoint, before the export
     assert train(spec, run)["epochs_run"] == 0 and (run / "model.keras").is_file()
 
-    with pytest.raises(QatpipeError, match="model.backbone differs"):
-        train(tiny_spec("train.epochs=3", "model.backbone.width=0.25"), run)
+
+def test_resume_refuses_a_different_experiment(tiny_spec, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_spec("train.epochs=2", "model.backbone.width=0.0625"), run)
+    with pytest.raises(QatpipeError, match="whose model.backbone differs"):
+        train(tiny_spec("train.epochs=3", "model.backbone.width=0.125"), run)
+    with pytest.raises(QatpipeError, match="whose train.batch_size, train.seed differs"):
+        train(tiny_spec("train.epochs=3", "model.backbone.width=0.0625", "train.seed=1", "train.batch_size=4"), run)
+    with pytest.raises(QatpipeError, match="the checkpoint is at epoch 2, beyond train.epochs=1"):
+        train(tiny_spec("train.epochs=1", "model.backbone.width=0.0625"), run)
 
 
+def test_failed_start_leaves_no_claim_on_the_directory(tiny_spec, tmp_path):
+    from qatpipe.errors import DataError
+
+    run = tmp_path / "run"
+    with pytest.raises(DataError, match="dataset.train: dataset folder not found"):
+        train(tiny_spec(f"dataset.train={tmp_path / 'missing'}"), run)
+    assert not (run / "spec.yaml").exists()
+    train(tiny_spec("train.epochs=1", "model.backbone.width=0.0625"), run)  # any other spec may start here
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(QatpipeError, match="cannot create the results directory"):
+        train(tiny_spec(), tmp_path / "file" / "run")
+
+
+@pytest.mark.skipif(bool(__import__("tensorflow").config.list_physical_devices("GPU")), reason="needs a CPU-only host")
 def test_amp_on_cpu_warns_and_trains_fp32(tiny_spec, tmp_path, caplog):
     spec = tiny_spec("train.epochs=1", "model.backbone.width=0.125")
     with caplog.at_level(logging.WARNING):

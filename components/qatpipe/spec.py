@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -46,12 +46,34 @@ class DatasetSpec(_Section):
 
     @model_validator(mode="after")
     def _check_classes(self) -> "DatasetSpec":
-        if len(set(self.classes)) != len(self.classes):
-            raise ValueError(f"classes has duplicates: {self.classes}")
-        unknown = sorted(set(self.class_mapping.values()) - set(self.classes))
+        # compared lower-cased: the KITTI reader (data/kitti.py ClassMap) matches names case-insensitively
+        duplicates = _case_collisions(self.classes)
+        if duplicates:
+            raise ValueError(f"classes has duplicates (case-insensitive): {duplicates}")
+        mapping_duplicates = _case_collisions(self.class_mapping)
+        if mapping_duplicates:
+            raise ValueError(f"class_mapping has keys that differ only in case: {mapping_duplicates}")
+        classes = {name.lower() for name in self.classes}
+        ignored = {name.lower() for name in self.ignore_classes}
+        both = sorted(name for name in self.ignore_classes if name.lower() in classes)
+        if both:
+            raise ValueError(f"names in both classes and ignore_classes: {both}")
+        unknown = sorted({target for target in self.class_mapping.values() if target.lower() not in classes})
         if unknown:
             raise ValueError(f"class_mapping maps to names not in classes: {unknown}")
+        # the reader checks ignore_classes first, so such a mapping entry would never apply
+        mapped_and_ignored = sorted(key for key in self.class_mapping if key.lower() in ignored)
+        if mapped_and_ignored:
+            raise ValueError(f"class_mapping keys also in ignore_classes: {mapped_and_ignored}")
         return self
+
+
+def _case_collisions(names: Iterable[str]) -> list[list[str]]:
+    """Groups of names that are equal when lower-cased, e.g. [['car', 'Car']]."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(name.lower(), []).append(name)
+    return [group for group in groups.values() if len(group) > 1]
 
 
 # ------------------------------------------------------------------------------------------------- model
@@ -307,18 +329,51 @@ def parse_spec(data: dict[str, Any], source: str = "<spec>") -> ExperimentSpec:
         raise SpecError(_format_validation_error(source, exc)) from None
 
 
+class _DuplicateKeyError(yaml.YAMLError):
+    def __init__(self, key: Any, line: int, first_line: int):
+        super().__init__(f"duplicate key {key!r} at line {line}")
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys, which plain YAML lets silently override."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            # `<<` merge keys are allowed to be overridden by explicit keys: checked before merging
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1  # marks count from 0
+            if key in first_lines:
+                raise _DuplicateKeyError(key, line, first_lines[key])
+            first_lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> ExperimentSpec:
     """Read, override and validate a spec file. Errors name the file and the key."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"{path}: spec file not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SpecError(f"{path}: not a UTF-8 text file") from None
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read the spec file: {exc.strerror or exc}") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except _DuplicateKeyError as exc:
+        raise SpecError(
+            f"{path}:{exc.line}: duplicate key {exc.key!r} (first at line {exc.first_line})"
+        ) from None
     except yaml.YAMLError as exc:
         raise SpecError(f"{path}: not valid YAML: {exc}") from None
-    if overrides:
-        if not isinstance(data, dict):
-            raise SpecError(f"{path}: the spec must be a YAML mapping")
+    if data is None:  # an empty file: parse_spec names the missing keys
+        data = {}
+    if overrides and isinstance(data, dict):  # a non-mapping is reported by parse_spec
         data = apply_overrides(data, overrides)
     return parse_spec(data, source=str(path))
 

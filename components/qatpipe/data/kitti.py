@@ -20,6 +20,8 @@ from qatpipe.errors import DataError
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+# what tf.io.decode_image reads: an image Pillow opens but TensorFlow cannot would fail mid-training
+DECODABLE_FORMATS = {"JPEG", "PNG", "BMP", "GIF", "WEBP"}
 KITTI_FIELDS = 15  # type truncated occluded alpha x1 y1 x2 y2 h w l x y z rotation_y
 _BBOX = slice(4, 8)
 
@@ -111,7 +113,13 @@ def parse_label_file(
             )
         if class_id is None:
             continue
-        boxes.append([max(x1, 0.0), max(y1, 0.0), min(x2, image_width), min(y2, image_height)])
+        clipped = [min(max(x1, 0.0), image_width), min(max(y1, 0.0), image_height),
+                   min(max(x2, 0.0), image_width), min(max(y2, 0.0), image_height)]
+        if not (clipped[0] < clipped[2] and clipped[1] < clipped[3]):
+            raise DataError(
+                path, f"box {x1} {y1} {x2} {y2} has no area inside the {image_width}x{image_height} image", line_no
+            )
+        boxes.append(clipped)
         class_ids.append(class_id)
     return np.asarray(boxes, np.float32).reshape(-1, 4), np.asarray(class_ids, np.int32)
 
@@ -128,14 +136,16 @@ def read_image_size(path: Path, verify: bool = True) -> tuple[int, int]:
     """(width, height) of an image; with verify, decode it fully so corrupt files fail here, not mid-training."""
     try:
         with Image.open(path) as image:
-            size = image.size
+            size, kind = image.size, image.format
             if verify:
                 image.load()
-        return size
     except FileNotFoundError:
         raise DataError(path, "image file not found") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise DataError(path, f"corrupt or unreadable image: {exc}") from None
+    if kind not in DECODABLE_FORMATS:
+        raise DataError(path, f"{kind} image: the input pipeline reads {', '.join(sorted(DECODABLE_FORMATS))}")
+    return size
 
 
 def read_kitti_dataset(
@@ -157,7 +167,11 @@ def read_kitti_dataset(
     images = sorted(p for p in images_dir.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
     if not images:
         raise DataError(images_dir, f"{key}: no images ({', '.join(IMAGE_EXTENSIONS)})")
-    stems = {p.stem for p in images}
+    stems: dict[str, Path] = {}
+    for image in images:
+        if image.stem in stems:
+            raise DataError(image, f"{key}: {stems[image.stem].name} has the same name; each image needs its own label")
+        stems[image.stem] = image
     orphans = sorted(p.name for p in labels_dir.glob("*.txt") if p.stem not in stems)
     if orphans:
         raise DataError(labels_dir / orphans[0], f"label file has no image ({len(orphans)} such files)")

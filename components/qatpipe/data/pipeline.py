@@ -59,13 +59,6 @@ def _decode(path):
     return tf.image.convert_image_dtype(image, tf.float32)  # [0, 1]
 
 
-def _resize(image, boxes, height, width):
-    """Plain resize to the network input; boxes scaled with it."""
-    src = tf.cast(tf.shape(image)[:2], tf.float32)
-    scale = tf.stack([width / src[1], height / src[0], width / src[1], height / src[0]])
-    return tf.image.resize(image, (height, width)), boxes * scale
-
-
 def _zoom_shift(image, boxes, classes, aug: AugmentationSpec, height, width, seed):
     """Random scale/translate jitter and resize in one resampling step; boxes follow, cut boxes dropped."""
     src_h = tf.cast(tf.shape(image)[0], tf.float32)
@@ -77,8 +70,15 @@ def _zoom_shift(image, boxes, classes, aug: AugmentationSpec, height, width, see
     cy = 0.5 + aug.translate * (2 * u[1] - 1)
     cx = 0.5 + aug.translate * (2 * u[2] - 1)
     y0, x0 = cy - win_h / 2, cx - win_w / 2
-    window = tf.stack([y0, x0, y0 + win_h, x0 + win_w])[None]
-    out = tf.image.crop_and_resize(image[None], window, [0], (height, width), extrapolation_value=_GREY)[0]
+    # crop_and_resize samples output row i at y1*(H-1) + i*(y2-y1)*(H-1)/(h-1) (pixel-index space); put the
+    # first and last samples at the centres of the first and last output pixels, as tf.image.resize does,
+    # so boxes (pixel-edge coordinates) stay aligned and training sees what evaluation sees.
+    first_y = y0 * src_h + 0.5 * win_h * src_h / height - 0.5
+    last_y = y0 * src_h + (height - 0.5) * win_h * src_h / height - 0.5
+    first_x = x0 * src_w + 0.5 * win_w * src_w / width - 0.5
+    last_x = x0 * src_w + (width - 0.5) * win_w * src_w / width - 0.5
+    window = tf.stack([first_y / (src_h - 1), first_x / (src_w - 1), last_y / (src_h - 1), last_x / (src_w - 1)])
+    out = tf.image.crop_and_resize(image[None], window[None], [0], (height, width), extrapolation_value=_GREY)[0]
 
     # source pixels -> output pixels
     sx, sy = width / (win_w * src_w), height / (win_h * src_h)

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,7 @@ class SyncReport:
     downloaded: int = 0
     skipped: int = 0
     bytes: int = 0  # bytes actually downloaded in this sync
+    removed: int = 0  # local files deleted because their object is gone from the bucket
 
 
 def is_s3_uri(uri: str) -> bool:
@@ -112,10 +114,20 @@ def _safe_join(base: Path, rel: str) -> Path:
     return target
 
 
+def _temp_path(path: Path) -> Path:
+    # Unique per process and call: several pods/workers may sync into one shared cache at once,
+    # and a fixed "<name>.part" would let them write into (or rename away) each other's file.
+    return path.with_name(f"{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
+
+
 def _write_json_atomic(path: Path, data: dict) -> None:
-    part = path.with_name(path.name + ".part")
-    part.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(part, path)
+    part = _temp_path(path)
+    try:
+        part.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
 
 
 def _load_manifest(path: Path) -> dict:
@@ -128,7 +140,7 @@ def _load_manifest(path: Path) -> dict:
 def _download(client, bucket: str, key: str, target: Path) -> tuple[int, str]:
     """Stream one object to ``target`` via a ``.part`` file; returns (size, etag)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    part = target.with_name(target.name + ".part")
+    part = _temp_path(target)
     try:
         resp = client.get_object(Bucket=bucket, Key=key)
         with open(part, "wb") as fh:
@@ -142,8 +154,27 @@ def _download(client, bucket: str, key: str, target: Path) -> tuple[int, str]:
     return size, resp["ETag"]
 
 
+def _prune(dest: Path, keep: set[str]) -> list[str]:
+    """Delete files under ``dest`` whose relative path is not in ``keep``; returns what went."""
+    removed = []
+    # os.walk does not descend into symlinked folders, so nothing outside dest is ever visited.
+    for root, _dirs, names in os.walk(dest):
+        for name in names:
+            path = Path(root) / name
+            rel = path.relative_to(dest).as_posix()
+            # The manifest is ours to keep; a .part may be another process's download in flight.
+            if rel in keep or rel == MANIFEST_NAME or name.endswith(".part"):
+                continue
+            path.unlink(missing_ok=True)
+            removed.append(rel)
+    return removed
+
+
 def sync_s3_prefix(uri: str, dest_dir: str | Path, *, client=None) -> SyncReport:
-    """Mirror every object under ``uri`` into ``dest_dir``, skipping unchanged ones."""
+    """Mirror every object under ``uri`` into ``dest_dir``, skipping unchanged ones.
+
+    Local files whose object is no longer listed are deleted (``.part`` files excepted).
+    """
     bucket, prefix = parse_s3_uri(uri)
     client = client or s3_client()
     dest = Path(dest_dir)
@@ -159,27 +190,40 @@ def sync_s3_prefix(uri: str, dest_dir: str | Path, *, client=None) -> SyncReport
             objects += [o for o in page.get("Contents", []) if not o["Key"].endswith("/")]
         if not objects:
             raise StorageError(f"no objects under {uri} (endpoint: {_describe_endpoint(client)})")
-        log.info("syncing %d objects from %s to %s", len(objects), uri, dest)
+    log.info("syncing %d objects from %s to %s", len(objects), uri, dest)
 
-        for i, obj in enumerate(objects, 1):
-            rel = obj["Key"][len(list_prefix):]
-            target = _safe_join(dest, rel)
-            entry = manifest.get(rel)
-            if (entry == {"size": obj["Size"], "etag": obj["ETag"]}
-                    and target.is_file() and target.stat().st_size == obj["Size"]):
-                report.skipped += 1
-            else:
-                size, etag = _download(client, bucket, obj["Key"], target)
-                manifest[rel] = {"size": size, "etag": etag}
-                report.downloaded += 1
-                report.bytes += size
-            if i % _PROGRESS_EVERY == 0:
-                _write_json_atomic(manifest_path, manifest)  # keep progress if interrupted later
-                log.info("%s: %d/%d objects (%.1f MB downloaded)", uri, i, len(objects), report.bytes / 1e6)
+    # Check every key before touching the disk: one bad key must not leave a half-pruned cache.
+    rels = [obj["Key"][len(list_prefix):] for obj in objects]
+    targets = [_safe_join(dest, rel) for rel in rels]
+    # Compare in resolved form: the key "a//b" and the local file "a/b" are the same path.
+    keep = {t.relative_to(dest.resolve()).as_posix() for t in targets}
+    report.removed = len(_prune(dest, keep))
+    if report.removed:
+        log.info("%s: removed %d local files no longer in the bucket", uri, report.removed)
+    listed = set(rels)
+    manifest = {rel: entry for rel, entry in manifest.items() if rel in listed}
 
-    _write_json_atomic(manifest_path, manifest)
-    log.info("synced %s: %d downloaded, %d skipped, %.1f MB",
-             uri, report.downloaded, report.skipped, report.bytes / 1e6)
+    try:
+        with _s3_errors(uri, client):
+            for i, (obj, rel, target) in enumerate(zip(objects, rels, targets), 1):
+                entry = manifest.get(rel)
+                if (entry == {"size": obj["Size"], "etag": obj["ETag"]}
+                        and target.is_file() and target.stat().st_size == obj["Size"]):
+                    report.skipped += 1
+                else:
+                    size, etag = _download(client, bucket, obj["Key"], target)
+                    manifest[rel] = {"size": size, "etag": etag}
+                    report.downloaded += 1
+                    report.bytes += size
+                if i % _PROGRESS_EVERY == 0:
+                    _write_json_atomic(manifest_path, manifest)  # keep progress if killed later
+                    log.info("%s: %d/%d objects (%.1f MB downloaded)",
+                             uri, i, len(objects), report.bytes / 1e6)
+    finally:
+        # Also on failure, so files already fetched are not downloaded again by the retry.
+        _write_json_atomic(manifest_path, manifest)
+    log.info("synced %s: %d downloaded, %d skipped, %d removed, %.1f MB",
+             uri, report.downloaded, report.skipped, report.removed, report.bytes / 1e6)
     return report
 
 

@@ -50,11 +50,17 @@ def _xywh(box: np.ndarray) -> list[float]:
 
 
 def evaluate_detections(
-    ground_truth: Sequence[GroundTruth], detections: Sequence[Detections], class_names: Sequence[str]
+    ground_truth: Sequence[GroundTruth], detections: Sequence[Detections], class_names: Sequence[str],
+    max_detections: int = 100,
 ) -> DetectionMetrics:
-    """COCO-style evaluation of detections against ground truth, image by image (same order)."""
+    """COCO-style evaluation of detections against ground truth, image by image (same order).
+
+    `max_detections` per image count (COCO's maxDets), so it must match the decoder's limit.
+    """
     if len(ground_truth) != len(detections):
         raise ValueError(f"{len(ground_truth)} ground-truth images but {len(detections)} detection lists")
+    if not any(len(gt.classes) for gt in ground_truth):
+        raise ValueError("no ground-truth objects: mAP is undefined")
     images, annotations, results = [], [], []
     for image_id, (gt, det) in enumerate(zip(ground_truth, detections), start=1):
         images.append({"id": image_id})
@@ -87,6 +93,7 @@ def evaluate_detections(
         coco_gt.createIndex()
         coco_dt = coco_gt.loadRes(results)
         evaluator = COCOeval(coco_gt, coco_dt, iouType="bbox")
+        evaluator.params.maxDets = [1, 10, max_detections]
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()

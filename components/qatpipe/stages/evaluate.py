@@ -8,6 +8,7 @@ from pathlib import Path
 
 
 from qatpipe.data.splits import load_split
+from qatpipe.errors import DataError, QatpipeError
 from qatpipe.fileio import write_json
 from qatpipe.metrics.coco import GroundTruth, evaluate_detections, plot_pr_curves
 from qatpipe.spec import ExperimentSpec
@@ -42,17 +43,23 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
 
     model_path = Path(model_path)
     output_dir = Path(output_dir) if output_dir else model_path.parent / "evaluate"
+    try:  # before the slow part, so a bad output path fails at once
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise QatpipeError(f"{output_dir}: cannot create the output directory: {exc}") from None
     arch = get_architecture(spec)
     model = load_keras_model(model_path, arch)
     samples = load_split(spec, "val")
+    if not any(len(s.classes) for s in samples):
+        raise DataError(spec.dataset.val, "dataset.val: no labelled objects, so mAP is undefined")
 
     started = time.perf_counter()
     detections = predict_keras(model, samples, spec, arch)
     seconds = time.perf_counter() - started
     metrics = evaluate_detections(
-        [GroundTruth(s.boxes, s.classes) for s in samples], detections, spec.dataset.classes
+        [GroundTruth(s.boxes, s.classes) for s in samples], detections, spec.dataset.classes,
+        max_detections=spec.model.decoder.max_detections,
     )
-    output_dir.mkdir(parents=True, exist_ok=True)
     result = {
         "model": str(model_path),
         **metrics.to_dict(with_curves=True),

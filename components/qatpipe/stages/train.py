@@ -9,7 +9,7 @@ from pathlib import Path
 
 from qatpipe.data.splits import load_split
 from qatpipe.errors import QatpipeError
-from qatpipe.fileio import save_keras_model, write_json
+from qatpipe.fileio import atomic_write_text, save_keras_model, write_json
 from qatpipe.spec import ExperimentSpec, dump_spec, load_spec
 
 log = logging.getLogger(__name__)
@@ -35,25 +35,46 @@ def _configure_precision(use_amp: bool) -> bool:
     return True
 
 
-# spec parts that change the weights' shapes: a checkpoint cannot be resumed across a change of these
-_WEIGHT_SHAPING = {
-    "model.backbone": lambda d: d["model"]["backbone"],
-    "dataset.classes": lambda d: d["dataset"]["classes"],
-}
+# What a checkpoint's weights, optimizer state and data stream depend on: resuming across a change of any of
+# these would silently mix two experiments. `train.epochs` may change (to extend a run).
+_RESUME_MUST_MATCH = (
+    "model.arch", "model.backbone", "model.regularizer", "model.loss", "model.target", "dataset.classes",
+    "dataset.train", "dataset.image_size", "augmentation", "train.batch_size", "train.seed", "train.optimizer",
+    "train.momentum", "train.learning_rate",
+)
+
+
+def _dotted(data: dict, key: str):
+    for part in key.split("."):
+        data = data[part]
+    return data
 
 
 def _check_resume_compatible(results_dir: Path, spec: ExperimentSpec) -> None:
-    """A checkpoint from another architecture or class list cannot be resumed into this spec."""
+    """Refuse to resume a checkpoint written under a spec that differs where it matters."""
     previous_path = results_dir / SPEC_FILE
     if not previous_path.is_file():
         return
     previous, current = load_spec(previous_path).to_dict(), spec.to_dict()
-    for section, get in _WEIGHT_SHAPING.items():
-        if get(previous) != get(current):
-            raise QatpipeError(
-                f"{results_dir}: holds checkpoints of a run whose {section} differs from this spec; "
-                "use a new results directory (or delete the old one) to start over"
-            )
+    changed = [key for key in _RESUME_MUST_MATCH if _dotted(previous, key) != _dotted(current, key)]
+    if changed:
+        raise QatpipeError(
+            f"{results_dir}: holds checkpoints of a run whose {', '.join(changed)} differs from this spec; "
+            "use a new results directory (or delete the old one) to start over"
+        )
+    if previous["train"]["epochs"] != current["train"]["epochs"]:
+        log.warning("train.epochs changed from %d to %d: the learning-rate schedule is stretched to the new length",
+                    previous["train"]["epochs"], current["train"]["epochs"])
+
+
+def _drop_redone_epochs(csv_path: Path, initial_epoch: int) -> None:
+    """Epochs after the last checkpoint are trained again: drop their rows so the log has each epoch once."""
+    if not csv_path.is_file():
+        return
+    lines = csv_path.read_text().splitlines(keepends=True)
+    kept = lines[:1] + [line for line in lines[1:] if int(line.split(",", 1)[0]) < initial_epoch]
+    if len(kept) != len(lines):
+        atomic_write_text(csv_path, "".join(kept))
 
 
 def _build_optimizer(spec: ExperimentSpec, total_steps: int):
@@ -84,9 +105,10 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     from qatpipe.training.callbacks import CheckpointEveryN, ProgressLogger
 
     results_dir = Path(results_dir)
-    results_dir.mkdir(parents=True, exist_ok=True)
-    _check_resume_compatible(results_dir, spec)
-    dump_spec(spec, results_dir / SPEC_FILE)
+    try:
+        results_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise QatpipeError(f"{results_dir}: cannot create the results directory: {exc}") from None
     amp = _configure_precision(spec.train.use_amp if use_amp is None else use_amp)
     keras.utils.set_random_seed(spec.train.seed)
 
@@ -102,9 +124,14 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch_var)
     manager = tf.train.CheckpointManager(checkpoint, results_dir / "checkpoints", max_to_keep=spec.train.keep_checkpoints)
     if manager.latest_checkpoint:
+        _check_resume_compatible(results_dir, spec)
         checkpoint.restore(manager.latest_checkpoint).expect_partial()
         log.info("resuming from %s at epoch %d/%d", manager.latest_checkpoint, int(epoch_var), spec.train.epochs)
     initial_epoch = int(epoch_var.numpy())
+    if initial_epoch > spec.train.epochs:
+        raise QatpipeError(
+            f"{results_dir}: the checkpoint is at epoch {initial_epoch}, beyond train.epochs={spec.train.epochs}"
+        )
     summary_path = results_dir / SUMMARY_FILE
     if initial_epoch >= spec.train.epochs and (results_dir / MODEL_FILE).is_file() and summary_path.is_file():
         # a finished run: keep its model and summary (throughput, losses) as they are
@@ -114,6 +141,8 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     progress = ProgressLogger(steps, spec.train.epochs, spec.train.batch_size, spec.train.log_every_n_steps)
     started = time.perf_counter()
     if initial_epoch < spec.train.epochs:
+        dump_spec(spec, results_dir / SPEC_FILE)  # from here on, checkpoints belong to this spec
+        _drop_redone_epochs(results_dir / "training_log.csv", initial_epoch)
         dataset, _ = train_dataset(samples, spec, arch, initial_epoch=initial_epoch)
         log.info(
             "training %s on %d images: epochs %d..%d, %d steps/epoch, batch %d, %s",
