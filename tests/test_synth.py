@@ -85,3 +85,18 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         write_synthetic_dataset(tmp_path, -1, 1)
     with pytest.raises(QatpipeError, match="object_height_px"):
         write_synthetic_dataset(tmp_path, 1, 1, object_height_px=(50, 20))
+
+
+def test_small_images_scale_objects_and_stay_valid(tmp_path):
+    summary = write_synthetic_dataset(tmp_path, 12, 4, seed=2, image_height=96, image_width=160, workers=1)
+    for split, count in (("train", 12), ("val", 4)):
+        assert len(list((tmp_path / split / "images").glob("*.jpg"))) == count
+        samples = read_kitti_dataset(tmp_path / split, ClassMap.create(SYNTH_CLASSES), tolerance=0.0)
+        assert all((s.width, s.height) == (160, 96) for s in samples)
+        boxes = np.concatenate([s.boxes for s in samples])
+        assert len(boxes) == summary["splits"][split]["objects"] > 0
+        sizes = np.minimum(boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1])
+        assert sizes.min() >= 6.0 and (boxes[:, 3] - boxes[:, 1]).max() <= 52.0  # 100 px * 96/192, plus AA
+    for line in (tmp_path / "train" / "labels" / "000000.txt").read_text().splitlines():
+        fields = line.split()
+        assert len(fields) == 15 and fields[3] == "0.00" and all(f == "0.00" for f in fields[8:])
