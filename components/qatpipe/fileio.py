@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
+
+
+def temp_path(path: Path) -> Path:
+    """A sibling temp name unique per process and call, ending in `.part`.
+
+    Several pods or workers may write into one shared folder (the S3 cache) at once; a fixed name would let
+    them write into, or rename away, each other's file. The S3 cache leaves `*.part` files alone when pruning.
+    """
+    return path.with_name(f"{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # a plain open() (not mkstemp, which forces mode 0600) so results stay readable under the usual umask
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temp_path(path)
     try:
         tmp.write_text(text)
         os.replace(tmp, path)

@@ -10,7 +10,6 @@ import contextlib
 import json
 import logging
 import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from botocore.exceptions import (
 )
 
 from qatpipe.errors import StorageError
+from qatpipe.fileio import temp_path, write_json
 
 log = logging.getLogger(__name__)
 
@@ -114,22 +114,6 @@ def _safe_join(base: Path, rel: str) -> Path:
     return target
 
 
-def _temp_path(path: Path) -> Path:
-    # Unique per process and call: several pods/workers may sync into one shared cache at once,
-    # and a fixed "<name>.part" would let them write into (or rename away) each other's file.
-    return path.with_name(f"{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    part = _temp_path(path)
-    try:
-        part.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(part, path)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
-
-
 def _load_manifest(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -140,7 +124,7 @@ def _load_manifest(path: Path) -> dict:
 def _download(client, bucket: str, key: str, target: Path) -> tuple[int, str]:
     """Stream one object to ``target`` via a ``.part`` file; returns (size, etag)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    part = _temp_path(target)
+    part = temp_path(target)
     try:
         resp = client.get_object(Bucket=bucket, Key=key)
         with open(part, "wb") as fh:
@@ -216,12 +200,12 @@ def sync_s3_prefix(uri: str, dest_dir: str | Path, *, client=None) -> SyncReport
                     report.downloaded += 1
                     report.bytes += size
                 if i % _PROGRESS_EVERY == 0:
-                    _write_json_atomic(manifest_path, manifest)  # keep progress if killed later
+                    write_json(manifest_path, manifest)  # keep progress if killed later
                     log.info("%s: %d/%d objects (%.1f MB downloaded)",
                              uri, i, len(objects), report.bytes / 1e6)
     finally:
         # Also on failure, so files already fetched are not downloaded again by the retry.
-        _write_json_atomic(manifest_path, manifest)
+        write_json(manifest_path, manifest)
     log.info("synced %s: %d downloaded, %d skipped, %d removed, %.1f MB",
              uri, report.downloaded, report.skipped, report.removed, report.bytes / 1e6)
     return report
