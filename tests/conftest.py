@@ -59,3 +59,55 @@ def write_kitti(root: Path, labels: dict[str, str], size=(160, 96), image_bytes:
 
 def kitti_line(cls="car", x1=10, y1=20, x2=50, y2=60) -> str:
     return f"{cls} 0.00 0 0.00 {x1} {y1} {x2} {y2} 0 0 0 0 0 0 0"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on loopback (SQLite backend, proxied artifact store); yields its URI."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    root = tmp_path_factory.mktemp("mlflow_server")
+    port = _free_port()
+    uri = f"http://127.0.0.1:{port}"
+    log_file = open(root / "server.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts")],
+        stdout=log_file, stderr=subprocess.STDOUT,
+    )
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        if process.poll() is not None or time.time() > deadline:
+            process.kill()
+            raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+        time.sleep(0.5)
+    yield uri
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    log_file.close()
+
+
+@pytest.fixture
+def closed_port_uri() -> str:
+    """An http:// URI on loopback where nothing listens."""
+    return f"http://127.0.0.1:{_free_port()}"

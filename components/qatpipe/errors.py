@@ -30,3 +30,7 @@ class StorageError(QatpipeError):
 
 class ModelFileError(QatpipeError):
     """A model file is missing, corrupt or of the wrong kind."""
+
+
+class TrackingError(QatpipeError):
+    """The MLflow tracking server could not be reached or refused a write: names the URI."""

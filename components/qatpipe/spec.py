@@ -29,9 +29,21 @@ class ImageSize(_Section):
     width: int = Field(320, ge=32, description="network input width (multiple of the output stride)")
 
 
+class SyntheticDataSpec(_Section):
+    """The embedded data set the pipeline generates when the spec names no train/val folders."""
+
+    train_images: int = Field(2000, ge=1)
+    val_images: int = Field(300, ge=1)
+    seed: int = 0
+
+
 class DatasetSpec(_Section):
-    train: str = Field(description="KITTI folder (images/ + labels/): local path or s3://bucket/prefix")
-    val: str = Field(description="KITTI folder used for evaluation")
+    train: str | None = Field(
+        None, description="KITTI folder (images/ + labels/): local path or s3://bucket/prefix; "
+        "unset: the pipeline's prepare-data stage generates `synthetic` data"
+    )
+    val: str | None = Field(None, description="KITTI folder used for evaluation")
+    synthetic: SyntheticDataSpec = Field(default_factory=SyntheticDataSpec)
     classes: list[str] = Field(min_length=1, description="class names; the order fixes the output channels")
     class_mapping: dict[str, str] = Field(
         default_factory=dict, description="label name -> class name (e.g. van: car); others must be in classes"
@@ -363,6 +375,12 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> Experimen
         raise SpecError(f"{path}: not a UTF-8 text file") from None
     except OSError as exc:
         raise SpecError(f"{path}: cannot read the spec file: {exc.strerror or exc}") from None
+    return load_spec_text(text, overrides, source=str(path))
+
+
+def load_spec_text(text: str, overrides: list[str] | None = None, source: str = "<spec>") -> ExperimentSpec:
+    """Parse, override and validate spec YAML text; `source` names it in errors."""
+    path = source
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except _DuplicateKeyError as exc:
@@ -382,6 +400,10 @@ def dump_spec(spec: ExperimentSpec, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
 
 
+def spec_to_yaml(spec: ExperimentSpec) -> str:
+    return yaml.safe_dump(spec.to_dict(), sort_keys=False)
+
+
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'a': {'b': 1}} -> {'a.b': 1}: for experiment trackers' flat params."""
     flat: dict[str, Any] = {}
@@ -392,3 +414,23 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+# Which spec sections each pipeline stage reads. A stage gets only these (the rest left at defaults), so a
+# KFP cache key changes only when something that stage depends on changes: editing `validate` does not
+# retrain. A stage added to the pipeline adds its line here.
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "prepare_data": ("dataset",),
+    "train": ("dataset", "model", "augmentation", "train"),
+    "evaluate": ("dataset", "model", "evaluate"),
+}
+
+
+def stage_view(spec: ExperimentSpec, stage: str) -> str:
+    """The spec YAML that `stage` needs (see STAGE_SECTIONS)."""
+    try:
+        sections = STAGE_SECTIONS[stage]
+    except KeyError:
+        raise SpecError(f"no spec view for stage {stage!r}; add it to STAGE_SECTIONS") from None
+    full = spec.to_dict()
+    return yaml.safe_dump({key: full[key] for key in sections}, sort_keys=False)

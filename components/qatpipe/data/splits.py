@@ -6,6 +6,7 @@ from typing import Literal
 
 from qatpipe.data.kitti import ClassMap, KittiSample, read_kitti_dataset
 from qatpipe.data.storage import resolve_dataset_dir
+from qatpipe.errors import SpecError
 from qatpipe.spec import ExperimentSpec
 
 Split = Literal["train", "val"]
@@ -18,5 +19,10 @@ def class_map_from_spec(spec: ExperimentSpec) -> ClassMap:
 
 def load_split(spec: ExperimentSpec, split: Split) -> list[KittiSample]:
     uri = getattr(spec.dataset, split)
+    if uri is None:
+        raise SpecError(
+            f"dataset.{split} is not set: name a KITTI folder (--set dataset.{split}=PATH), or let the pipeline "
+            f"generate synthetic data (`qatpipe run --local`), or write it with `qatpipe data synth --out DIR`"
+        )
     folder = resolve_dataset_dir(uri, spec.dataset.cache_dir)  # a local path comes back as it is
     return read_kitti_dataset(folder, class_map_from_spec(spec), spec.dataset.box_tolerance_px, key=f"dataset.{split}")

@@ -237,3 +237,15 @@ def upload_dir(local_dir: str | Path, uri: str, *, client=None) -> int:
             client.upload_file(str(path), bucket, f"{prefix}/{rel}" if prefix else rel)
     log.info("uploaded %d files from %s to %s", len(files), src, uri)
     return len(files)
+
+
+def read_s3_text(uri: str, *, client=None) -> str:
+    """The UTF-8 text of one S3 object (a spec file, say)."""
+    bucket, key = parse_s3_uri(uri)
+    client = client or s3_client()
+    with _s3_errors(uri, client):
+        body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise StorageError(f"{uri}: not a UTF-8 text file") from None

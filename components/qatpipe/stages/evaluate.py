@@ -12,6 +12,7 @@ from qatpipe.errors import DataError, QatpipeError
 from qatpipe.fileio import write_json
 from qatpipe.metrics.coco import GroundTruth, evaluate_detections, plot_pr_curves
 from qatpipe.spec import ExperimentSpec
+from qatpipe.tracking.records import StageRecord
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,9 @@ def predict_keras(model, samples, spec: ExperimentSpec, arch) -> list:
     return detections
 
 
-def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Path | None = None) -> dict:
-    """Score `model_path` on dataset.val; writes metrics.json and pr_curves.png to `output_dir`."""
+def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Path | None = None,
+             stage_name: str = "evaluate") -> dict:
+    """Score `model_path` on dataset.val; writes metrics.json, pr_curves.png and tracking.json to `output_dir`."""
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
 
@@ -64,9 +66,14 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
         "model": str(model_path),
         **metrics.to_dict(with_curves=True),
         "images_per_second": round(len(samples) / max(seconds, 1e-9), 2),
+        "model_size_mb": round(model_path.stat().st_size / 2**20, 3),
     }
     write_json(output_dir / METRICS_FILE, result)
     plot_pr_curves(metrics, output_dir / PR_CURVE_FILE, title=f"{model_path.name}: PR @ IoU 0.5")
+    StageRecord(
+        stage=stage_name, params={"model": model_path.name, "val_images": len(samples)},
+        metrics=tracked_metrics(result), artifacts=[METRICS_FILE, PR_CURVE_FILE],
+    ).write(output_dir)
     log.info("mAP@0.5 %.4f  mAP@[.5:.95] %.4f  (%d images, %d detections)", metrics.map50, metrics.map,
              metrics.num_images, metrics.num_detections)
     for name, values in metrics.per_class.items():
@@ -79,4 +86,14 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
     return result
 
 
-__all__ = ["evaluate", "predict_keras", "METRICS_FILE", "PR_CURVE_FILE"]
+def tracked_metrics(result: dict) -> dict[str, float]:
+    """The numbers of an evaluation worth a metric: overall and per-class AP, speed, size."""
+    metrics = {key: result[key] for key in ("map50", "map", "images_per_second", "model_size_mb") if key in result}
+    for name, values in result.get("per_class", {}).items():
+        for key in ("ap50", "ap"):
+            if values.get(key) is not None:
+                metrics[f"{key}.{name}"] = values[key]
+    return metrics
+
+
+__all__ = ["evaluate", "predict_keras", "tracked_metrics", "METRICS_FILE", "PR_CURVE_FILE"]

@@ -10,7 +10,8 @@ from pathlib import Path
 from qatpipe.data.splits import load_split
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text, save_keras_model, write_json
-from qatpipe.spec import ExperimentSpec, dump_spec, load_spec
+from qatpipe.spec import ExperimentSpec, dump_spec, flatten, load_spec
+from qatpipe.tracking.records import StageRecord, history_from_csv, numeric_leaves
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +91,13 @@ def _build_optimizer(spec: ExperimentSpec, total_steps: int):
 
 
 def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = None, model=None,
-          extra_callbacks: list | None = None) -> dict:
+          extra_callbacks: list | None = None, stage_name: str = "train") -> dict:
     """Train the spec's detector into `results_dir`; resumes from its latest checkpoint if there is one.
 
     `model` (optional) starts from an existing tf_keras model instead of a fresh one (used by retrain).
     `extra_callbacks` run after the checkpoint callback (experiment tracking hooks in here).
-    Returns the training summary (also written to results_dir/train_summary.json).
+    Returns the training summary (also written to results_dir/train_summary.json); `stage_name` names the
+    stage in its tracking record (results_dir/tracking.json).
     """
     import tensorflow as tf
     import tf_keras as keras
@@ -183,8 +185,21 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         "mixed_precision": amp,
     }
     write_json(summary_path, summary)
+    _write_tracking_record(spec, results_dir, summary, stage_name)
     log.info("model saved: %s (%d params)", model_path, summary["params"])
     return summary
+
+
+def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dict, stage_name: str) -> None:
+    sections = {key: value for key, value in spec.to_dict().items() if key in ("dataset", "model", "augmentation",
+                                                                                "train")}
+    metrics = numeric_leaves({key: summary[key] for key in ("images_per_second", "wall_seconds", "params",
+                                                            "final_losses")})
+    StageRecord(
+        stage=stage_name, params=flatten(sections), metrics=metrics,
+        history=history_from_csv(results_dir / "training_log.csv"),
+        artifacts=[MODEL_FILE, "training_log.csv", SUMMARY_FILE, SPEC_FILE],
+    ).write(results_dir)
 
 
 __all__ = ["train", "MODEL_FILE"]

@@ -1,0 +1,92 @@
+"""The prepare-data stage's library part: make the spec's data set available and checked, once.
+
+A prepared data set is a folder with `dataset.json`:
+  {"source": "synthetic" | "spec", "train": PATH_OR_URI, "val": PATH_OR_URI, "counts": {...}}
+Synthetic data lives inside the folder (paths relative to it), so the folder itself can travel as a
+pipeline artifact; a named data set (local or s3://) stays where it is and the manifest records its URIs.
+Later stages call `spec_with_prepared_dataset` to point their spec at it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+from pathlib import Path
+
+from qatpipe.data.splits import load_split
+from qatpipe.data.synth import write_synthetic_dataset
+from qatpipe.errors import DataError
+from qatpipe.fileio import write_json
+from qatpipe.spec import ExperimentSpec
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "dataset.json"
+
+
+def prepare_dataset(spec: ExperimentSpec, out_dir: str | Path) -> dict:
+    """Generate (no train/val named) or fetch and validate the data set; write `out_dir/dataset.json`."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ds = spec.dataset
+    if ds.train is None and ds.val is None:
+        size = ds.image_size
+        log.info("dataset.train/val not set: generating %d + %d synthetic images (seed %d)",
+                 ds.synthetic.train_images, ds.synthetic.val_images, ds.synthetic.seed)
+        write_synthetic_dataset(out_dir, ds.synthetic.train_images, ds.synthetic.val_images, ds.synthetic.seed,
+                                image_height=size.height, image_width=size.width, overwrite=True)
+        source, train, val = "synthetic", "train", "val"
+    else:
+        source, train, val = "spec", ds.train, ds.val
+    resolved = spec_with_prepared_dataset(spec, out_dir, {"train": train, "val": val})
+    counts = {split: _split_counts(resolved, split) for split in ("train", "val")}
+    manifest = {"source": source, "train": train, "val": val, "classes": list(ds.classes), "counts": counts}
+    write_json(out_dir / MANIFEST, manifest)
+    log.info("dataset ready: %s", json.dumps(counts))
+    return manifest
+
+
+def with_default_dataset(spec: ExperimentSpec) -> ExperimentSpec:
+    """The spec as is when it names its data; else pointed at its synthetic data set, generated once into
+    dataset.cache_dir (the command-line equivalent of the pipeline's prepare-data stage)."""
+    ds = spec.dataset
+    if ds.train is not None or ds.val is not None:
+        return spec
+    size, synth = ds.image_size, ds.synthetic
+    folder = (Path(ds.cache_dir) / "synthetic"
+              / f"seed{synth.seed}-{synth.train_images}x{synth.val_images}-{size.height}x{size.width}")
+    if (folder / MANIFEST).is_file():
+        return spec_with_prepared_dataset(spec, folder)
+    prepare_dataset(spec, folder)
+    return spec_with_prepared_dataset(spec, folder)
+
+
+def _split_counts(spec: ExperimentSpec, split: str) -> dict:
+    """Parse every label of the split (the strict KITTI checks run here) and count images and objects."""
+    samples = load_split(spec, split)
+    objects = collections.Counter(spec.dataset.classes[int(c)] for sample in samples for c in sample.classes)
+    return {"images": len(samples), "objects": {name: objects.get(name, 0) for name in spec.dataset.classes}}
+
+
+def read_manifest(dataset_dir: str | Path) -> dict:
+    path = Path(dataset_dir) / MANIFEST
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(path, "not a prepared data set (no dataset.json): run the prepare-data stage") from None
+    except (OSError, ValueError) as exc:
+        raise DataError(path, f"unreadable data set manifest: {exc}") from None
+
+
+def spec_with_prepared_dataset(spec: ExperimentSpec, dataset_dir: str | Path,
+                               manifest: dict | None = None) -> ExperimentSpec:
+    """A copy of `spec` whose dataset.train/val point at the prepared data set."""
+    manifest = manifest if manifest is not None else read_manifest(dataset_dir)
+    paths = {}
+    for split in ("train", "val"):
+        where = manifest[split]
+        paths[split] = where if "://" in where or Path(where).is_absolute() else str(Path(dataset_dir) / where)
+    data = spec.to_dict()
+    data["dataset"].update(paths)
+    return type(spec).model_validate(data)

@@ -1,0 +1,295 @@
+"""MLflow runs for a pipeline: one parent run per pipeline run, a nested run per stage, the model registry.
+
+Processes and pods find the parent through its run id (a pipeline value). When the KFP backend's MLflow
+integration injects `MLFLOW_RUN_ID`, that run is joined as the parent instead of creating one.
+Every call is retried; when the server stays unreachable a TrackingError names the URI (credentials
+removed) and what was being logged. Stage results are already on disk by then (tracking/records.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from qatpipe.errors import TrackingError
+from qatpipe.tracking.records import StageRecord
+
+log = logging.getLogger(__name__)
+
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+INJECTED_RUN_ENV = "MLFLOW_RUN_ID"  # set by the KFP backend's MLflow integration
+PARENT_TAG = "mlflow.parentRunId"
+STAGE_TAG = "qatpipe.stage"
+KFP_RUN_TAG = "qatpipe.kfp_run_id"
+JOINED_TAG = "qatpipe.joined"  # the parent run belongs to the KFP backend: it opens and closes it
+VARIANT_PREFIX = "variant."  # parent-run metrics: variant.<name>.<metric>
+
+# MLflow's own HTTP retries default to 7 with exponential backoff (minutes of silence against a dead
+# server); ours are few and logged. Users who set these variables keep their values.
+_MLFLOW_HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
+_PARAMS_PER_CALL = 100  # MLflow's log_batch limits
+_METRICS_PER_CALL = 1000
+_MAX_PARAM_CHARS = 6000
+
+T = TypeVar("T")
+
+
+def redact_uri(uri: str) -> str:
+    """Drop `user:password@` from a URI so it can be logged."""
+    return re.sub(r"//[^/@]*@", "//***@", uri)
+
+
+class MlflowTracker:
+    """Thin, retrying wrapper over `mlflow.MlflowClient` with the pipeline's run layout."""
+
+    def __init__(self, tracking_uri: str, attempts: int = 3, backoff_s: float = 2.0):
+        for name, value in _MLFLOW_HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        from mlflow import MlflowClient
+
+        self.tracking_uri = tracking_uri
+        self.attempts = max(1, attempts)
+        self.backoff_s = backoff_s
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+    @classmethod
+    def from_env(cls, **kwargs) -> "MlflowTracker | None":
+        """The tracker for $MLFLOW_TRACKING_URI, or None when tracking is not configured."""
+        uri = os.environ.get(TRACKING_URI_ENV, "").strip()
+        return cls(uri, **kwargs) if uri else None
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return fn()
+            except Exception as exc:  # MlflowException, requests' errors, OSError from file stores
+                if attempt == self.attempts:
+                    raise TrackingError(
+                        f"MLflow at {redact_uri(self.tracking_uri)}: {what} failed after {attempt} attempt(s): "
+                        f"{_one_line(exc)}. Check MLFLOW_TRACKING_URI and that the server is up; local results "
+                        f"are kept."
+                    ) from None
+                delay = self.backoff_s * 2 ** (attempt - 1)
+                log.warning("MLflow %s failed (attempt %d/%d), retrying in %.0f s: %s", what, attempt,
+                            self.attempts, delay, _one_line(exc))
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def check(self) -> None:
+        """Fail early, and clearly, when the server cannot be reached."""
+        self._call("connecting", lambda: self.client.search_experiments(max_results=1))
+
+    def experiment_id(self, name: str, artifact_location: str | None = None) -> str:
+        def get_or_create() -> str:
+            found = self.client.get_experiment_by_name(name)
+            if found is not None:
+                return found.experiment_id
+            try:
+                return self.client.create_experiment(name, artifact_location=artifact_location)
+            except Exception:  # another pod created it first
+                found = self.client.get_experiment_by_name(name)
+                if found is None:
+                    raise
+                return found.experiment_id
+
+        return self._call(f"opening experiment {name!r}", get_or_create)
+
+    # ------------------------------------------------------------------ runs
+
+    def start_pipeline_run(self, experiment: str, run_name: str, params: dict[str, Any],
+                           tags: dict[str, str] | None = None, artifact_location: str | None = None) -> str:
+        """The parent run's id: the injected $MLFLOW_RUN_ID's run, or a new run in `experiment`."""
+        injected = os.environ.get(INJECTED_RUN_ENV, "").strip()
+        if injected:
+            self._call(f"reading the injected run {injected}", lambda: self.client.get_run(injected))
+            run_id = injected
+            self.set_tags(run_id, {"qatpipe.kind": "pipeline", JOINED_TAG: "true", **(tags or {})})
+            log.info("joining the MLflow run %s injected by the KFP backend", run_id)
+        else:
+            experiment_id = self.experiment_id(experiment, artifact_location)
+            run = self._call("creating the pipeline run", lambda: self.client.create_run(
+                experiment_id, run_name=run_name, tags={"qatpipe.kind": "pipeline", **(tags or {})}))
+            run_id = run.info.run_id
+            log.info("MLflow pipeline run %s in experiment %r", run_id, experiment)
+        self.log_params(run_id, params)
+        return run_id
+
+    def start_stage_run(self, parent_run_id: str, stage: str, tags: dict[str, str] | None = None) -> str:
+        parent = self._call("reading the pipeline run", lambda: self.client.get_run(parent_run_id))
+        run = self._call(f"creating the {stage} run", lambda: self.client.create_run(
+            parent.info.experiment_id, run_name=stage,
+            tags={PARENT_TAG: parent_run_id, STAGE_TAG: stage, **(tags or {})}))
+        return run.info.run_id
+
+    def log_stage(self, parent_run_id: str, record: StageRecord, folder: str | Path) -> str:
+        """Log a stage's record (params, metrics, history, artifacts under `folder`) as a nested run."""
+        run_id = self.start_stage_run(parent_run_id, record.stage, record.tags)
+        try:
+            self.log_params(run_id, record.params)
+            self.log_metrics(run_id, record.metrics, record.history)
+            for relative in record.artifacts:
+                self.log_artifact(run_id, Path(folder) / relative)
+        except TrackingError:
+            self._finish_quietly(run_id, "FAILED")
+            raise
+        self.finish(run_id, "FINISHED")
+        log.info("logged stage %s to MLflow run %s", record.stage, run_id)
+        return run_id
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(key, _param_value(value)) for key, value in sorted(params.items())]
+        for start in range(0, len(items), _PARAMS_PER_CALL):
+            chunk = items[start:start + _PARAMS_PER_CALL]
+            self._call("logging params", lambda: self.client.log_batch(run_id, params=chunk))
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float],
+                    history: dict[str, list[list[float]]] | None = None) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(_metric_key(k), float(v), now, 0) for k, v in sorted(metrics.items()) if _finite(v)]
+        for name, points in sorted((history or {}).items()):
+            items += [Metric(_metric_key(name), float(v), now, int(step)) for step, v in points if _finite(v)]
+        for start in range(0, len(items), _METRICS_PER_CALL):
+            chunk = items[start:start + _METRICS_PER_CALL]
+            self._call("logging metrics", lambda: self.client.log_batch(run_id, metrics=chunk))
+
+    def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            target = artifact_path or path.name
+            self._call(f"uploading {path.name}/", lambda: self.client.log_artifacts(run_id, str(path), target))
+        elif path.is_file():
+            self._call(f"uploading {path.name}", lambda: self.client.log_artifact(run_id, str(path), artifact_path))
+        else:
+            log.warning("artifact %s does not exist; not uploaded", path)
+
+    def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self._call(f"setting tag {key}", lambda: self.client.set_tag(run_id, key, value))
+
+    def finish(self, run_id: str, status: str = "FINISHED") -> None:
+        self._call(f"closing run {run_id}", lambda: self.client.set_terminated(run_id, status))
+
+    def finish_pipeline_run(self, kfp_run_id: str, status: str, pipeline_state: str) -> str | None:
+        """Close the parent run tagged with `kfp_run_id` (unless the KFP backend owns it); returns its id."""
+        def find():
+            experiments = self.client.search_experiments()
+            runs = self.client.search_runs([e.experiment_id for e in experiments],
+                                           f"tags.`{KFP_RUN_TAG}` = '{kfp_run_id}'", max_results=1)
+            return runs[0] if runs else None
+
+        run = self._call("finding the pipeline run", find) if kfp_run_id else None
+        if run is None:
+            log.info("no MLflow run tagged %s=%s; nothing to close", KFP_RUN_TAG, kfp_run_id)
+            return None
+        run_id = run.info.run_id
+        self.set_tags(run_id, {"qatpipe.pipeline_state": pipeline_state})
+        if run.data.tags.get(JOINED_TAG) == "true":
+            log.info("the KFP backend owns MLflow run %s; leaving it open", run_id)
+            return None
+        self.finish(run_id, status)
+        return run_id
+
+    def _finish_quietly(self, run_id: str, status: str) -> None:
+        try:
+            self.client.set_terminated(run_id, status)
+        except Exception:  # already failing; the original error is the one to report
+            pass
+
+    # ------------------------------------------------------------------ variants and registry
+
+    def log_variants(self, run_id: str, variants: dict[str, dict[str, Any]]) -> None:
+        """FP32/PTQ/QAT figures on the parent run, as `variant.<name>.<metric>`, for side-by-side views."""
+        flat = {f"{VARIANT_PREFIX}{name}.{key}": value for name, row in variants.items()
+                for key, value in row.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        self.log_metrics(run_id, flat)
+        self.set_tags(run_id, {"qatpipe.variants": ",".join(variants)})
+
+    def log_comparison(self, run_id: str, variants: dict[str, dict[str, Any]], folder: str | Path) -> dict:
+        """The compare stage's output on the parent run: variant metrics plus its files under comparison/.
+        Returns where it went (summary.json's `mlflow` block)."""
+        self.log_variants(run_id, variants)
+        for relative in StageRecord.read(folder).artifacts:
+            self.log_artifact(run_id, Path(folder) / relative, "comparison")
+        run = self._call(f"reading run {run_id}", lambda: self.client.get_run(run_id))
+        experiment = self._call("reading the experiment",
+                                lambda: self.client.get_experiment(run.info.experiment_id))
+        return {"tracking_uri": redact_uri(self.tracking_uri), "experiment": experiment.name, "run_id": run_id}
+
+    def read_variants(self, run_id: str) -> dict[str, dict[str, float]]:
+        run = self._call(f"reading run {run_id}", lambda: self.client.get_run(run_id))
+        variants: dict[str, dict[str, float]] = {}
+        for name in run.data.tags.get("qatpipe.variants", "").split(","):
+            if name:
+                variants[name] = {}
+        for key, value in run.data.metrics.items():
+            if key.startswith(VARIANT_PREFIX):
+                name, metric = key[len(VARIANT_PREFIX):].split(".", 1)
+                variants.setdefault(name, {})[metric] = value
+        return variants
+
+    def latest_pipeline_run(self, experiment: str) -> str:
+        def find() -> str:
+            found = self.client.get_experiment_by_name(experiment)
+            if found is None:
+                raise TrackingError(f"no MLflow experiment named {experiment!r}")
+            runs = self.client.search_runs([found.experiment_id], "tags.`qatpipe.kind` = 'pipeline'",
+                                           order_by=["attributes.start_time DESC"], max_results=1)
+            if not runs:
+                raise TrackingError(f"experiment {experiment!r} has no pipeline runs")
+            return runs[0].info.run_id
+
+        try:
+            return find()
+        except TrackingError:
+            raise
+        except Exception:
+            return self._call(f"searching experiment {experiment!r}", find)
+
+    def register_model(self, run_id: str, artifact_path: str, name: str, tags: dict[str, str] | None = None):
+        """Register `runs:/<run_id>/<artifact_path>` as a new version of model `name`; returns the version."""
+        def register():
+            try:
+                self.client.create_registered_model(name)
+            except Exception:  # exists already
+                pass
+            source = f"runs:/{run_id}/{artifact_path}"
+            return self.client.create_model_version(name, source, run_id=run_id, tags=tags or {})
+
+        version = self._call(f"registering model {name!r}", register)
+        log.info("registered %s version %s from run %s", name, version.version, run_id)
+        return version
+
+
+def _param_value(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= _MAX_PARAM_CHARS else text[:_MAX_PARAM_CHARS - 3] + "..."
+
+
+def _metric_key(name: str) -> str:
+    # MLflow allows alphanumerics, _ - . / and space; per-class names come from user data
+    return re.sub(r"[^\w\-./ ]", "_", name)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception as one short line, with any credentials in URLs removed."""
+    text = redact_uri(" ".join(str(exc).split())) or type(exc).__name__
+    return text if len(text) <= 400 else text[:397] + "..."

@@ -1,0 +1,107 @@
+"""MLflow tracking against a real `mlflow server` on loopback, and against one that is not there."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from qatpipe.errors import TrackingError
+from qatpipe.tracking.mlflow_runs import INJECTED_RUN_ENV, KFP_RUN_TAG, PARENT_TAG, MlflowTracker, redact_uri
+from qatpipe.tracking.records import StageRecord, history_from_csv
+
+
+def _record(folder):
+    (folder / "model.keras").write_bytes(b"weights")
+    (folder / "training_log.csv").write_text("epoch,loss,lr\n0,2.0,NA\n1,1.5,NA\n2,1.2,NA\n")
+    record = StageRecord(stage="train", params={"train.epochs": 3, "model.backbone.depth": 10},
+                         metrics={"params": 12345.0}, history=history_from_csv(folder / "training_log.csv"),
+                         artifacts=["model.keras", "training_log.csv"])
+    record.write(folder)
+    return StageRecord.read(folder)
+
+
+def test_parent_and_stage_runs(mlflow_server, tmp_path, monkeypatch):
+    monkeypatch.delenv(INJECTED_RUN_ENV, raising=False)
+    tracker = MlflowTracker(mlflow_server)
+    tracker.check()
+    parent = tracker.start_pipeline_run("test-runs", "pipeline-1", {"train.epochs": 3, "dataset.classes": ["a"]},
+                                        tags={KFP_RUN_TAG: "kfp-1"})
+    child = tracker.log_stage(parent, _record(tmp_path), tmp_path)
+
+    client = tracker.client
+    child_run = client.get_run(child)
+    assert child_run.data.tags[PARENT_TAG] == parent
+    assert child_run.info.status == "FINISHED"
+    assert child_run.data.params["train.epochs"] == "3"
+    losses = client.get_metric_history(child, "loss")
+    assert [(m.step, m.value) for m in sorted(losses, key=lambda m: m.step)] == [(1, 2.0), (2, 1.5), (3, 1.2)]
+    assert "lr" not in child_run.data.metrics  # "NA" values are skipped, not logged as garbage
+    assert sorted(a.path for a in client.list_artifacts(child)) == ["model.keras", "training_log.csv"]
+    downloaded = client.download_artifacts(child, "model.keras", str(tmp_path / "dl"))
+    assert open(downloaded, "rb").read() == b"weights"
+    assert client.get_run(parent).data.params["dataset.classes"] == "['a']"
+
+    tracker.log_variants(parent, {"fp32": {"map50": 0.9, "map": 0.6, "latency_ms_p50": None}})
+    assert tracker.read_variants(parent) == {"fp32": {"map50": 0.9, "map": 0.6}}
+    assert tracker.latest_pipeline_run("test-runs") == parent
+
+    assert tracker.finish_pipeline_run("kfp-1", "FINISHED", "SUCCEEDED") == parent
+    assert client.get_run(parent).info.status == "FINISHED"
+
+
+def test_register_model(mlflow_server, tmp_path, monkeypatch):
+    monkeypatch.delenv(INJECTED_RUN_ENV, raising=False)
+    tracker = MlflowTracker(mlflow_server)
+    parent = tracker.start_pipeline_run("test-registry", "p", {})
+    child = tracker.log_stage(parent, _record(tmp_path), tmp_path)
+    first = tracker.register_model(child, "model.keras", "detector-test")
+    second = tracker.register_model(child, "model.keras", "detector-test", tags={"variant": "qat"})
+    assert (int(first.version), int(second.version)) == (1, 2)
+    versions = tracker.client.search_model_versions("name='detector-test'")
+    assert {v.run_id for v in versions} == {child}
+
+
+def test_joins_the_run_the_kfp_backend_injects(mlflow_server, monkeypatch):
+    tracker = MlflowTracker(mlflow_server)
+    experiment = tracker.experiment_id("test-injected")
+    injected = tracker.client.create_run(experiment, run_name="made-by-kfp").info.run_id
+    monkeypatch.setenv(INJECTED_RUN_ENV, injected)
+    parent = tracker.start_pipeline_run("ignored", "p", {"a": 1}, tags={KFP_RUN_TAG: "kfp-injected"})
+    assert parent == injected
+    assert tracker.client.get_run(injected).data.params == {"a": "1"}
+    # the backend owns the run: the exit handler must not close it
+    assert tracker.finish_pipeline_run("kfp-injected", "FINISHED", "SUCCEEDED") is None
+    assert tracker.client.get_run(injected).info.status == "RUNNING"
+
+
+def test_unreachable_server_fails_clearly_and_keeps_results(closed_port_uri, tmp_path):
+    record = _record(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    uri = closed_port_uri.replace("http://", "http://alice:s3cret@")
+    tracker = MlflowTracker(uri, attempts=2, backoff_s=0.1)
+    started = time.monotonic()
+    with pytest.raises(TrackingError) as caught:
+        tracker.log_stage("0" * 32, record, tmp_path)
+    message = str(caught.value)
+    assert "failed after 2 attempt(s)" in message and closed_port_uri.split("//")[1] in message
+    assert "s3cret" not in message and "local results are kept" in message
+    assert time.monotonic() - started < 60
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing written is lost
+
+
+def test_redact_uri():
+    assert redact_uri("https://user:pw@mlflow.example.com/path") == "https://***@mlflow.example.com/path"
+    assert redact_uri("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"
+
+
+def test_stage_record_round_trip_and_bad_file(tmp_path):
+    record = StageRecord(stage="evaluate", metrics={"map50": 0.5}, artifacts=["metrics.json"])
+    record.write(tmp_path)
+    assert StageRecord.read(tmp_path) == record
+    (tmp_path / "tracking.json").write_text(json.dumps({"stage": "x", "unknown": 1}))
+    with pytest.raises(Exception, match="unreadable tracking record"):
+        StageRecord.read(tmp_path)
+    with pytest.raises(Exception, match="no tracking record"):
+        StageRecord.read(tmp_path / "missing")
