@@ -5,8 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
-DATA   ?= data/synth
-RESULTS ?= results
+RESULTS ?= results/pipeline
 
 .PHONY: install main test bench clean
 
@@ -18,18 +17,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Main job: synthetic KITTI data -> FP32 train -> evaluate (mAP). Re-running resumes: existing data is
-# kept and training continues from its last checkpoint.
+# Main job: the whole Kubeflow pipeline on this machine (kfp.local) on the default spec: synthetic KITTI data
+# -> train -> evaluate -> compare, tracked in MLflow (SQLite store in $(RESULTS)). Prints the variant table
+# and writes $(RESULTS)/summary.json. Re-running reuses every finished stage.
 main: $(STAMP)
-	test -d $(DATA)/train -a -d $(DATA)/val || $(BIN)/qatpipe data synth --out $(DATA) --train 2000 --val 300 --seed 0
-	$(BIN)/qatpipe train -e default -r $(RESULTS)/train
-	$(BIN)/qatpipe evaluate -e default -m $(RESULTS)/train/model.keras -o $(RESULTS)/evaluate
+	$(BIN)/qatpipe run --local --spec default --output $(RESULTS)
 
 test: $(STAMP)
 	$(BIN)/pytest
 
 bench: $(STAMP)
-	$(BIN)/python bench/train_eval.py
+	$(BIN)/python bench/pipeline_local.py
 
 clean:
-	rm -rf $(RESULTS) .pytest_cache
+	rm -rf results .pytest_cache

@@ -14,25 +14,18 @@ from qatpipe.errors import QatpipeError
 log = logging.getLogger("qatpipe")
 
 
-def _spec_path(value: str) -> Path:
-    """A spec file path, or the name of a bundled spec (`default`, `tiny`)."""
-    from qatpipe.spec import bundled_spec_path
+def _load(args, with_data: bool = True):
+    """The spec of -e/--set; a spec naming no data set gets its synthetic one (made once, then cached)."""
+    from qatpipe.data.prepare import with_default_dataset
+    from qatpipe.spec_sources import load_spec_uri
 
-    path = Path(value)
-    if path.exists() or path.suffix in (".yaml", ".yml") or "/" in value:
-        return path
-    return bundled_spec_path(value)
-
-
-def _load(args):
-    from qatpipe.spec import load_spec
-
-    return load_spec(_spec_path(args.experiment_spec), args.overrides)
+    spec = load_spec_uri(args.experiment_spec, args.overrides)
+    return with_default_dataset(spec) if with_data else spec
 
 
 def _add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-e", "--experiment-spec", required=True,
-                        help="spec YAML file, or a bundled spec name (default, tiny)")
+                        help="spec YAML file, s3://bucket/key, or a bundled spec name (default, tiny)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a spec key, e.g. --set train.epochs=5 (repeatable)")
 
@@ -65,10 +58,64 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def cmd_run(args) -> int:
+    from qatpipe.stages.compare import format_table
+    from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
+
+    if not args.local:
+        log.error("only --local runs here; on a cluster use `qatpipe submit --host URL` (or `kfp run create`)")
+        return 2
+    summary = run_local(args.output, args.spec, args.overrides, run_name=args.run_name or "")
+    log.info("summary: %s", args.output / SUMMARY_FILE)
+    if "mlflow" in summary:
+        log.info("MLflow: run %s in experiment %r at %s", summary["mlflow"]["run_id"],
+                 summary["mlflow"]["experiment"], summary["mlflow"]["tracking_uri"])
+    print(format_table(summary["variants"]))  # the answer, for people and scripts
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from qatpipe_pipelines.submit import compile_pipeline
+
+    compile_pipeline(args.output, cache_pvc=args.cache_pvc)
+    return 0
+
+
+def cmd_submit(args) -> int:
+    from qatpipe_pipelines.submit import parse_arguments, submit
+
+    url = submit(args.host, parse_arguments(args.arguments), experiment=args.experiment,
+                 namespace=args.namespace, run_name=args.run_name, package=args.package)
+    print(url)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    import os
+
+    from qatpipe.stages.compare import format_table, plot_variants
+    from qatpipe.tracking.mlflow_runs import TRACKING_URI_ENV, MlflowTracker
+
+    uri = args.tracking_uri or os.environ.get(TRACKING_URI_ENV)
+    if not uri:
+        log.error("no MLflow server: set MLFLOW_TRACKING_URI or pass --tracking-uri")
+        return 2
+    tracker = MlflowTracker(uri)
+    run_id = args.run_id or tracker.latest_pipeline_run(args.experiment)
+    variants = tracker.read_variants(run_id)
+    if not variants:
+        log.error("MLflow run %s has no variant figures (did its compare stage run?)", run_id)
+        return 2
+    chart = plot_variants(variants, args.output)
+    log.info("pipeline run %s; chart: %s", run_id, chart)
+    print(format_table(variants))
+    return 0
+
+
 def cmd_spec_show(args) -> int:
     import yaml
 
-    sys.stdout.write(yaml.safe_dump(_load(args).to_dict(), sort_keys=False))
+    sys.stdout.write(yaml.safe_dump(_load(args, with_data=False).to_dict(), sort_keys=False))
     return 0
 
 
@@ -104,6 +151,39 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("-o", "--output-dir", type=Path, help="default: MODEL_DIR/evaluate")
     evaluate.set_defaults(func=cmd_evaluate)
 
+    run = sub.add_parser("run", help="run the whole pipeline (--local: through kfp.local on this machine)")
+    run.add_argument("--local", action="store_true", required=True, help="run here, each stage a subprocess")
+    run.add_argument("--spec", default="default", help="spec file, s3:// URI or bundled name (default: default)")
+    run.add_argument("--output", type=Path, default=Path("results/pipeline"),
+                     help="results, MLflow store and stage cache (default: results/pipeline); re-use it to resume")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a spec key (repeatable)")
+    run.add_argument("--run-name", help="MLflow parent run name (default: the output folder's name)")
+    run.set_defaults(func=cmd_run)
+
+    compile_ = sub.add_parser("compile", help="compile the pipeline to a KFP package (YAML)")
+    compile_.add_argument("-o", "--output", type=Path, default=Path("qat_pipeline.yaml"))
+    compile_.add_argument("--cache-pvc", help="mount this PVC as the dataset cache of the data-reading stages")
+    compile_.set_defaults(func=cmd_compile)
+
+    submit = sub.add_parser("submit", help="create a pipeline run on a Kubeflow Pipelines backend",
+                            description="Token: $KFP_TOKEN, else the kube config's current user.")
+    submit.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kubeflow.example.com/pipeline")
+    submit.add_argument("--experiment", default="qatpipe", help="KFP experiment (default: qatpipe)")
+    submit.add_argument("--namespace", help="Kubeflow profile namespace (multi-user deployments)")
+    submit.add_argument("--run-name", help="KFP run name")
+    submit.add_argument("--package", type=Path, help="a compiled pipeline YAML (default: compile now)")
+    submit.add_argument("arguments", nargs="*", metavar="NAME=VALUE",
+                        help="pipeline parameters, e.g. spec_uri=s3://bucket/spec.yaml gpus=2")
+    submit.set_defaults(func=cmd_submit)
+
+    compare = sub.add_parser("compare", help="the FP32/PTQ/QAT table of a pipeline run, from MLflow")
+    compare.add_argument("--run-id", help="MLflow parent run id (default: the experiment's latest pipeline run)")
+    compare.add_argument("--experiment", default="qatpipe")
+    compare.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI")
+    compare.add_argument("-o", "--output", type=Path, default=Path("comparison.png"), help="bar chart (PNG)")
+    compare.set_defaults(func=cmd_compare)
+
     spec = sub.add_parser("spec", help="spec tools").add_subparsers(dest="spec_command", required=True)
     show = spec.add_parser("show", help="print the validated spec with every default filled in")
     _add_spec_args(show)
@@ -117,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
     )
-    for noisy in ("botocore", "urllib3", "matplotlib", "PIL", "h5py", "absl"):
+    for noisy in ("botocore", "urllib3", "matplotlib", "PIL", "h5py", "absl", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return args.func(args)

@@ -1,0 +1,33 @@
+"""evaluate: mAP@0.5, mAP@[.5:.95] and per-class AP of one model variant on the val set (pycocotools)."""
+
+from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Metrics, Model, Output
+
+from qatpipe_kfp.settings import component
+
+
+@component
+def evaluate(evaluate_spec: str, variant: str, dataset: Input[Dataset], model: Input[Model],
+             results: Output[Artifact], metrics: Output[Metrics], report: Output[Markdown],
+             pr_curves: Output[HTML]):
+    from pathlib import Path
+
+    from qatpipe.data.prepare import spec_with_prepared_dataset
+    from qatpipe.stages.evaluate import PR_CURVE_FILE, evaluate as evaluate_stage, tracked_metrics
+    from qatpipe_kfp.runtime import image_html, load_stage_spec, stage, write_metrics, write_text
+
+    with stage(f"evaluate-{variant}"):
+        spec = spec_with_prepared_dataset(load_stage_spec(evaluate_spec), dataset.path)
+        model_file = Path(model.path) / model.metadata.get("file", "model.keras")
+        result = evaluate_stage(spec, model_file, results.path, stage_name=f"evaluate_{variant}")
+        results.metadata["variant"] = variant
+        write_metrics(metrics, tracked_metrics(result))
+        def fmt(value):
+            return "n/a" if value is None else f"{value:.4f}"
+
+        rows = [f"| {name} | {v['num_gt']} | {fmt(v['ap50'])} | {fmt(v['ap'])} |"
+                for name, v in result["per_class"].items()]
+        write_text(report, "\n".join([
+            f"# {variant}: mAP@0.5 {result['map50']:.4f}, mAP@[.5:.95] {result['map']:.4f}", "",
+            "| class | objects | AP@0.5 | AP@[.5:.95] |", "|---|---|---|---|", *rows, ""]))
+        write_text(pr_curves, image_html(f"{variant}: precision/recall at IoU 0.5",
+                                         Path(results.path) / PR_CURVE_FILE))

@@ -1,0 +1,22 @@
+"""finish-tracking: the exit handler closes the MLflow parent run as FINISHED or FAILED.
+
+An exit task may not depend on other tasks, so it finds the parent run by the KFP run id tag."""
+
+from kfp import dsl
+
+from qatpipe_kfp.settings import component
+
+
+@component
+def finish_tracking(kfp_run_id: str, status: dsl.PipelineTaskFinalStatus):
+    from qatpipe.tracking.mlflow_runs import MlflowTracker
+    from qatpipe_kfp.runtime import log, stage
+
+    with stage("finish-tracking"):
+        tracker = MlflowTracker.from_env()
+        if tracker is None:
+            return
+        outcome = "FINISHED" if status.state == "SUCCEEDED" else "FAILED"
+        closed = tracker.finish_pipeline_run(kfp_run_id, outcome, status.state)
+        if closed:
+            log.info("MLflow run %s closed as %s (pipeline %s)", closed, outcome, status.state)

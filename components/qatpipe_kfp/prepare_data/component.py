@@ -1,0 +1,29 @@
+"""prepare-data: generate the synthetic data set, or fetch (s3://) and validate the spec's KITTI folders."""
+
+from kfp.dsl import Dataset, Markdown, Output
+
+from qatpipe_kfp.settings import component
+
+
+@component
+def prepare_data(data_spec: str, dataset: Output[Dataset], report: Output[Markdown]):
+    from qatpipe.data.prepare import prepare_dataset
+    from qatpipe.tracking.records import StageRecord, numeric_leaves
+    from qatpipe_kfp.runtime import load_stage_spec, stage, write_text
+
+    with stage("prepare-data"):
+        spec = load_stage_spec(data_spec)
+        manifest = prepare_dataset(spec, dataset.path)
+        counts = manifest["counts"]
+        dataset.metadata.update({"source": manifest["source"], "train_images": counts["train"]["images"],
+                                 "val_images": counts["val"]["images"]})
+        rows = [f"| {name} | {counts['train']['objects'][name]} | {counts['val']['objects'][name]} |"
+                for name in manifest["classes"]]
+        write_text(report, "\n".join([
+            f"# Data set ({manifest['source']})", "",
+            f"train: `{manifest['train']}` ({counts['train']['images']} images), "
+            f"val: `{manifest['val']}` ({counts['val']['images']} images)", "",
+            "| class | train objects | val objects |", "|---|---|---|", *rows, ""]))
+        StageRecord(stage="prepare_data", params={"source": manifest["source"], "train": manifest["train"],
+                                                  "val": manifest["val"]},
+                    metrics=numeric_leaves(counts), artifacts=["dataset.json"]).write(dataset.path)

@@ -1,0 +1,18 @@
+import yaml
+
+from qatpipe_kfp.resolve_spec.component import resolve_spec
+
+
+def test_each_stage_gets_only_its_sections():
+    out = resolve_spec.python_func(spec_uri="tiny", overrides=["train.epochs=3"])
+    assert yaml.safe_load(out.spec)["train"]["epochs"] == 3
+    assert set(yaml.safe_load(out.data_spec)) == {"dataset"}
+    assert set(yaml.safe_load(out.train_spec)) == {"dataset", "model", "augmentation", "train"}
+    assert set(yaml.safe_load(out.evaluate_spec)) == {"dataset", "model", "evaluate"}
+
+
+def test_unrelated_change_keeps_the_training_input_identical():
+    # KFP caches on inputs: editing the validation gate must not retrain
+    base = resolve_spec.python_func(spec_uri="tiny", overrides=[])
+    gated = resolve_spec.python_func(spec_uri="tiny", overrides=["validate.max_map_drop=0.02"])
+    assert gated.train_spec == base.train_spec and gated.spec != base.spec

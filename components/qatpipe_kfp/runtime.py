@@ -1,0 +1,90 @@
+"""What every component body does around its stage function: logging, spec loading, failure reports."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+import traceback
+from pathlib import Path
+
+STAGE_LOG_ENV = "QATPIPE_STAGE_LOG"  # set by `qatpipe run --local`: JSON lines of stage outcomes
+CACHE_DIR_ENV = "QATPIPE_CACHE_DIR"  # set by the pipeline when a PVC holds the dataset cache
+
+log = logging.getLogger("qatpipe")
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+
+
+@contextlib.contextmanager
+def stage(name: str):
+    """Run one stage: log its start and end; on failure say which stage, why, and how to resume."""
+    setup_logging()
+    started = time.perf_counter()
+    log.info("stage %s: started", name)
+    try:
+        yield
+    except Exception as exc:
+        from qatpipe.errors import QatpipeError
+
+        reason = str(exc) if isinstance(exc, QatpipeError) else f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, QatpipeError):
+            log.error("stage %s: unexpected error\n%s", name, traceback.format_exc())
+        log.error("stage %s failed: %s. Fix the cause and re-run the pipeline: finished stages are reused "
+                  "(KFP caching), and training resumes from its last checkpoint when its folder is kept.",
+                  name, reason)
+        _record(name, "failed", time.perf_counter() - started, reason)
+        raise
+    seconds = time.perf_counter() - started
+    log.info("stage %s: done in %.1f s", name, seconds)
+    _record(name, "done", seconds)
+
+
+def _record(name: str, status: str, seconds: float, reason: str | None = None) -> None:
+    path = os.environ.get(STAGE_LOG_ENV)
+    if not path:
+        return
+    entry = {"stage": name, "status": status, "seconds": round(seconds, 2), "pid": os.getpid()}
+    if reason:
+        entry["reason"] = reason
+    with open(path, "a", encoding="utf-8") as handle:  # one short line per write: appends do not interleave
+        handle.write(json.dumps(entry) + "\n")
+
+
+def load_stage_spec(text: str):
+    """A stage's spec from the YAML the pipeline passes; the dataset cache moves to the PVC when one is mounted."""
+    from qatpipe.spec import load_spec_text
+
+    spec = load_spec_text(text, source="pipeline spec")
+    cache_dir = os.environ.get(CACHE_DIR_ENV)
+    if cache_dir:
+        spec.dataset.cache_dir = cache_dir
+    return spec
+
+
+def write_metrics(metrics_artifact, values: dict[str, float]) -> None:
+    """KFP Metrics (shown in the run comparison) plus the same figures as a file: local caching needs every
+    output artifact to exist on disk."""
+    for key, value in values.items():
+        if value is not None:
+            metrics_artifact.log_metric(key, float(value))
+    Path(metrics_artifact.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(metrics_artifact.path).write_text(json.dumps(values, indent=2) + "\n")
+
+
+def write_text(artifact, text: str) -> None:
+    Path(artifact.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(artifact.path).write_text(text, encoding="utf-8")
+
+
+def image_html(title: str, png_path: str | Path) -> str:
+    import base64
+    import html
+
+    data = base64.b64encode(Path(png_path).read_bytes()).decode("ascii")
+    return (f"<html><body><h3>{html.escape(title)}</h3>"
+            f'<img alt="{html.escape(title)}" src="data:image/png;base64,{data}"/></body></html>\n')

@@ -1,0 +1,29 @@
+"""start-tracking: the MLflow parent run of this pipeline run (or the one the KFP backend injected), tagged
+with the KFP run id so the exit handler, which may not depend on other tasks, can find it."""
+
+from qatpipe_kfp.settings import component
+
+
+@component
+def start_tracking(spec: str, run_name: str, kfp_run_id: str) -> str:
+    import tempfile
+    from pathlib import Path
+
+    from qatpipe.spec import flatten
+    from qatpipe.tracking.mlflow_runs import KFP_RUN_TAG, MlflowTracker
+    from qatpipe_kfp.runtime import load_stage_spec, log, stage
+
+    with stage("start-tracking"):
+        tracker = MlflowTracker.from_env()
+        if tracker is None:
+            log.warning("MLFLOW_TRACKING_URI is not set: this run is not tracked in MLflow")
+            return ""
+        tracker.check()
+        resolved = load_stage_spec(spec)
+        run_id = tracker.start_pipeline_run(resolved.tracking.experiment, run_name or "qatpipe",
+                                            flatten(resolved.to_dict()), tags={KFP_RUN_TAG: kfp_run_id})
+        with tempfile.TemporaryDirectory() as tmp:
+            spec_file = Path(tmp) / "spec.yaml"
+            spec_file.write_text(spec, encoding="utf-8")
+            tracker.log_artifact(run_id, spec_file)
+        return run_id

@@ -1,0 +1,11 @@
+"""The contract the pipeline wires against; the body runs in tests/test_local_pipeline.py (it trains)."""
+
+from qatpipe_kfp.train.component import train
+
+
+def test_interface():
+    spec = train.component_spec
+    assert {k: v.type for k, v in spec.inputs.items()} == {"train_spec": "String",
+                                                           "dataset": "system.Dataset@0.0.1"}
+    assert {k: v.type for k, v in spec.outputs.items()} == {"model": "system.Model@0.0.1",
+                                                            "metrics": "system.Metrics@0.0.1"}

@@ -1,0 +1,128 @@
+"""`qatpipe run --local`: the whole pipeline on this machine through kfp.local, the README's main job.
+
+Each stage runs in its own Python subprocess (SubprocessRunner, no venv: the current environment has
+qatpipe). Outputs land under OUTPUT/kfp; kfp.local's cache (OUTPUT/kfp-cache) makes a re-run into the same
+OUTPUT reuse every finished stage. MLflow goes to $MLFLOW_TRACKING_URI, or a SQLite store in OUTPUT.
+"""
+
+import contextlib
+import json
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+
+from qatpipe.errors import QatpipeError
+from qatpipe.fileio import write_json
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "summary.json"
+STAGE_LOG_FILE = "stage_log.jsonl"
+
+
+class PipelineFailed(QatpipeError):
+    """A stage failed: names the stage, the reason, and how to resume."""
+
+
+def run_local(output_dir: str | Path, spec_uri: str = "default", overrides: list[str] | None = None,
+              run_name: str = "") -> dict:
+    """Run the pipeline locally into `output_dir`; returns (and writes) its summary.json."""
+    import kfp.local
+
+    from qatpipe.spec_sources import load_spec_uri
+    from qatpipe.tracking.mlflow_runs import TRACKING_URI_ENV, MlflowTracker
+    from qatpipe_kfp.runtime import STAGE_LOG_ENV
+    from qatpipe_pipelines.qat_pipeline import build_pipeline
+
+    overrides = list(overrides or [])
+    out = Path(output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    spec_uri = _absolute_if_local(spec_uri)
+    spec = load_spec_uri(spec_uri, overrides)  # a bad spec fails here, before any subprocess starts
+
+    tracking_uri = os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{out / 'mlflow.db'}"
+    tracker = MlflowTracker(tracking_uri)
+    tracker.check()
+    # a local store keeps its artifacts beside it, not in the current directory
+    tracker.experiment_id(spec.tracking.experiment, artifact_location=(out / "mlartifacts").as_uri())
+
+    stage_log = out / STAGE_LOG_FILE
+    stage_log.unlink(missing_ok=True)
+    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(out / "kfp"),
+                   enable_caching=True, cache_root=str(out / "kfp-cache"), raise_on_error=True)
+    qat_pipeline = build_pipeline(network_retries=0, gpu_placement=False)
+    started = time.time()
+    log.info("running the pipeline locally into %s (spec %s)", out, spec_uri)
+    # the stage subprocesses inherit these
+    with _environment({TRACKING_URI_ENV: tracking_uri, STAGE_LOG_ENV: str(stage_log)}), warnings.catch_warnings():
+        # kfp.local warns, per task, that the image parameter is not a Python image: locally it runs no image
+        warnings.filterwarnings("ignore", message="You may be attemping to run a task that uses custom",
+                                category=RuntimeWarning)
+        # ... and that display names (log-train, evaluate-fp32) are a KFP UI matter
+        warnings.filterwarnings("ignore", message=r".*settings \['display_name'\] have no effect",
+                                category=UserWarning)
+        try:
+            qat_pipeline(spec_uri=spec_uri, spec_overrides=overrides, run_name=run_name or out.name)
+        except RuntimeError as exc:
+            raise PipelineFailed(_failure_message(stage_log, exc, out, spec_uri, overrides)) from None
+
+    summary = _collect_summary(out / "kfp", started)
+    summary["stages"] = _stage_outcomes(stage_log)
+    summary["wall_seconds"] = round(time.time() - started, 1)
+    write_json(out / SUMMARY_FILE, summary)
+    return summary
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _absolute_if_local(spec_uri: str) -> str:
+    """Stages run in other processes: a relative spec path must not depend on their working directory."""
+    if "://" in spec_uri:
+        return spec_uri
+    path = Path(spec_uri)
+    return str(path.resolve()) if path.exists() else spec_uri
+
+
+def _collect_summary(pipeline_root: Path, started: float) -> dict:
+    """The compare stage's summary.json from this run (kfp.local names run folders by time)."""
+    candidates = sorted(pipeline_root.glob("*/compare/summary/summary.json"), key=lambda p: p.stat().st_mtime)
+    fresh = [p for p in candidates if p.stat().st_mtime >= started - 1]
+    if not fresh:
+        raise QatpipeError(f"{pipeline_root}: the pipeline finished but wrote no compare/summary.json")
+    return json.loads(fresh[-1].read_text())
+
+
+def _stage_outcomes(stage_log: Path) -> dict:
+    """stage -> {"status": done|failed, "seconds"}; a stage that kfp.local served from cache is "reused"."""
+    outcomes: dict[str, dict] = {}
+    if stage_log.is_file():
+        for line in stage_log.read_text().splitlines():
+            entry = json.loads(line)
+            name = entry.pop("stage")
+            outcomes[name] = {key: value for key, value in entry.items() if key != "pid"}
+    return outcomes
+
+
+def _failure_message(stage_log: Path, exc: Exception, out: Path, spec_uri: str, overrides: list[str]) -> str:
+    failed = [(name, o) for name, o in _stage_outcomes(stage_log).items() if o["status"] == "failed"]
+    command = " ".join(["qatpipe run --local", f"--spec {spec_uri}", f"--output {out}",
+                        *(f"--set {item}" for item in overrides)])
+    resume = f"Fix it and re-run `{command}`: finished stages are reused from {out / 'kfp-cache'}."
+    if failed:
+        name, outcome = failed[-1]
+        return f"pipeline stage {name} failed: {outcome.get('reason', 'see the log above')}. {resume}"
+    return f"pipeline failed: {exc}. {resume}"

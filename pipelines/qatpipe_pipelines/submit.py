@@ -1,0 +1,127 @@
+"""`qatpipe compile` and `qatpipe submit`: the pipeline as a package, and a run of it on a KFP backend.
+
+`qatpipe submit --host URL key=value ...` is `kfp run create -e NAME -f qat_pipeline.yaml key=value ...`
+done through `kfp.Client`. The token comes from $KFP_TOKEN or the kube config's current user; never from
+arguments, so it stays out of shell history and logs.
+"""
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qatpipe.errors import QatpipeError
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "KFP_TOKEN"
+DEFAULT_EXPERIMENT = "qatpipe"
+
+
+def compile_pipeline(output: str | Path, cache_pvc: str | None = None) -> Path:
+    from kfp import compiler
+
+    from qatpipe_pipelines.qat_pipeline import build_pipeline
+
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    compiler.Compiler().compile(build_pipeline(cache_pvc=cache_pvc), str(output))
+    log.info("compiled pipeline: %s", output)
+    return output
+
+
+def parse_arguments(items: list[str]) -> dict[str, Any]:
+    """['gpus=2', 'spec_overrides=[train.epochs=3]'] -> {'gpus': 2, 'spec_overrides': ['train.epochs=3']}."""
+    from qatpipe_pipelines.qat_pipeline import build_pipeline
+
+    known = set(build_pipeline().component_spec.inputs or {})
+    arguments: dict[str, Any] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not sep or not name:
+            raise QatpipeError(f"pipeline argument {item!r}: expected NAME=VALUE")
+        if name not in known:
+            raise QatpipeError(f"unknown pipeline parameter {name!r}; known: {', '.join(sorted(known))}")
+        try:
+            arguments[name] = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as exc:
+            raise QatpipeError(f"pipeline argument {name}: value is not valid YAML: {exc}") from None
+        if name in ("spec_uri", "run_name", "image", "credentials_secret") and not isinstance(arguments[name], str):
+            arguments[name] = raw  # text parameters stay text ("007", "true")
+    return arguments
+
+
+def kfp_token() -> str | None:
+    """$KFP_TOKEN, else the bearer token of the kube config's current user, else None (no auth)."""
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token:
+        return token
+    try:
+        from kubernetes import client as k8s_client, config as k8s_config
+
+        configuration = k8s_client.Configuration()
+        k8s_config.load_kube_config(client_configuration=configuration)
+    except Exception:  # no kube config, or one without a usable user: submit without a token
+        return None
+    bearer = configuration.api_key.get("authorization", "") or configuration.api_key.get("BearerToken", "")
+    return bearer.removeprefix("Bearer ").strip() or None
+
+
+def submit(host: str, arguments: dict[str, Any], experiment: str = DEFAULT_EXPERIMENT,
+           namespace: str | None = None, run_name: str | None = None, package: str | Path | None = None) -> str:
+    """Create a run of the pipeline on the KFP backend at `host`; returns the run's URL."""
+    import kfp
+
+    host = host.rstrip("/")
+    token = kfp_token()
+    _check_reachable(host, token)
+    with tempfile.TemporaryDirectory() as tmp:
+        package = Path(package) if package else compile_pipeline(Path(tmp) / "qat_pipeline.yaml")
+        if not package.is_file():
+            raise QatpipeError(f"{package}: pipeline package not found")
+        try:
+            # kfp.Client prints its own links; stdout is kept for the run URL alone (scripts read it)
+            with contextlib.redirect_stdout(sys.stderr):
+                client = kfp.Client(host=host, existing_token=token,
+                                    **({"namespace": namespace} if namespace else {}))
+                result = client.create_run_from_pipeline_package(
+                    str(package), arguments=arguments, run_name=run_name, experiment_name=experiment,
+                    namespace=namespace,
+                )
+        except Exception as exc:  # kfp_server_api.ApiException, urllib3 / connection errors
+            status = getattr(exc, "status", None)
+            detail = " ".join(str(getattr(exc, "reason", None) or exc).split())[:400]
+            raise QatpipeError(
+                f"KFP at {host}: creating the run failed"
+                + (f" (HTTP {status})" if status else "")
+                + f": {detail}. Check --host, and $KFP_TOKEN or your kube config for credentials."
+            ) from None
+    url = f"{host}/#/runs/details/{result.run_id}"
+    log.info("submitted run %s to experiment %r", result.run_id, experiment)
+    return url
+
+
+def _check_reachable(host: str, token: str | None, timeout_s: float = 10.0) -> None:
+    """One quick healthz call: kfp.Client would retry an unreachable host for half a minute, silently."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{host}/apis/v2beta1/healthz")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            raise QatpipeError(f"KFP at {host}: HTTP {exc.code}, not authorised: set $KFP_TOKEN or log in with "
+                               f"your kube config") from None
+        return  # other answers: it is up; let kfp.Client deal with the details
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise QatpipeError(f"KFP at {host}: unreachable ({reason}); check --host") from None
