@@ -43,20 +43,25 @@ def _upstream(task) -> set[str]:
 def test_dag_shape(compiled):
     _, spec, _ = compiled
     root = spec["root"]["dag"]["tasks"]
-    assert set(root) == {"resolve-spec", "start-tracking", "finish-tracking", "exit-handler-1"}
+    # everything runs inside the exit handler, so finish-tracking closes the MLflow run whatever fails
+    assert set(root) == {"finish-tracking", "exit-handler-1"}
     assert root["finish-tracking"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
+    handler = spec["components"][root["exit-handler-1"]["componentRef"]["name"]]["dag"]["tasks"]
+    assert STAGE_TASKS | {"resolve-spec", "start-tracking"} == set(handler)
     tasks = _all_tasks(spec)
-    assert STAGE_TASKS <= set(tasks)
-    assert _upstream(tasks["train"]) == {"prepare-data"}
-    assert _upstream(tasks["evaluate"]) == {"prepare-data", "train"}
-    assert _upstream(tasks["compare"]) == {"evaluate"}
+    assert _upstream(tasks["start-tracking"]) == {"resolve-spec"}
+    assert _upstream(tasks["prepare-data"]) == {"resolve-spec"}
+    assert _upstream(tasks["train"]) == {"prepare-data", "resolve-spec"}
+    assert _upstream(tasks["evaluate"]) == {"prepare-data", "train", "resolve-spec"}
+    assert _upstream(tasks["compare"]) == {"evaluate", "start-tracking"}
     logged = {tasks[name]["taskInfo"]["name"]: _upstream(tasks[name])
               for name in ("log-stage", "log-stage-2", "log-stage-3")}
-    assert logged == {"log-prepare-data": {"prepare-data"}, "log-train": {"train"},
-                      "log-evaluate-fp32": {"evaluate"}}
-    # every stage receives only its spec view, from resolve-spec (through the exit handler's inputs)
-    assert tasks["train"]["inputs"]["parameters"]["train_spec"]["componentInputParameter"] == \
-        "pipelinechannel--resolve-spec-train_spec"
+    assert logged == {"log-prepare-data": {"prepare-data", "start-tracking"},
+                      "log-train": {"train", "start-tracking"},
+                      "log-evaluate-fp32": {"evaluate", "start-tracking"}}
+    # every stage receives only its spec view
+    assert tasks["train"]["inputs"]["parameters"]["train_spec"]["taskOutputParameter"] == {
+        "producerTask": "resolve-spec", "outputParameterKey": "train_spec"}
 
 
 def test_parameters(compiled):
@@ -127,7 +132,7 @@ def test_cache_pvc_option(tmp_path):
     _, platform = yaml.safe_load_all(path.read_text())
     k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     mounted = {name for name, config in k8s.items() if config.get("pvcMount")}
-    assert {"exec-prepare-data", "exec-train", "exec-evaluate", "exec-resolve-spec"} == mounted
+    assert {"exec-prepare-data", "exec-train", "exec-evaluate"} == mounted
     assert k8s["exec-train"]["pvcMount"][0]["mountPath"] == "/var/cache/qatpipe"
 
 

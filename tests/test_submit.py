@@ -108,3 +108,7 @@ def test_pipeline_arguments_are_checked():
         parse_arguments(["gpu=2"])
     with pytest.raises(QatpipeError, match="expected NAME=VALUE"):
         parse_arguments(["gpus"])
+    with pytest.raises(QatpipeError, match=r"spec_overrides='train.epochs=3': expected list"):
+        parse_arguments(["spec_overrides=train.epochs=3"])
+    with pytest.raises(QatpipeError, match=r"gpus='two': expected int"):
+        parse_arguments(["gpus=two"])

@@ -64,16 +64,42 @@ def test_register_model(mlflow_server, tmp_path, monkeypatch):
 
 
 def test_joins_the_run_the_kfp_backend_injects(mlflow_server, monkeypatch):
+    """KFP's MLflow integration makes a root run per pipeline run and injects each task's nested run."""
     tracker = MlflowTracker(mlflow_server)
     experiment = tracker.experiment_id("test-injected")
-    injected = tracker.client.create_run(experiment, run_name="made-by-kfp").info.run_id
-    monkeypatch.setenv(INJECTED_RUN_ENV, injected)
+    root = tracker.client.create_run(experiment, run_name="kfp-pipeline-run").info.run_id
+    task_run = tracker.client.create_run(experiment, run_name="start-tracking",
+                                         tags={PARENT_TAG: root}).info.run_id
+    monkeypatch.setenv(INJECTED_RUN_ENV, task_run)
     parent = tracker.start_pipeline_run("ignored", "p", {"a": 1}, tags={KFP_RUN_TAG: "kfp-injected"})
-    assert parent == injected
-    assert tracker.client.get_run(injected).data.params == {"a": "1"}
+    assert parent == root
+    assert tracker.client.get_run(root).data.params == {"a": "1"}
     # the backend owns the run: the exit handler must not close it
     assert tracker.finish_pipeline_run("kfp-injected", "FINISHED", "SUCCEEDED") is None
-    assert tracker.client.get_run(injected).info.status == "RUNNING"
+    assert tracker.client.get_run(root).info.status == "RUNNING"
+
+
+def test_retried_tasks_do_not_duplicate_runs(mlflow_server, tmp_path, monkeypatch):
+    monkeypatch.delenv(INJECTED_RUN_ENV, raising=False)
+    tracker = MlflowTracker(mlflow_server)
+    first = tracker.start_pipeline_run("test-retries", "p", {"a": 1}, tags={KFP_RUN_TAG: "kfp-retry"})
+    assert tracker.start_pipeline_run("test-retries", "p", {"a": 1}, tags={KFP_RUN_TAG: "kfp-retry"}) == first
+    record = _record(tmp_path)
+    child = tracker.log_stage(first, record, tmp_path)
+    assert tracker.log_stage(first, record, tmp_path) == child
+    half_logged = tracker.start_stage_run(first, "evaluate")  # a task that died while logging
+    redone = tracker.log_stage(first, StageRecord(stage="evaluate", metrics={"map50": 0.5}), tmp_path)
+    assert redone != half_logged
+    assert tracker.client.get_run(half_logged).info.lifecycle_stage == "deleted"
+
+
+def test_a_permanent_error_is_not_retried_nor_blamed_on_the_network(mlflow_server):
+    tracker = MlflowTracker(mlflow_server, attempts=3, backoff_s=5.0)
+    started = time.monotonic()
+    with pytest.raises(TrackingError) as caught:
+        tracker.read_variants("f" * 32)
+    assert time.monotonic() - started < 4  # no backoff sleeps
+    assert "attempt" not in str(caught.value) and "server is up" not in str(caught.value)
 
 
 def test_unreachable_server_fails_clearly_and_keeps_results(closed_port_uri, tmp_path):

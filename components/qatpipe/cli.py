@@ -62,9 +62,6 @@ def cmd_run(args) -> int:
     from qatpipe.stages.compare import format_table
     from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
 
-    if not args.local:
-        log.error("only --local runs here; on a cluster use `qatpipe submit --host URL` (or `kfp run create`)")
-        return 2
     summary = run_local(args.output, args.spec, args.overrides, run_name=args.run_name or "")
     log.info("summary: %s", args.output / SUMMARY_FILE)
     if "mlflow" in summary:
@@ -152,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(func=cmd_evaluate)
 
     run = sub.add_parser("run", help="run the whole pipeline (--local: through kfp.local on this machine)")
-    run.add_argument("--local", action="store_true", required=True, help="run here, each stage a subprocess")
+    run.add_argument("--local", action="store_true", required=True,
+                     help="run here, each stage a subprocess (on a cluster: `qatpipe submit`)")
     run.add_argument("--spec", default="default", help="spec file, s3:// URI or bundled name (default: default)")
     run.add_argument("--output", type=Path, default=Path("results/pipeline"),
                      help="results, MLflow store and stage cache (default: results/pipeline); re-use it to resume")

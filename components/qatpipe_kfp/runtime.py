@@ -35,8 +35,7 @@ def stage(name: str):
         if not isinstance(exc, QatpipeError):
             log.error("stage %s: unexpected error\n%s", name, traceback.format_exc())
         log.error("stage %s failed: %s. Fix the cause and re-run the pipeline: finished stages are reused "
-                  "(KFP caching), and training resumes from its last checkpoint when its folder is kept.",
-                  name, reason)
+                  "(KFP caching).", name, reason)
         _record(name, "failed", time.perf_counter() - started, reason)
         raise
     seconds = time.perf_counter() - started

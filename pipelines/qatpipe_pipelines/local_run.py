@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import time
 import warnings
 from pathlib import Path
@@ -42,17 +43,18 @@ def run_local(output_dir: str | Path, spec_uri: str = "default", overrides: list
     spec_uri = _absolute_if_local(spec_uri)
     spec = load_spec_uri(spec_uri, overrides)  # a bad spec fails here, before any subprocess starts
 
-    tracking_uri = os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{out / 'mlflow.db'}"
+    local_store = f"sqlite:///{out / 'mlflow.db'}"
+    tracking_uri = os.environ.get(TRACKING_URI_ENV) or local_store
     tracker = MlflowTracker(tracking_uri)
     tracker.check()
-    # a local store keeps its artifacts beside it, not in the current directory
-    tracker.experiment_id(spec.tracking.experiment, artifact_location=(out / "mlartifacts").as_uri())
+    if tracking_uri == local_store:  # its artifacts go beside it, not into the current directory
+        tracker.experiment_id(spec.tracking.experiment, artifact_location=(out / "mlartifacts").as_uri())
 
     stage_log = out / STAGE_LOG_FILE
     stage_log.unlink(missing_ok=True)
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(out / "kfp"),
                    enable_caching=True, cache_root=str(out / "kfp-cache"), raise_on_error=True)
-    qat_pipeline = build_pipeline(network_retries=0, gpu_placement=False)
+    qat_pipeline = build_pipeline(network_retries=0, gpu_placement=False, code_version=code_version())
     started = time.time()
     log.info("running the pipeline locally into %s (spec %s)", out, spec_uri)
     # the stage subprocesses inherit these
@@ -106,8 +108,28 @@ def _collect_summary(pipeline_root: Path, started: float) -> dict:
     return json.loads(fresh[-1].read_text())
 
 
+def code_version() -> str:
+    """A hash of the installed qatpipe sources and bundled specs. kfp.local keys its cache on a component's
+    wrapper, arguments and environment, not on the library it calls; with this in every task's environment,
+    editing the library makes a re-run execute the stages again instead of serving stale results."""
+    import hashlib
+
+    import qatpipe
+    import qatpipe_kfp
+
+    digest = hashlib.sha256()
+    for package in (qatpipe, qatpipe_kfp):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*")):
+            if path.suffix in (".py", ".yaml") and "test" not in path.name:
+                digest.update(str(path.relative_to(root)).encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _stage_outcomes(stage_log: Path) -> dict:
-    """stage -> {"status": done|failed, "seconds"}; a stage that kfp.local served from cache is "reused"."""
+    """stage -> {"status": done|failed, "seconds"} for the stages this run executed; a stage that kfp.local
+    served from its cache does not appear."""
     outcomes: dict[str, dict] = {}
     if stage_log.is_file():
         for line in stage_log.read_text().splitlines():
@@ -119,8 +141,8 @@ def _stage_outcomes(stage_log: Path) -> dict:
 
 def _failure_message(stage_log: Path, exc: Exception, out: Path, spec_uri: str, overrides: list[str]) -> str:
     failed = [(name, o) for name, o in _stage_outcomes(stage_log).items() if o["status"] == "failed"]
-    command = " ".join(["qatpipe run --local", f"--spec {spec_uri}", f"--output {out}",
-                        *(f"--set {item}" for item in overrides)])
+    command = " ".join(["qatpipe run --local", "--spec", shlex.quote(spec_uri), "--output", shlex.quote(str(out)),
+                        *(f"--set {shlex.quote(item)}" for item in overrides)])
     resume = f"Fix it and re-run `{command}`: finished stages are reused from {out / 'kfp-cache'}."
     if failed:
         name, outcome = failed[-1]

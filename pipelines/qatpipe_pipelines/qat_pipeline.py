@@ -5,8 +5,8 @@ Target shape (later stages slot in where marked): prepare data → train (unprun
 → compare → register (if the gate passes).
 
 Adding a stage: a component folder under components/qatpipe_kfp/, its spec sections in
-qatpipe.spec.STAGE_SECTIONS (and an output of resolve-spec), then here one call, `_on_project_image`, the
-placement helper it needs (`_on_gpu`, `_with_data_access`) and `_tracked`.
+qatpipe.spec.STAGE_SECTIONS (and an output of resolve-spec), then here one call wrapped in `run.cpu(...)` or
+`run.gpu(...)`, and `run.logged(...)` for its tracking record.
 """
 
 # no `from __future__ import annotations`: KFP reads the pipeline signature's annotations as types
@@ -42,8 +42,54 @@ SECRET_KEYS_TO_ENV = {
 NETWORK_RETRIES = 3
 
 
+class _TaskSettings:
+    """How the pipeline's tasks run: image, credentials, GPU placement, retries, caching.
+
+    Made inside the pipeline function from its parameters; each task then says only what kind it is:
+    `cpu(task, network=..., per_run=..., reads_data=...)` or `gpu(task)` (a GPU stage reads data).
+    """
+
+    def __init__(self, image, secret, gpus, node_selector, tolerations, *, cache_pvc, network_retries,
+                 gpu_placement, code_version):
+        self.image, self.secret = image, secret
+        self.gpus, self.node_selector, self.tolerations = gpus, node_selector, tolerations
+        self.cache_pvc, self.network_retries, self.gpu_placement = cache_pvc, network_retries, gpu_placement
+        self.code_version = code_version
+
+    def cpu(self, task: dsl.PipelineTask, *, network: bool = False, per_run: bool = False,
+            reads_data: bool = False) -> dsl.PipelineTask:
+        """network: talks to S3 / MLflow, so retried; per_run: its result belongs to this run (MLflow ids,
+        a URI's current content), so never served from cache; reads_data: gets the dataset cache PVC."""
+        task.set_container_image(self.image)
+        if self.code_version:
+            task.set_env_variable("QATPIPE_CODE_VERSION", self.code_version)
+        kubernetes.use_secret_as_env(task, secret_name=self.secret, secret_key_to_env=SECRET_KEYS_TO_ENV,
+                                     optional=True)
+        if network and self.network_retries:
+            task.set_retry(num_retries=self.network_retries, backoff_duration="30s", backoff_factor=2.0)
+        if per_run:
+            task.set_caching_options(False)
+        if reads_data and self.cache_pvc:
+            kubernetes.mount_pvc(task, pvc_name=self.cache_pvc, mount_path=CACHE_MOUNT_PATH)
+            task.set_env_variable("QATPIPE_CACHE_DIR", CACHE_MOUNT_PATH)
+        return task
+
+    def gpu(self, task: dsl.PipelineTask) -> dsl.PipelineTask:
+        self.cpu(task, reads_data=True)
+        if self.gpu_placement:
+            task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(self.gpus)
+            kubernetes.add_node_selector_json(task, node_selector_json=self.node_selector)
+            kubernetes.add_toleration_json(task, toleration_json=self.tolerations)
+        return task
+
+    def logged(self, stage_output, parent_run_id, display_name: str) -> dsl.PipelineTask:
+        """A log-stage task: the stage's tracking record becomes a nested MLflow run of this pipeline run."""
+        task = log_stage(parent_run_id=parent_run_id, stage_output=stage_output).set_display_name(display_name)
+        return self.cpu(task, network=True, per_run=True)
+
+
 def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWORK_RETRIES,
-                   gpu_placement: bool = True):
+                   gpu_placement: bool = True, code_version: str = ""):
     """The pipeline function. Compile-time options:
     cache_pvc: mount this existing PVC as the dataset cache of every stage that reads data (a mount cannot be
         made optional at run time);
@@ -51,46 +97,10 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         is reported at once, and MLflow calls retry on their own);
     gpu_placement: GPU requests, node selector and tolerations on the GPU stages. The local run turns it off:
         kfp.local ignores them anyway, and kfp 2.17's local runner cannot resolve a pipeline parameter used
-        in them inside the exit handler.
+        in them inside the exit handler;
+    code_version: set as QATPIPE_CODE_VERSION in every task, so that a cache keyed on the task's environment
+        (kfp.local's) misses when the library changes. On a cluster the image tag plays that part.
     """
-
-    def _on_project_image(task: dsl.PipelineTask, image) -> dsl.PipelineTask:
-        return task.set_container_image(image)
-
-    def _with_credentials(task: dsl.PipelineTask, secret) -> dsl.PipelineTask:
-        kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=SECRET_KEYS_TO_ENV,
-                                     optional=True)
-        return task
-
-    def _network_retries(task: dsl.PipelineTask) -> dsl.PipelineTask:
-        if network_retries:
-            task.set_retry(num_retries=network_retries, backoff_duration="30s", backoff_factor=2.0)
-        return task
-
-    def _with_data_access(task: dsl.PipelineTask, secret) -> dsl.PipelineTask:
-        _with_credentials(task, secret)
-        if cache_pvc:
-            kubernetes.mount_pvc(task, pvc_name=cache_pvc, mount_path=CACHE_MOUNT_PATH)
-            task.set_env_variable("QATPIPE_CACHE_DIR", CACHE_MOUNT_PATH)
-        return task
-
-    def _on_gpu(task: dsl.PipelineTask, gpus, node_selector, tolerations) -> dsl.PipelineTask:
-        if not gpu_placement:
-            return task
-        task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(gpus)
-        kubernetes.add_node_selector_json(task, node_selector_json=node_selector)
-        kubernetes.add_toleration_json(task, toleration_json=tolerations)
-        return task
-
-    def _untracked_by_cache(task: dsl.PipelineTask) -> dsl.PipelineTask:
-        # talks to MLflow for this run: never served from cache
-        return task.set_caching_options(False)
-
-    def _tracked(stage_output, parent_run_id, image, secret, name: str) -> dsl.PipelineTask:
-        task = log_stage(parent_run_id=parent_run_id, stage_output=stage_output).set_display_name(f"log-{name}")
-        _on_project_image(task, image)
-        _with_credentials(task, secret)
-        return _network_retries(_untracked_by_cache(task))
 
     @dsl.pipeline(
         name=PIPELINE_NAME,
@@ -118,41 +128,36 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             "effect": "NoSchedule"}].
         credentials_secret: Kubernetes Secret with the S3 / MLflow credentials (keys: SECRET_KEYS_TO_ENV).
         """
-        specs = resolve_spec(spec_uri=spec_uri, overrides=spec_overrides)
-        _with_data_access(_on_project_image(specs, image), credentials_secret)
-        _network_retries(_untracked_by_cache(specs))  # the URI's content may change between runs
+        run = _TaskSettings(image, credentials_secret, gpus, node_selector, tolerations, cache_pvc=cache_pvc,
+                            network_retries=network_retries, gpu_placement=gpu_placement,
+                            code_version=code_version)
 
-        tracking = start_tracking(spec=specs.outputs["spec"], run_name=run_name,
-                                  kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
-        _network_retries(_untracked_by_cache(_with_credentials(_on_project_image(tracking, image),
-                                                               credentials_secret)))
-        parent_run_id = tracking.output
-
-        finish = finish_tracking(kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
-        _untracked_by_cache(_with_credentials(_on_project_image(finish, image), credentials_secret))
+        # an exit task may not depend on other tasks: it finds the MLflow run by the KFP run id
+        finish = run.cpu(finish_tracking(kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), per_run=True)
 
         with dsl.ExitHandler(finish, name="stages"):
-            data = prepare_data(data_spec=specs.outputs["data_spec"])
-            _network_retries(_with_data_access(_on_project_image(data, image), credentials_secret))
-            _tracked(data.outputs["dataset"], parent_run_id, image, credentials_secret, "prepare-data")
+            specs = run.cpu(resolve_spec(spec_uri=spec_uri, overrides=spec_overrides), network=True,
+                            per_run=True)  # per run: the URI's content may change
+            tracking = run.cpu(start_tracking(spec=specs.outputs["spec"], run_name=run_name,
+                                              kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER),
+                               network=True, per_run=True)
+            parent_run_id = tracking.output
 
-            trained = train(train_spec=specs.outputs["train_spec"], dataset=data.outputs["dataset"])
-            _on_gpu(_with_data_access(_on_project_image(trained, image), credentials_secret), gpus,
-                    node_selector, tolerations)
-            _tracked(trained.outputs["model"], parent_run_id, image, credentials_secret, "train")
+            data = run.cpu(prepare_data(data_spec=specs.outputs["data_spec"]), network=True, reads_data=True)
+            run.logged(data.outputs["dataset"], parent_run_id, "log-prepare-data")
+
+            trained = run.gpu(train(train_spec=specs.outputs["train_spec"], dataset=data.outputs["dataset"]))
+            run.logged(trained.outputs["model"], parent_run_id, "log-train")
 
             # later: prune → retrain FP32 / QAT → PTQ calibrate / export → build engine → validate
 
-            fp32_eval = evaluate(evaluate_spec=specs.outputs["evaluate_spec"], variant="fp32",
-                                 dataset=data.outputs["dataset"], model=trained.outputs["model"])
+            fp32_eval = run.gpu(evaluate(evaluate_spec=specs.outputs["evaluate_spec"], variant="fp32",
+                                         dataset=data.outputs["dataset"], model=trained.outputs["model"]))
             fp32_eval.set_display_name("evaluate-fp32")
-            _on_gpu(_with_data_access(_on_project_image(fp32_eval, image), credentials_secret), gpus,
-                    node_selector, tolerations)
-            _tracked(fp32_eval.outputs["results"], parent_run_id, image, credentials_secret, "evaluate-fp32")
+            run.logged(fp32_eval.outputs["results"], parent_run_id, "log-evaluate-fp32")
 
-            comparison = compare(parent_run_id=parent_run_id, fp32=fp32_eval.outputs["results"])
-            _network_retries(_untracked_by_cache(_with_credentials(_on_project_image(comparison, image),
-                                                                   credentials_secret)))
+            run.cpu(compare(parent_run_id=parent_run_id, fp32=fp32_eval.outputs["results"]),
+                    network=True, per_run=True)
             # later: register the validated model, under dsl.If(gate passed)
 
     return qat_pipeline

@@ -36,23 +36,33 @@ def compile_pipeline(output: str | Path, cache_pvc: str | None = None) -> Path:
 
 
 def parse_arguments(items: list[str]) -> dict[str, Any]:
-    """['gpus=2', 'spec_overrides=[train.epochs=3]'] -> {'gpus': 2, 'spec_overrides': ['train.epochs=3']}."""
+    """['gpus=2', 'spec_overrides=[train.epochs=3]'] -> {'gpus': 2, 'spec_overrides': ['train.epochs=3']}.
+
+    Values are YAML; each is checked against the pipeline parameter's type here, not by the backend later."""
     from qatpipe_pipelines.qat_pipeline import build_pipeline
 
-    known = set(build_pipeline().component_spec.inputs or {})
+    types = {name: spec.type for name, spec in build_pipeline().component_spec.inputs.items()}
     arguments: dict[str, Any] = {}
     for item in items:
         name, sep, raw = item.partition("=")
         if not sep or not name:
             raise QatpipeError(f"pipeline argument {item!r}: expected NAME=VALUE")
-        if name not in known:
-            raise QatpipeError(f"unknown pipeline parameter {name!r}; known: {', '.join(sorted(known))}")
+        if name not in types:
+            raise QatpipeError(f"unknown pipeline parameter {name!r}; known: {', '.join(sorted(types))}")
+        kind = types[name]
+        if kind == "String":  # text stays text ("007", "true")
+            arguments[name] = raw
+            continue
         try:
-            arguments[name] = yaml.safe_load(raw) if raw else ""
+            value = yaml.safe_load(raw)
         except yaml.YAMLError as exc:
             raise QatpipeError(f"pipeline argument {name}: value is not valid YAML: {exc}") from None
-        if name in ("spec_uri", "run_name", "image", "credentials_secret") and not isinstance(arguments[name], str):
-            arguments[name] = raw  # text parameters stay text ("007", "true")
+        expected = {"Integer": int, "Dict": dict}.get(kind, list if "List" in kind else object)
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise QatpipeError(f"pipeline argument {name}={raw!r}: expected {expected.__name__} ({kind}), "
+                               f"e.g. {name}=[a, b]" if expected is list else
+                               f"pipeline argument {name}={raw!r}: expected {expected.__name__} ({kind})")
+        arguments[name] = value
     return arguments
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from qatpipe.data.splits import load_split
 from qatpipe.data.synth import write_synthetic_dataset
-from qatpipe.errors import DataError
+from qatpipe.errors import DataError, SpecError
 from qatpipe.fileio import write_json
 from qatpipe.spec import ExperimentSpec
 
@@ -37,14 +37,22 @@ def prepare_dataset(spec: ExperimentSpec, out_dir: str | Path) -> dict:
         write_synthetic_dataset(out_dir, ds.synthetic.train_images, ds.synthetic.val_images, ds.synthetic.seed,
                                 image_height=size.height, image_width=size.width, overwrite=True)
         source, train, val = "synthetic", "train", "val"
-    else:
-        source, train, val = "spec", ds.train, ds.val
+    elif ds.train is None or ds.val is None:
+        missing = "dataset.train" if ds.train is None else "dataset.val"
+        raise SpecError(f"{missing} is not set: name both dataset.train and dataset.val, or neither (then "
+                        f"the synthetic data set dataset.synthetic is generated)")
+    else:  # named folders stay where they are; local ones recorded absolute (later stages run elsewhere)
+        source, train, val = "spec", _absolute(ds.train), _absolute(ds.val)
     resolved = spec_with_prepared_dataset(spec, out_dir, {"train": train, "val": val})
     counts = {split: _split_counts(resolved, split) for split in ("train", "val")}
     manifest = {"source": source, "train": train, "val": val, "classes": list(ds.classes), "counts": counts}
     write_json(out_dir / MANIFEST, manifest)
     log.info("dataset ready: %s", json.dumps(counts))
     return manifest
+
+
+def _absolute(where: str) -> str:
+    return where if "://" in where else str(Path(where).resolve())
 
 
 def with_default_dataset(spec: ExperimentSpec) -> ExperimentSpec:

@@ -10,7 +10,7 @@ from pathlib import Path
 from qatpipe.data.splits import load_split
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text, save_keras_model, write_json
-from qatpipe.spec import ExperimentSpec, dump_spec, flatten, load_spec
+from qatpipe.spec import STAGE_SECTIONS, ExperimentSpec, dump_spec, flatten, load_spec
 from qatpipe.tracking.records import StageRecord, history_from_csv, numeric_leaves
 
 log = logging.getLogger(__name__)
@@ -191,8 +191,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
 
 
 def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dict, stage_name: str) -> None:
-    sections = {key: value for key, value in spec.to_dict().items() if key in ("dataset", "model", "augmentation",
-                                                                                "train")}
+    sections = {key: value for key, value in spec.to_dict().items() if key in STAGE_SECTIONS["train"]}
     metrics = numeric_leaves({key: summary[key] for key in ("images_per_second", "wall_seconds", "params",
                                                             "final_losses")})
     StageRecord(

@@ -1,4 +1,5 @@
-"""MLflow runs for a pipeline: one parent run per pipeline run, a nested run per stage, the model registry.
+"""MLflow runs for a pipeline: one parent run per pipeline run, a nested run per stage, the model registry
+(`register_model`; the pipeline registers the model that passes the validation gate once that stage exists).
 
 Processes and pods find the parent through its run id (a pipeline value). When the KFP backend's MLflow
 integration injects `MLFLOW_RUN_ID`, that run is joined as the parent instead of creating one.
@@ -70,10 +71,14 @@ class MlflowTracker:
     # ------------------------------------------------------------------ plumbing
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """fn(), retried while the failure looks transient (connection, 5xx, 429); TrackingError otherwise."""
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
             except Exception as exc:  # MlflowException, requests' errors, OSError from file stores
+                if not _is_transient(exc):
+                    raise TrackingError(f"MLflow at {redact_uri(self.tracking_uri)}: {what} failed: "
+                                        f"{_one_line(exc)}") from None
                 if attempt == self.attempts:
                     raise TrackingError(
                         f"MLflow at {redact_uri(self.tracking_uri)}: {what} failed after {attempt} attempt(s): "
@@ -109,21 +114,39 @@ class MlflowTracker:
 
     def start_pipeline_run(self, experiment: str, run_name: str, params: dict[str, Any],
                            tags: dict[str, str] | None = None, artifact_location: str | None = None) -> str:
-        """The parent run's id: the injected $MLFLOW_RUN_ID's run, or a new run in `experiment`."""
+        """The parent run's id.
+
+        - $MLFLOW_RUN_ID set (the KFP backend's MLflow integration): it names this task's nested run, so the
+          pipeline run is its parent; that run is joined, and the backend keeps opening and closing it.
+        - a run tagged with this KFP run id exists (a retried start-tracking task): that run, not a second one.
+        - else a new run in `experiment`.
+        """
+        tags = {"qatpipe.kind": "pipeline", **(tags or {})}
         injected = os.environ.get(INJECTED_RUN_ENV, "").strip()
         if injected:
-            self._call(f"reading the injected run {injected}", lambda: self.client.get_run(injected))
-            run_id = injected
-            self.set_tags(run_id, {"qatpipe.kind": "pipeline", JOINED_TAG: "true", **(tags or {})})
-            log.info("joining the MLflow run %s injected by the KFP backend", run_id)
+            task_run = self._call(f"reading the injected run {injected}", lambda: self.client.get_run(injected))
+            run_id = task_run.data.tags.get(PARENT_TAG, injected)
+            self.set_tags(run_id, {**tags, JOINED_TAG: "true"})
+            log.info("joining the KFP backend's MLflow run %s", run_id)
         else:
             experiment_id = self.experiment_id(experiment, artifact_location)
-            run = self._call("creating the pipeline run", lambda: self.client.create_run(
-                experiment_id, run_name=run_name, tags={"qatpipe.kind": "pipeline", **(tags or {})}))
-            run_id = run.info.run_id
-            log.info("MLflow pipeline run %s in experiment %r", run_id, experiment)
+            kfp_run_id = tags.get(KFP_RUN_TAG)
+            existing = self._find_runs([experiment_id], f"tags.`{KFP_RUN_TAG}` = '{kfp_run_id}'") if kfp_run_id \
+                else []
+            if existing:
+                run_id = existing[0].info.run_id
+                log.info("MLflow pipeline run %s exists for KFP run %s (a retry): reusing it", run_id, kfp_run_id)
+            else:
+                run = self._call("creating the pipeline run", lambda: self.client.create_run(
+                    experiment_id, run_name=run_name, tags=tags))
+                run_id = run.info.run_id
+                log.info("MLflow pipeline run %s in experiment %r", run_id, experiment)
         self.log_params(run_id, params)
         return run_id
+
+    def _find_runs(self, experiment_ids: list[str], filter_string: str, max_results: int = 100) -> list:
+        return self._call("searching runs", lambda: self.client.search_runs(
+            experiment_ids, filter_string, max_results=max_results))
 
     def start_stage_run(self, parent_run_id: str, stage: str, tags: dict[str, str] | None = None) -> str:
         parent = self._call("reading the pipeline run", lambda: self.client.get_run(parent_run_id))
@@ -133,7 +156,17 @@ class MlflowTracker:
         return run.info.run_id
 
     def log_stage(self, parent_run_id: str, record: StageRecord, folder: str | Path) -> str:
-        """Log a stage's record (params, metrics, history, artifacts under `folder`) as a nested run."""
+        """Log a stage's record (params, metrics, history, artifacts under `folder`) as a nested run.
+
+        Idempotent per (parent, stage): a retried task finds the finished run and stops, or replaces the
+        half-logged one."""
+        parent = self._call("reading the pipeline run", lambda: self.client.get_run(parent_run_id))
+        for earlier in self._find_runs([parent.info.experiment_id], f"tags.`{PARENT_TAG}` = '{parent_run_id}' "
+                                       f"and tags.`{STAGE_TAG}` = '{record.stage}'"):
+            if earlier.info.status == "FINISHED":
+                log.info("stage %s is already logged (run %s)", record.stage, earlier.info.run_id)
+                return earlier.info.run_id
+            self._call("removing a half-logged run", lambda: self.client.delete_run(earlier.info.run_id))
         run_id = self.start_stage_run(parent_run_id, record.stage, record.tags)
         try:
             self.log_params(run_id, record.params)
@@ -186,23 +219,36 @@ class MlflowTracker:
 
     def finish_pipeline_run(self, kfp_run_id: str, status: str, pipeline_state: str) -> str | None:
         """Close the parent run tagged with `kfp_run_id` (unless the KFP backend owns it); returns its id."""
-        def find():
-            experiments = self.client.search_experiments()
-            runs = self.client.search_runs([e.experiment_id for e in experiments],
-                                           f"tags.`{KFP_RUN_TAG}` = '{kfp_run_id}'", max_results=1)
-            return runs[0] if runs else None
+        runs = self._call("finding the pipeline run", lambda: self._runs_tagged(KFP_RUN_TAG, kfp_run_id)) \
+            if kfp_run_id else []
+        if not runs:
+            log.warning("no MLflow run tagged %s=%s; nothing to close", KFP_RUN_TAG, kfp_run_id)
+            return None
+        closed = None
+        for run in runs:  # normally one
+            run_id = run.info.run_id
+            self.set_tags(run_id, {"qatpipe.pipeline_state": pipeline_state})
+            if run.data.tags.get(JOINED_TAG) == "true":
+                log.info("the KFP backend owns MLflow run %s; leaving it open", run_id)
+                continue
+            self.finish(run_id, status)
+            closed = run_id
+        return closed
 
-        run = self._call("finding the pipeline run", find) if kfp_run_id else None
-        if run is None:
-            log.info("no MLflow run tagged %s=%s; nothing to close", KFP_RUN_TAG, kfp_run_id)
-            return None
-        run_id = run.info.run_id
-        self.set_tags(run_id, {"qatpipe.pipeline_state": pipeline_state})
-        if run.data.tags.get(JOINED_TAG) == "true":
-            log.info("the KFP backend owns MLflow run %s; leaving it open", run_id)
-            return None
-        self.finish(run_id, status)
-        return run_id
+    def _runs_tagged(self, tag: str, value: str) -> list:
+        """Runs with tag=value in any active experiment (the exit handler does not know the experiment)."""
+        experiment_ids, token = [], None
+        while True:
+            page = self.client.search_experiments(max_results=1000, page_token=token)
+            experiment_ids += [e.experiment_id for e in page]
+            token = page.token
+            if not token:
+                break
+        runs = []
+        for start in range(0, len(experiment_ids), 100):
+            runs += self.client.search_runs(experiment_ids[start:start + 100], f"tags.`{tag}` = '{value}'",
+                                            max_results=10)
+        return runs
 
     def _finish_quietly(self, run_id: str, status: str) -> None:
         try:
@@ -283,6 +329,16 @@ def _param_value(value: Any) -> str:
 def _metric_key(name: str) -> str:
     # MLflow allows alphanumerics, _ - . / and space; per-class names come from user data
     return re.sub(r"[^\w\-./ ]", "_", name)
+
+
+def _is_transient(exc: Exception) -> bool:
+    """Worth a retry: no answer, or a 5xx / 429 answer. A 4xx (no such run, bad value) will not change."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(exc, MlflowException):
+        status = exc.get_http_status_code()
+        return status >= 500 or status == 429  # connection failures come wrapped as INTERNAL_ERROR (500)
+    return True
 
 
 def _finite(value: Any) -> bool:

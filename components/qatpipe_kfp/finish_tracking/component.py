@@ -16,7 +16,7 @@ def finish_tracking(kfp_run_id: str, status: dsl.PipelineTaskFinalStatus):
         tracker = MlflowTracker.from_env()
         if tracker is None:
             return
-        outcome = "FINISHED" if status.state == "SUCCEEDED" else "FAILED"
+        outcome = {"SUCCEEDED": "FINISHED", "CANCELED": "KILLED", "CANCELLED": "KILLED"}.get(status.state, "FAILED")
         closed = tracker.finish_pipeline_run(kfp_run_id, outcome, status.state)
         if closed:
             log.info("MLflow run %s closed as %s (pipeline %s)", closed, outcome, status.state)

@@ -9,12 +9,19 @@ from kfp.dsl import Artifact, Input
 
 @component
 def log_stage(parent_run_id: str, stage_output: Input[Artifact]):
+    import json
+    from pathlib import Path
+
     from qatpipe.tracking.mlflow_runs import MlflowTracker
-    from qatpipe.tracking.records import StageRecord
+    from qatpipe.tracking.records import RECORD_FILE, StageRecord
     from qatpipe_kfp.runtime import log, stage
 
-    record = StageRecord.read(stage_output.path)
-    with stage(f"log-{record.stage}"):
+    try:  # named after the stage it logs (log-train, log-evaluate-fp32), like its task in the KFP UI
+        name = "log-" + json.loads((Path(stage_output.path) / RECORD_FILE).read_text())["stage"].replace("_", "-")
+    except Exception:  # unreadable: StageRecord.read below reports it inside the stage
+        name = "log-stage"
+    with stage(name):
+        record = StageRecord.read(stage_output.path)
         tracker = MlflowTracker.from_env()
         if not parent_run_id or tracker is None:
             log.info("tracking is off; %s not logged", record.stage)

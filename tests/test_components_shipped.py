@@ -1,0 +1,59 @@
+"""Each component as KFP ships it: only the function's source runs, in a fresh process (kfp.local).
+
+The folder tests call the Python functions in-process, where a body could lean on a module-level name by
+mistake and still pass; here such a body fails. train and evaluate run this way in test_local_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kfp import dsl, local
+from mlflow import MlflowClient
+
+from qatpipe_kfp.compare.component import compare
+from qatpipe_kfp.finish_tracking.component import finish_tracking
+from qatpipe_kfp.log_stage.component import log_stage
+from qatpipe_kfp.prepare_data.component import prepare_data
+from qatpipe_kfp.resolve_spec.component import resolve_spec
+from qatpipe_kfp.start_tracking.component import start_tracking
+
+
+@pytest.fixture
+def evaluation_dir(tmp_path):
+    folder = tmp_path / "evaluation"
+    folder.mkdir()
+    (folder / "metrics.json").write_text(json.dumps({"map50": 0.8, "map": 0.5, "model_size_mb": 1.0}))
+    return folder
+
+
+def test_light_components_run_from_their_shipped_source(tmp_path, monkeypatch, evaluation_dir):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.chdir(tmp_path)  # the SQLite store's artifacts land in ./mlruns
+
+    @dsl.pipeline
+    def light_stages():
+        finish = finish_tracking(kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER).set_caching_options(False)
+        with dsl.ExitHandler(finish):
+            specs = resolve_spec(spec_uri="tiny", overrides=["dataset.synthetic.train_images=6",
+                                                             "dataset.synthetic.val_images=3"])
+            parent = start_tracking(spec=specs.outputs["spec"], run_name="shipped",
+                                    kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+            data = prepare_data(data_spec=specs.outputs["data_spec"])
+            log_stage(parent_run_id=parent.output, stage_output=data.outputs["dataset"])
+            evaluation = dsl.importer(artifact_uri=str(evaluation_dir), artifact_class=dsl.Artifact)
+            compare(parent_run_id=parent.output, fp32=evaluation.output)
+
+    local.init(local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "kfp"))
+    light_stages()
+
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("qatpipe").experiment_id],
+                                "attributes.run_name = 'shipped'")
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["variant.fp32.map50"] == 0.8
+    (child,) = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
+    assert child.info.run_name == "prepare_data" and child.data.metrics["train.images"] == 6
