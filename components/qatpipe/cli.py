@@ -58,6 +58,32 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def cmd_prune(args) -> int:
+    from qatpipe.models import get_architecture
+    from qatpipe.spec_sources import load_spec_uri
+    from qatpipe.stages.prune import prune
+
+    spec = load_spec_uri(args.experiment_spec, args.overrides) if args.experiment_spec else None
+    settings = spec.prune.model_dump() if spec else {}
+    for key in ("threshold", "normalizer", "granularity", "min_filters", "equalization"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    if args.excluded_layers:
+        settings["excluded_layers"] = args.excluded_layers
+    from qatpipe.spec import PruneSpec
+
+    try:
+        prune_settings = PruneSpec(**settings)
+    except ValueError as exc:
+        log.error("prune settings: %s", exc)
+        return 2
+    result = prune(args.model, args.output, prune_settings, arch=get_architecture(spec) if spec else None)
+    print(f"params {result['params_before']} -> {result['params_after']}  "
+          f"FLOPs {result['flops_before'] / 1e9:.3f} G -> {result['flops_after'] / 1e9:.3f} G "
+          f"(x{result['flops_ratio']:.3f})")
+    return 0
+
+
 def cmd_run(args) -> int:
     from qatpipe.stages.compare import format_table
     from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
@@ -147,6 +173,23 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("-m", "--model", required=True, type=Path)
     evaluate.add_argument("-o", "--output-dir", type=Path, help="default: MODEL_DIR/evaluate")
     evaluate.set_defaults(func=cmd_evaluate)
+
+    prune = sub.add_parser("prune", help="structured pruning of a trained model (TAO `prune`)",
+                           description="Settings: the spec's `prune` section (-e), overridden by the flags.")
+    prune.add_argument("-m", "--model", required=True, type=Path, help="trained model (.keras)")
+    prune.add_argument("-o", "--output", required=True, type=Path,
+                       help="output folder, or a .keras file (the report goes beside it)")
+    prune.add_argument("-e", "--experiment-spec", help="spec for defaults and model checks (optional)")
+    prune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    prune.add_argument("-pth", "--threshold", type=float, help="normalised filter norm below which it goes")
+    prune.add_argument("-n", "--normalizer", choices=["max", "L2"])
+    prune.add_argument("-pg", "--granularity", type=int, help="kept filters are a multiple of this")
+    prune.add_argument("-nf", "--min-filters", dest="min_filters", type=int, help="never fewer filters than this")
+    prune.add_argument("-eq", "--equalization",
+                       choices=["union", "intersection", "arithmetic_mean", "geometric_mean"],
+                       help="how convs joined by a residual add agree on their channels")
+    prune.add_argument("-el", "--excluded-layers", nargs="+", metavar="LAYER", help="layers never pruned")
+    prune.set_defaults(func=cmd_prune)
 
     run = sub.add_parser("run", help="run the whole pipeline (--local: through kfp.local on this machine)")
     run.add_argument("--local", action="store_true", required=True,

@@ -1,0 +1,27 @@
+"""Parameters and FLOPs of a tf_keras model (what pruning reports before and after)."""
+
+from __future__ import annotations
+
+import numpy as np
+import tf_keras as keras
+
+
+def conv_flops(model: keras.Model) -> int:
+    """FLOPs of one image through the model's Conv2D and Dense layers, counting a multiply-add as 2.
+
+    Convolutions dominate a detector's cost; BatchNormalization folds into them at deployment and
+    element-wise layers are a rounding error, so they are left out (as in TAO's reports)."""
+    total = 0
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.Conv2D):
+            kh, kw, cin, cout = layer.kernel.shape
+            _, oh, ow, _ = layer.output.shape
+            total += 2 * int(oh) * int(ow) * int(kh) * int(kw) * (int(cin) // layer.groups) * int(cout)
+        elif isinstance(layer, keras.layers.Dense):
+            cin, cout = layer.kernel.shape
+            total += 2 * int(cin) * int(cout)
+    return total
+
+
+def param_count(model: keras.Model) -> int:
+    return int(sum(np.prod(w.shape) for w in model.weights))

@@ -1,0 +1,46 @@
+"""Stage: prune a trained detector (TAO `prune`): a physically smaller model plus a report."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from qatpipe.fileio import save_keras_model, write_json
+from qatpipe.spec import PruneSpec
+from qatpipe.tracking.records import StageRecord
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.keras"
+REPORT_FILE = "prune_report.json"
+
+
+def prune(model_path: str | Path, output: str | Path, settings: PruneSpec, arch=None) -> dict:
+    """Prune `model_path` by `settings`. `output` is a folder (model.keras, prune_report.json, tracking.json
+    go in it) or a `.keras` file (the report goes beside it as <stem>_prune_report.json)."""
+    from qatpipe.models.io import load_keras_model
+    from qatpipe.pruning import prune_model
+
+    output = Path(output)
+    if output.suffix == ".keras":
+        folder, model_file, report_file = output.parent, output, output.with_name(f"{output.stem}_{REPORT_FILE}")
+    else:
+        folder, model_file, report_file = output, output / MODEL_FILE, output / REPORT_FILE
+    folder.mkdir(parents=True, exist_ok=True)
+    model = load_keras_model(model_path, arch)
+    pruned, report = prune_model(model, settings)
+    save_keras_model(pruned, model_file)
+    result = {"model": str(model_file), "source": str(model_path), **report.to_dict()}
+    write_json(report_file, result)
+    StageRecord(
+        stage="prune", params={f"prune.{k}": v for k, v in settings.model_dump().items()},
+        metrics={k: result[k] for k in ("params_before", "params_after", "flops_before", "flops_after",
+                                         "flops_ratio", "params_ratio")},
+        artifacts=[model_file.name, report_file.name],
+    ).write(folder)
+    log.info("pruned model: %s (FLOPs x%.3f, params x%.3f); report: %s", model_file, result["flops_ratio"],
+             result["params_ratio"], report_file)
+    return result
+
+
+__all__ = ["prune", "MODEL_FILE", "REPORT_FILE"]
