@@ -173,3 +173,29 @@ def test_prune_command_errors(tmp_path, caplog):
     assert "bad.keras: corrupt model file" in caplog.text
     assert main(["prune", "-m", str(tmp_path / "bad.keras"), "-o", str(tmp_path / "out"), "-pg", "0"]) == 2
     assert "granularity" in caplog.text
+
+
+@pytest.mark.slow
+def test_retrain_recovers_a_pruned_detector(tiny_spec, tmp_path):
+    """train -> prune hard -> retrain: the retrained small model beats the pruned one and keeps its shape."""
+    from qatpipe.errors import QatpipeError
+    from qatpipe.stages.evaluate import evaluate
+    from qatpipe.stages.prune import prune
+    from qatpipe.stages.retrain import retrain
+    from qatpipe.stages.train import train
+
+    spec = tiny_spec("train.epochs=8")
+    train(spec, tmp_path / "train")
+    # a threshold above every score leaves min_filters per group: a heavy, deterministic cut
+    result = prune(tmp_path / "train" / "model.keras", tmp_path / "pruned",
+                   PruneSpec(threshold=1.01, granularity=8, min_filters=16))
+    assert result["flops_ratio"] < 0.5
+    pruned_map = evaluate(spec, tmp_path / "pruned" / "model.keras", tmp_path / "eval_pruned")["map50"]
+    summary = retrain(spec, tmp_path / "pruned" / "model.keras", tmp_path / "retrain")
+    assert summary["params"] == result["params_after"]
+    retrained = evaluate(spec, tmp_path / "retrain" / "model.keras", tmp_path / "eval_retrained")["map50"]
+    assert retrained > pruned_map
+    # the checkpoints belong to that pruned model: another one is refused
+    keras.models.load_model(tmp_path / "train" / "model.keras", compile=False).save(tmp_path / "other.keras")
+    with pytest.raises(QatpipeError, match="holds a retraining of another pruned model"):
+        retrain(spec, tmp_path / "other.keras", tmp_path / "retrain")

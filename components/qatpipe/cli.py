@@ -84,6 +84,14 @@ def cmd_prune(args) -> int:
     return 0
 
 
+def cmd_retrain(args) -> int:
+    from qatpipe.stages.retrain import retrain
+
+    summary = retrain(_load(args), args.model, args.results_dir, use_amp=True if args.use_amp else None)
+    log.info("retraining done: %s", json.dumps({k: summary[k] for k in ("model", "params", "wall_seconds")}))
+    return 0
+
+
 def cmd_run(args) -> int:
     from qatpipe.stages.compare import format_table
     from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
@@ -173,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("-m", "--model", required=True, type=Path)
     evaluate.add_argument("-o", "--output-dir", type=Path, help="default: MODEL_DIR/evaluate")
     evaluate.set_defaults(func=cmd_evaluate)
+
+    retrain = sub.add_parser("retrain", help="retrain a pruned model, FP32 (resumes from checkpoints)")
+    _add_spec_args(retrain)
+    retrain.add_argument("-m", "--model", required=True, type=Path, help="the pruned model (.keras)")
+    retrain.add_argument("-r", "--results-dir", required=True, type=Path)
+    retrain.add_argument("--use-amp", action="store_true", help="mixed precision (GPU only; FP32 on CPU)")
+    retrain.set_defaults(func=cmd_retrain)
 
     prune = sub.add_parser("prune", help="structured pruning of a trained model (TAO `prune`)",
                            description="Settings: the spec's `prune` section (-e), overridden by the flags.")

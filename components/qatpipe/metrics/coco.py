@@ -135,7 +135,10 @@ def plot_pr_curves(metrics: DetectionMetrics, path: str | Path, title: str = "")
     ax.set(xlabel="recall", ylabel="precision", xlim=(0, 1), ylim=(0, 1.02),
            title=title or f"PR curves @ IoU 0.5 — mAP50 {metrics.map50:.3f}, mAP {metrics.map:.3f}")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower left")
+    if metrics.pr_curves:
+        ax.legend(loc="lower left")
+    else:  # a model that detects nothing still gets its (empty) plot
+        ax.text(0.5, 0.5, "no detections", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)
