@@ -92,6 +92,15 @@ def cmd_retrain(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from qatpipe.stages.export import export
+
+    report = export(_load(args, with_data=False), args.model, args.output)
+    print(f"{report['onnx']}  opset {report['opset']}  {report['size_mb']:.2f} MB  "
+          f"max |TF - ORT| {max(report['max_abs_difference_vs_tensorflow'].values()):.1e}")
+    return 0
+
+
 def cmd_run(args) -> int:
     from qatpipe.stages.compare import format_table
     from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
@@ -176,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--use-amp", action="store_true", help="mixed precision (GPU only; FP32 on CPU)")
     train.set_defaults(func=cmd_train)
 
-    evaluate = sub.add_parser("evaluate", help="mAP of a model on the spec's val set")
+    evaluate = sub.add_parser("evaluate", help="mAP of a model (.keras in TensorFlow, .onnx in ONNX Runtime)")
     _add_spec_args(evaluate)
     evaluate.add_argument("-m", "--model", required=True, type=Path)
     evaluate.add_argument("-o", "--output-dir", type=Path, help="default: MODEL_DIR/evaluate")
@@ -188,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
     retrain.add_argument("-r", "--results-dir", required=True, type=Path)
     retrain.add_argument("--use-amp", action="store_true", help="mixed precision (GPU only; FP32 on CPU)")
     retrain.set_defaults(func=cmd_retrain)
+
+    export = sub.add_parser("export", help="export a model to ONNX (tf2onnx), checked in ONNX Runtime")
+    _add_spec_args(export)
+    export.add_argument("-m", "--model", required=True, type=Path, help="model (.keras)")
+    export.add_argument("-o", "--output", required=True, type=Path, help="the .onnx file to write")
+    export.set_defaults(func=cmd_export)
 
     prune = sub.add_parser("prune", help="structured pruning of a trained model (TAO `prune`)",
                            description="Settings: the spec's `prune` section (-e), overridden by the flags.")

@@ -22,13 +22,18 @@ PR_CURVE_FILE = "pr_curves.png"
 
 def predict_keras(model, samples, spec: ExperimentSpec, arch) -> list:
     """Run a tf_keras detector over samples and decode, boxes in each image's own pixels."""
+    return predict(lambda batch: dict(zip(arch.output_names, (o.numpy() for o in model(batch, training=False)))),
+                   samples, spec, arch)
+
+
+def predict(forward, samples, spec: ExperimentSpec, arch) -> list:
+    """Decode `forward(batch) -> {output name: array}` over samples, boxes in each image's own pixels."""
     from qatpipe.data.pipeline import eval_dataset
 
     detections = []
     size = spec.dataset.image_size
     for batch in eval_dataset(samples, spec):
-        outputs = model(batch, training=False)
-        decoded = arch.decode(dict(zip(arch.output_names, (o.numpy() for o in outputs))))
+        decoded = arch.decode(forward(batch))
         for det in decoded:
             sample = samples[len(detections)]
             detections.append(det.scaled(sample.width / size.width, sample.height / size.height))
@@ -50,13 +55,18 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
     except OSError as exc:
         raise QatpipeError(f"{output_dir}: cannot create the output directory: {exc}") from None
     arch = get_architecture(spec)
-    model = load_keras_model(model_path, arch)
+    if model_path.suffix.lower() == ".onnx":
+        forward = onnx_forward(model_path, arch)
+    else:
+        model = load_keras_model(model_path, arch)
+        forward = lambda batch: dict(zip(arch.output_names,  # noqa: E731
+                                         (o.numpy() for o in model(batch, training=False))))
     samples = load_split(spec, "val")
     if not any(len(s.classes) for s in samples):
         raise DataError(spec.dataset.val, "dataset.val: no labelled objects, so mAP is undefined")
 
     started = time.perf_counter()
-    detections = predict_keras(model, samples, spec, arch)
+    detections = predict(forward, samples, spec, arch)
     seconds = time.perf_counter() - started
     metrics = evaluate_detections(
         [GroundTruth(s.boxes, s.classes) for s in samples], detections, spec.dataset.classes,
@@ -86,6 +96,21 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
     return result
 
 
+def onnx_forward(model_path: Path, arch):
+    """ONNX Runtime forward pass for `predict`, after checking the file against the spec's detector."""
+    from qatpipe.errors import ModelFileError
+    from qatpipe.runtime.onnx_runtime import OnnxModel
+
+    model = OnnxModel(model_path)
+    missing = [name for name in arch.output_names if name not in model.output_names]
+    if missing:
+        raise ModelFileError(f"{model_path}: outputs {model.output_names} lack {missing}")
+    if list(model.input_shape[1:3]) != [arch.height, arch.width]:
+        raise ModelFileError(f"{model_path}: input is {model.input_shape[1]}x{model.input_shape[2]}, the spec's "
+                             f"dataset.image_size is {arch.height}x{arch.width}")
+    return lambda batch: model.run(batch.numpy())
+
+
 def tracked_metrics(result: dict) -> dict[str, float]:
     """The numbers of an evaluation worth a metric: overall and per-class AP, speed, size."""
     metrics = {key: result[key] for key in ("map50", "map", "images_per_second", "model_size_mb") if key in result}
@@ -96,4 +121,4 @@ def tracked_metrics(result: dict) -> dict[str, float]:
     return metrics
 
 
-__all__ = ["evaluate", "predict_keras", "tracked_metrics", "METRICS_FILE", "PR_CURVE_FILE"]
+__all__ = ["evaluate", "predict", "predict_keras", "onnx_forward", "tracked_metrics", "METRICS_FILE", "PR_CURVE_FILE"]

@@ -1,0 +1,56 @@
+"""tf_keras detector -> ONNX through tf2onnx, with a check that ONNX Runtime computes what TensorFlow does."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from qatpipe.errors import QatpipeError
+from qatpipe.fileio import temp_path
+
+log = logging.getLogger(__name__)
+
+INPUT_NAME = "input_1"
+
+
+def export_onnx(model, path: str | Path, opset: int, batch_size: int | None = None) -> Path:
+    """Write `model` as ONNX (NHWC float32 input named input_1, outputs named as the model's) atomically.
+    `batch_size` None leaves the batch dimension dynamic (TensorRT builds an optimisation profile for it)."""
+    import tensorflow as tf
+    import tf2onnx
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    height, width, channels = model.input_shape[1:]
+    signature = (tf.TensorSpec((batch_size, height, width, channels), tf.float32, name=INPUT_NAME),)
+    tmp = temp_path(path)
+    try:
+        proto, _ = tf2onnx.convert.from_keras(model, input_signature=signature, opset=opset)
+        _name_batch_dimension(proto)
+        tmp.write_bytes(proto.SerializeToString())
+        os.replace(tmp, path)
+    except Exception as exc:
+        tmp.unlink(missing_ok=True)
+        raise QatpipeError(f"{path}: ONNX export failed: {type(exc).__name__}: {exc}") from None
+    return path
+
+
+def _name_batch_dimension(proto) -> None:
+    """tf2onnx calls the dynamic batch dimension `unk__N`; TensorRT profiles and people read `batch` better."""
+    for value in list(proto.graph.input) + list(proto.graph.output):
+        dim = value.type.tensor_type.shape.dim[0]
+        if not dim.HasField("dim_value"):
+            dim.dim_param = "batch"
+
+
+def max_output_difference(model, onnx_path: str | Path, inputs: np.ndarray) -> dict[str, float]:
+    """Largest absolute difference per output between TensorFlow and ONNX Runtime on `inputs`."""
+    from qatpipe.runtime.onnx_runtime import OnnxModel
+
+    reference = model(inputs, training=False)
+    reference = dict(zip([name.split("/")[0] for name in model.output_names], (r.numpy() for r in reference)))
+    onnx_outputs = OnnxModel(onnx_path).run(inputs)
+    return {name: float(np.max(np.abs(reference[name] - onnx_outputs[name]))) for name in reference}

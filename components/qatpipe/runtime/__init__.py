@@ -1,0 +1,1 @@
+"""Running exported models: ONNX Runtime (always available) here; TensorRT joins with the engine stage."""

@@ -1,0 +1,41 @@
+"""An ONNX detector in ONNX Runtime: CPU by default, CUDA when the installed build and machine have it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from qatpipe.errors import ModelFileError
+
+
+class OnnxModel:
+    """`run(batch)` -> {output name: array}, with graph optimisation on (Q/DQ fused where ORT can)."""
+
+    def __init__(self, path: str | Path, providers: list[str] | None = None, threads: int | None = None):
+        import onnxruntime as ort
+
+        path = Path(path)
+        if not path.is_file():
+            raise ModelFileError(f"{path}: model file not found")
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            options.intra_op_num_threads = threads
+        available = ort.get_available_providers()
+        providers = providers or [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=providers)
+        except Exception as exc:  # ORT raises InvalidGraph / InvalidProtobuf / Fail for bad files
+            raise ModelFileError(f"{path}: not a loadable ONNX model: {type(exc).__name__}: {exc}") from None
+        self.path = path
+        self.input_name = self.session.get_inputs()[0].name
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    @property
+    def input_shape(self) -> list:
+        return self.session.get_inputs()[0].shape
+
+    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        outputs = self.session.run(self.output_names, {self.input_name: np.asarray(batch, np.float32)})
+        return dict(zip(self.output_names, outputs))
