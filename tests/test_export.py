@@ -82,3 +82,36 @@ def test_export_and_onnx_errors(trained_tiny, tmp_path, caplog):
     # the command line: one clear line, exit code 2
     assert main(["export", "-e", "tiny", "-m", str(tmp_path / "missing.keras"), "-o", str(tmp_path / "x.onnx")]) == 2
     assert "missing.keras: model file not found" in caplog.text
+
+
+@pytest.mark.parametrize("method", ["minmax", "entropy", "percentile"])
+def test_ptq_gives_symmetric_int8_qdq_that_still_detects(trained_tiny, tmp_path, method):
+    from onnx import numpy_helper
+
+    from qatpipe.stages.evaluate import evaluate
+    from qatpipe.stages.ptq import ptq
+
+    spec, model = trained_tiny
+    spec = spec.model_copy(deep=True)
+    spec.ptq.method, spec.ptq.calibration_images = method, 32
+    export(spec, model, tmp_path / "fp32.onnx")
+    report = ptq(spec, tmp_path / "fp32.onnx", tmp_path / "ptq.onnx")
+    assert report["calibration_images"] == 32 and report["method"] == method
+    graph = onnx.load(tmp_path / "ptq.onnx").graph
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    quant = [n for n in graph.node if n.op_type == "QuantizeLinear"]
+    convs = [n for n in graph.node if n.op_type == "Conv"]
+    assert quant and convs
+    for node in quant:  # symmetric int8: zero point 0 everywhere
+        zero_point = inits[node.input[2]]
+        assert zero_point.dtype == np.int8 and not zero_point.any()
+    producers = {n.output[0]: n for n in graph.node}
+    for conv in convs:  # every Conv reads its input and weights through DequantizeLinear
+        data, weight = producers[conv.input[0]], producers[conv.input[1]]
+        assert data.op_type == "DequantizeLinear" and weight.op_type == "DequantizeLinear", conv.name
+        if weight.input[0] in inits:  # int8 weights with per-output-channel scales
+            assert inits[weight.input[0]].dtype == np.int8
+            assert inits[weight.input[1]].size == inits[weight.input[0]].shape[0]
+    fp32 = evaluate(spec, tmp_path / "fp32.onnx", tmp_path / "e_fp32")["map50"]
+    int8 = evaluate(spec, tmp_path / "ptq.onnx", tmp_path / "e_ptq")["map50"]
+    assert int8 > 0.5 * fp32  # a sane INT8 model; the real comparison is bench/'s job

@@ -101,6 +101,15 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_ptq(args) -> int:
+    from qatpipe.stages.ptq import ptq
+
+    report = ptq(_load(args), args.model, args.output)
+    print(f"{report['onnx']}  PTQ {report['method']} on {report['calibration_images']} images  "
+          f"{report['size_mb']:.2f} MB")
+    return 0
+
+
 def cmd_run(args) -> int:
     from qatpipe.stages.compare import format_table
     from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
@@ -203,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-m", "--model", required=True, type=Path, help="model (.keras)")
     export.add_argument("-o", "--output", required=True, type=Path, help="the .onnx file to write")
     export.set_defaults(func=cmd_export)
+
+    ptq = sub.add_parser("ptq", help="post-training INT8 quantisation of an FP32 ONNX (the PTQ baseline)",
+                         description="Settings: the spec's `ptq` section (--set ptq.method=percentile ...).")
+    _add_spec_args(ptq)
+    ptq.add_argument("-m", "--model", required=True, type=Path, help="FP32 model (.onnx, from `qatpipe export`)")
+    ptq.add_argument("-o", "--output", required=True, type=Path, help="the INT8 Q/DQ .onnx to write")
+    ptq.set_defaults(func=cmd_ptq)
 
     prune = sub.add_parser("prune", help="structured pruning of a trained model (TAO `prune`)",
                            description="Settings: the spec's `prune` section (-e), overridden by the flags.")

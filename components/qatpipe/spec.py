@@ -221,6 +221,16 @@ class QatSpec(_Section):
     enabled: bool = False
 
 
+class PtqSpec(_Section):
+    """Post-training quantisation of the FP32 model (the baseline QAT must beat): ONNX Runtime static
+    quantisation, Q/DQ format, symmetric int8 activations and per-channel weights."""
+
+    calibration_images: int = Field(200, ge=1, description="training images the ranges are calibrated on")
+    method: Literal["entropy", "percentile", "minmax"] = "entropy"
+    percentile: float = Field(99.99, gt=90, le=100, description="for method: percentile")
+    seed: int = 0
+
+
 class ExportSpec(_Section):
     opset: int = Field(17, ge=13)
 
@@ -248,6 +258,7 @@ class ExperimentSpec(_Section):
     evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
     prune: PruneSpec = Field(default_factory=PruneSpec)
     qat: QatSpec = Field(default_factory=QatSpec)
+    ptq: PtqSpec = Field(default_factory=PtqSpec)
     export: ExportSpec = Field(default_factory=ExportSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     validate_: ValidateSpec = Field(default_factory=ValidateSpec, alias="validate")

@@ -1,0 +1,34 @@
+"""Stage: the PTQ baseline: calibrate the FP32 ONNX on training images into an INT8 Q/DQ ONNX."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from qatpipe.fileio import write_json
+from qatpipe.spec import ExperimentSpec
+
+log = logging.getLogger(__name__)
+
+
+def ptq(spec: ExperimentSpec, fp32_onnx: str | Path, output: str | Path) -> dict:
+    """`spec.ptq` settings; calibration images: a seeded sample of dataset.train, preprocessed as in evaluation.
+    Writes `output` (.onnx) and `<stem>_ptq.json` beside it."""
+    from qatpipe.data.pipeline import eval_dataset
+    from qatpipe.data.splits import load_split
+    from qatpipe.quantization.ptq import quantize_ptq
+
+    settings = spec.ptq
+    samples = load_split(spec, "train")
+    rng = np.random.default_rng(settings.seed)
+    chosen = sorted(rng.choice(len(samples), size=min(settings.calibration_images, len(samples)), replace=False))
+    batches = (batch.numpy() for batch in eval_dataset([samples[i] for i in chosen], spec))
+    report = quantize_ptq(fp32_onnx, output, batches, settings.method, settings.percentile)
+    report["source"] = str(fp32_onnx)
+    write_json(Path(output).with_name(f"{Path(output).stem}_ptq.json"), report)
+    return report
+
+
+__all__ = ["ptq"]
