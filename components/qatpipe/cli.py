@@ -30,6 +30,13 @@ def _add_spec_args(parser: argparse.ArgumentParser) -> None:
                         help="override a spec key, e.g. --set train.epochs=5 (repeatable)")
 
 
+def _add_model_conversion_args(parser: argparse.ArgumentParser, model_help: str, output_help: str) -> None:
+    """-e/--set, then -m MODEL -o OUTPUT: the shape of the commands that turn one model file into another."""
+    _add_spec_args(parser)
+    parser.add_argument("-m", "--model", required=True, type=Path, help=model_help)
+    parser.add_argument("-o", "--output", required=True, type=Path, help=output_help)
+
+
 def cmd_data_synth(args) -> int:
     from qatpipe.data.synth import write_synthetic_dataset
 
@@ -60,6 +67,7 @@ def cmd_evaluate(args) -> int:
 
 def cmd_prune(args) -> int:
     from qatpipe.models import get_architecture
+    from qatpipe.spec import PruneSpec
     from qatpipe.spec_sources import load_spec_uri
     from qatpipe.stages.prune import prune
 
@@ -70,8 +78,6 @@ def cmd_prune(args) -> int:
             settings[key] = getattr(args, key)
     if args.excluded_layers:
         settings["excluded_layers"] = args.excluded_layers
-    from qatpipe.spec import PruneSpec
-
     try:
         prune_settings = PruneSpec(**settings)
     except ValueError as exc:
@@ -208,16 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     retrain.set_defaults(func=cmd_retrain)
 
     export = sub.add_parser("export", help="export a model to ONNX (tf2onnx), checked in ONNX Runtime")
-    _add_spec_args(export)
-    export.add_argument("-m", "--model", required=True, type=Path, help="model (.keras)")
-    export.add_argument("-o", "--output", required=True, type=Path, help="the .onnx file to write")
+    _add_model_conversion_args(export, "model (.keras)", "the .onnx file to write")
     export.set_defaults(func=cmd_export)
 
     ptq = sub.add_parser("ptq", help="post-training INT8 quantisation of an FP32 ONNX (the PTQ baseline)",
                          description="Settings: the spec's `ptq` section (--set ptq.method=percentile ...).")
-    _add_spec_args(ptq)
-    ptq.add_argument("-m", "--model", required=True, type=Path, help="FP32 model (.onnx, from `qatpipe export`)")
-    ptq.add_argument("-o", "--output", required=True, type=Path, help="the INT8 Q/DQ .onnx to write")
+    _add_model_conversion_args(ptq, "FP32 model (.onnx, from `qatpipe export`)", "the INT8 Q/DQ .onnx to write")
     ptq.set_defaults(func=cmd_ptq)
 
     prune = sub.add_parser("prune", help="structured pruning of a trained model (TAO `prune`)",

@@ -47,7 +47,7 @@ def _record(name: str, status: str, seconds: float, reason: str | None = None) -
     path = os.environ.get(STAGE_LOG_ENV)
     if not path:
         return
-    entry = {"stage": name, "status": status, "seconds": round(seconds, 2), "pid": os.getpid()}
+    entry = {"stage": name, "status": status, "seconds": round(seconds, 2)}
     if reason:
         entry["reason"] = reason
     with open(path, "a", encoding="utf-8") as handle:  # one short line per write: appends do not interleave

@@ -134,8 +134,8 @@ def _stage_outcomes(stage_log: Path) -> dict:
     if stage_log.is_file():
         for line in stage_log.read_text().splitlines():
             entry = json.loads(line)
-            name = entry.pop("stage")
-            outcomes[name] = {key: value for key, value in entry.items() if key != "pid"}
+            stage = entry.pop("stage")
+            outcomes[stage] = entry
     return outcomes
 
 

@@ -20,12 +20,6 @@ METRICS_FILE = "metrics.json"
 PR_CURVE_FILE = "pr_curves.png"
 
 
-def predict_keras(model, samples, spec: ExperimentSpec, arch) -> list:
-    """Run a tf_keras detector over samples and decode, boxes in each image's own pixels."""
-    return predict(lambda batch: dict(zip(arch.output_names, (o.numpy() for o in model(batch, training=False)))),
-                   samples, spec, arch)
-
-
 def predict(forward, samples, spec: ExperimentSpec, arch) -> list:
     """Decode `forward(batch) -> {output name: array}` over samples, boxes in each image's own pixels."""
     from qatpipe.data.pipeline import eval_dataset
@@ -121,4 +115,4 @@ def tracked_metrics(result: dict) -> dict[str, float]:
     return metrics
 
 
-__all__ = ["evaluate", "predict", "predict_keras", "onnx_forward", "tracked_metrics", "METRICS_FILE", "PR_CURVE_FILE"]
+__all__ = ["evaluate", "predict", "onnx_forward", "tracked_metrics", "METRICS_FILE", "PR_CURVE_FILE"]
