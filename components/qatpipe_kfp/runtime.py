@@ -78,12 +78,3 @@ def write_metrics(metrics_artifact, values: dict[str, float]) -> None:
 def write_text(artifact, text: str) -> None:
     Path(artifact.path).parent.mkdir(parents=True, exist_ok=True)
     Path(artifact.path).write_text(text, encoding="utf-8")
-
-
-def image_html(title: str, png_path: str | Path) -> str:
-    import base64
-    import html
-
-    data = base64.b64encode(Path(png_path).read_bytes()).decode("ascii")
-    return (f"<html><body><h3>{html.escape(title)}</h3>"
-            f'<img alt="{html.escape(title)}" src="data:image/png;base64,{data}"/></body></html>\n')

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import html
 import json
 import logging
 from pathlib import Path
@@ -11,6 +9,7 @@ from typing import Any
 
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text, write_json
+from qatpipe.html_report import png_page
 from qatpipe.stages.evaluate import METRICS_FILE
 from qatpipe.tracking.records import StageRecord
 
@@ -59,7 +58,7 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path)
     table = format_table(variants, markdown=True)
     atomic_write_text(output_dir / TABLE_FILE, "# Variants\n\n" + table + "\n")
     plot_variants(variants, output_dir / CHART_FILE)
-    atomic_write_text(output_dir / HTML_FILE, _html_report(table, output_dir / CHART_FILE))
+    atomic_write_text(output_dir / HTML_FILE, png_page("Variants", output_dir / CHART_FILE, table))
     StageRecord(
         stage="compare", params={"variants": ",".join(variants)},
         metrics={f"{name}.{key}": value for name, row in variants.items() for key, value in row.items()
@@ -108,16 +107,6 @@ def plot_variants(variants: dict[str, dict[str, Any]], path: str | Path) -> Path
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def _html_report(markdown_table: str, chart: Path) -> str:
-    image = base64.b64encode(chart.read_bytes()).decode("ascii")
-    return (
-        "<html><body><h3>Variants</h3>"
-        f"<pre>{html.escape(markdown_table)}</pre>"
-        f'<img alt="variant comparison" src="data:image/png;base64,{image}"/>'
-        "</body></html>\n"
-    )
 
 
 def _fmt(value: Any, fmt: str) -> str:

@@ -13,7 +13,8 @@ def evaluate(evaluate_spec: str, variant: str, dataset: Input[Dataset], model: I
 
     from qatpipe.data.prepare import spec_with_prepared_dataset
     from qatpipe.stages.evaluate import PR_CURVE_FILE, evaluate as evaluate_stage, tracked_metrics
-    from qatpipe_kfp.runtime import image_html, load_stage_spec, stage, write_metrics, write_text
+    from qatpipe.html_report import png_page
+    from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics, write_text
 
     with stage(f"evaluate-{variant}"):
         spec = spec_with_prepared_dataset(load_stage_spec(evaluate_spec), dataset.path)
@@ -29,5 +30,5 @@ def evaluate(evaluate_spec: str, variant: str, dataset: Input[Dataset], model: I
         write_text(report, "\n".join([
             f"# {variant}: mAP@0.5 {result['map50']:.4f}, mAP@[.5:.95] {result['map']:.4f}", "",
             "| class | objects | AP@0.5 | AP@[.5:.95] |", "|---|---|---|---|", *rows, ""]))
-        write_text(pr_curves, image_html(f"{variant}: precision/recall at IoU 0.5",
-                                         Path(results.path) / PR_CURVE_FILE))
+        write_text(pr_curves, png_page(f"{variant}: precision/recall at IoU 0.5",
+                                       Path(results.path) / PR_CURVE_FILE))
