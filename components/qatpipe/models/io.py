@@ -14,6 +14,8 @@ def load_keras_model(path: str | Path, arch=None):
     """A tf_keras model saved by a qatpipe stage (`.keras`, or TAO-style `.hdf5`), checked against `arch`."""
     import tf_keras as keras
 
+    import qatpipe.quantization.layers  # noqa: F401  (registers the QAT layers, so QAT models load)
+
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"{path}: model file not found")

@@ -1,0 +1,97 @@
+"""Apply the placement rules: a float tf_keras model -> its QAT twin (same layers, names and weights, with
+quantised wrappers where the rules say), then calibrate its activation ranges on a few batches."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import numpy as np
+import tf_keras as keras
+
+from qatpipe.errors import SpecError
+from qatpipe.pruning.graph import inbound_layers
+from qatpipe.quantization.layers import quantized_layers
+from qatpipe.quantization.rules import Placement, default_rules, plan
+
+log = logging.getLogger(__name__)
+
+
+def _is_relu(layer) -> bool:
+    if type(layer) is keras.layers.ReLU:
+        return layer.max_value is None and not layer.negative_slope and not layer.threshold
+    return type(layer) is keras.layers.Activation and layer.get_config()["activation"] == "relu"
+
+
+def quantize_model(model: keras.Model, settings, rules=None) -> keras.Model:
+    """The QAT model for `settings` (a QatSpec). `rules` defaults to rules.default_rules(settings).
+
+    settings.relu6 swaps ReLU for ReLU6 first, as TAO's QAT does: a bounded activation keeps the int8
+    range of the next layer's input tight.
+    """
+    names = {layer.name for layer in model.layers}
+    unknown = sorted(set(settings.excluded_layers) - names)
+    if unknown:
+        raise SpecError(f"qat.excluded_layers: no such layers in {model.name}: {', '.join(unknown)}")
+    unknown = sorted(set(settings.quantize_outputs) - {t.node.layer.name for t in model.outputs})
+    if unknown:
+        raise SpecError(f"qat.quantize_outputs: not outputs of {model.name}: {', '.join(unknown)}")
+    placements = plan(model, rules if rules is not None else default_rules(settings))
+    tensors: dict[str, object] = {}
+    for layer in model.layers:
+        config = layer.get_config()
+        if isinstance(layer, keras.layers.InputLayer):
+            tensors[layer.name] = keras.Input(batch_shape=config["batch_input_shape"], name=layer.name,
+                                              dtype=config.get("dtype"))
+            continue
+        new_layer = _new_layer(layer, config, placements.get(layer.name), settings)
+        inputs = [tensors[src.name] for src in inbound_layers(layer)]
+        tensors[layer.name] = new_layer(inputs if len(inputs) > 1 else inputs[0])
+        old = layer.get_weights()
+        # the wrapper's extra weights (activation ranges) come after the float layer's: keep them at 0
+        new_layer.set_weights(old + new_layer.get_weights()[len(old):])
+    outputs = [tensors[t.node.layer.name] for t in model.outputs]
+    inputs = [tensors[t.node.layer.name] for t in model.inputs]
+    qat = keras.Model(inputs if len(inputs) > 1 else inputs[0], outputs, name=model.name)
+    by_rule: dict[str, int] = {}
+    for placement in placements.values():
+        by_rule[placement.rule] = by_rule.get(placement.rule, 0) + 1
+    log.info("QAT: %d layers quantised (%s)%s", len(placements),
+             ", ".join(f"{rule}: {n}" for rule, n in sorted(by_rule.items())), "; ReLU -> ReLU6" if settings.relu6 else "")
+    return qat
+
+
+def _new_layer(layer, config: dict, placement: Placement | None, settings):
+    if placement is not None:
+        return placement.wrapper.from_config({**config, **placement.options, "ema_decay": settings.ema_decay})
+    if settings.relu6 and _is_relu(layer):
+        return keras.layers.ReLU(max_value=6.0, name=layer.name)
+    return type(layer).from_config(config)
+
+
+def calibrate(model: keras.Model, batches: Iterable[np.ndarray], max_batches: int) -> int:
+    """Initialise every activation range with the largest |value| seen over up to `max_batches` batches
+    (run eagerly, values unquantised). Returns the number of images seen."""
+    layers = quantized_layers(model)
+    for layer in layers:
+        layer.set_calibrating(True)
+    images = 0
+    try:
+        for index, batch in enumerate(batches):
+            if index >= max_batches:
+                break
+            model(batch, training=False)
+            images += len(batch)
+    finally:
+        for layer in layers:
+            layer.set_calibrating(False)
+    ranges = [float(r.amax.numpy()) for layer in layers for r in layer.activation_ranges()]
+    log.info("QAT calibration: %d images, %d activation ranges (amax %.3g .. %.3g)", images, len(ranges),
+             min(ranges, default=0.0), max(ranges, default=0.0))
+    return images
+
+
+def activation_ranges(model: keras.Model) -> dict[str, float]:
+    """`layer/range` -> amax of every quantised activation, for reports."""
+    return {f"{layer.name}/{r.amax.name.split('/')[-1].split(':')[0]}": float(r.amax.numpy())
+            for layer in quantized_layers(model) for r in layer.activation_ranges()}

@@ -1,0 +1,184 @@
+"""QAT for TensorRT: the placement rules on small hand-built graphs, the wrappers, calibration and range
+tracking, and the quantised twin of the detector."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tf_keras as keras
+
+from qatpipe.errors import SpecError
+from qatpipe.quantization.layers import QDQActivation, QDQAdd, QDQConv2D, QDQDense, quantized_layers
+from qatpipe.quantization.quantizers import QMAX, fake_quant_per_channel, fake_quant_per_tensor
+from qatpipe.quantization.rules import (ConvDenseInputsAndWeights, Exclusions, LayerGraph, QuantizedOutputs,
+                                        ResidualAddInput, default_rules, plan)
+from qatpipe.quantization.transform import activation_ranges, calibrate, quantize_model
+from qatpipe.spec import QatSpec
+
+L = keras.layers
+
+
+def _conv(filters, name, **kw):
+    return L.Conv2D(filters, 3, padding="same", name=name, **kw)
+
+
+def identity_block():
+    """conv -> bn -> add(., input) -> relu: the identity shortcut of a ResNet block."""
+    x = keras.Input((8, 8, 4), name="input_1")
+    y = L.BatchNormalization(name="bn")(_conv(4, "conv")(x))
+    y = L.Add(name="add")([y, x])
+    return keras.Model(x, L.Activation("relu", name="out")(y))
+
+
+def projection_block(swap=False):
+    """two conv+bn branches into one add; `swap` puts the shortcut first."""
+    x = keras.Input((8, 8, 4), name="input_1")
+    main = L.BatchNormalization(name="bn_main")(_conv(8, "conv_main")(x))
+    short = L.BatchNormalization(name="bn_short")(L.Conv2D(8, 1, name="conv_short")(x))
+    y = L.Add(name="add")([short, main] if swap else [main, short])
+    return keras.Model(x, y)
+
+
+def test_fake_quant_is_symmetric_int8_narrow_range():
+    x = np.linspace(-3, 3, 101).astype(np.float32)
+    q = fake_quant_per_tensor(x, 2.0).numpy()
+    step = 2.0 / QMAX
+    np.testing.assert_allclose(q, np.clip(np.round(x / step), -127, 127) * step, atol=1e-6)
+    assert q.min() == pytest.approx(-2.0) and q.max() == pytest.approx(2.0)  # clipped at +-amax, 0 exact
+    assert fake_quant_per_tensor(np.zeros(3, np.float32), 0.0).numpy().tolist() == [0, 0, 0]
+    kernel = np.random.default_rng(0).normal(size=(3, 3, 2, 4)).astype(np.float32)
+    kernel[..., 1] *= 10  # per-channel: a large channel does not coarsen the others
+    wq = fake_quant_per_channel(kernel, axis=3).numpy()
+    for c in range(4):
+        step = np.abs(kernel[..., c]).max() / QMAX
+        assert np.abs(wq[..., c] - kernel[..., c]).max() <= step / 2 + 1e-6
+
+
+def test_conv_and_dense_get_input_and_weight_quantisers_but_not_depthwise():
+    x = keras.Input((8, 8, 4), name="input_1")
+    y = _conv(4, "conv")(x)
+    y = L.DepthwiseConv2D(3, padding="same", name="depthwise")(y)
+    y = L.Dense(5, name="dense")(L.GlobalAveragePooling2D(name="gap")(y))
+    model = keras.Model(x, y)
+    placements = plan(model, [ConvDenseInputsAndWeights()])
+    assert {name: p.wrapper for name, p in placements.items()} == {"conv": QDQConv2D, "dense": QDQDense}
+    assert {p.rule for p in placements.values()} == {"conv_dense_inputs_and_weights"}
+
+
+def test_residual_rule_quantises_the_identity_shortcut():
+    placements = plan(identity_block(), [ResidualAddInput()])
+    assert placements["add"].wrapper is QDQAdd
+    assert placements["add"].options == {"quantized_inputs": [1]}  # the conv branch (0) fuses with the add
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_residual_rule_with_two_conv_branches_quantises_the_one_not_fused(swap):
+    placements = plan(projection_block(swap), [ResidualAddInput()])
+    # both branches could fuse: the first input is fused, the second quantised, whichever conv it comes from
+    assert placements["add"].options == {"quantized_inputs": [1]}
+
+
+def test_residual_rule_quantises_every_input_when_no_conv_can_fuse():
+    x = keras.Input((8, 8, 4), name="input_1")
+    conv = _conv(4, "conv")(x)
+    y = L.Add(name="add")([conv, x])
+    model = keras.Model(x, [y, L.Activation("relu", name="other_use")(conv)])  # conv output used twice
+    assert plan(model, [ResidualAddInput()])["add"].options == {"quantized_inputs": [0, 1]}
+
+
+def test_exclusions_by_name_and_type_win_over_later_rules():
+    model = projection_block()
+    rules = default_rules(QatSpec(excluded_layers=["conv_short"], excluded_layer_types=["Add"]))
+    placements = plan(model, rules)
+    assert set(placements) == {"conv_main"}
+    assert isinstance(rules[0], Exclusions)
+
+
+def test_outputs_stay_float_unless_named():
+    x = keras.Input((8, 8, 4), name="input_1")
+    y = _conv(4, "conv")(x)
+    model = keras.Model(x, [L.Activation("sigmoid", name="output_cov")(y),
+                            L.Activation("linear", name="output_bbox")(y)])
+    assert "output_bbox" not in plan(model, default_rules(QatSpec()))
+    assert "output_cov" not in plan(model, default_rules(QatSpec()))
+    placements = plan(model, [QuantizedOutputs(["output_cov"])])
+    assert set(placements) == {"output_cov"} and placements["output_cov"].wrapper is QDQActivation
+    graph = LayerGraph(model)
+    assert graph.outputs == {"output_cov", "output_bbox"}
+
+
+def test_quantize_model_keeps_names_weights_and_float_behaviour_within_int8_error():
+    model = identity_block()
+    rng = np.random.default_rng(0)
+    x = rng.uniform(size=(4, 8, 8, 4)).astype(np.float32)
+    qat = quantize_model(model, QatSpec())
+    assert [layer.name for layer in qat.layers] == [layer.name for layer in model.layers]
+    assert {type(layer) for layer in quantized_layers(qat)} == {QDQConv2D, QDQAdd}
+    np.testing.assert_array_equal(qat.get_layer("conv").kernel.numpy(), model.get_layer("conv").kernel.numpy())
+    images = calibrate(qat, [x[:2], x[2:]], max_batches=5)
+    assert images == 4
+    # calibration: the conv's input range is the largest |x| seen, the add's the largest |shortcut| = |x|
+    ranges = activation_ranges(qat)
+    assert ranges["conv/input_amax"] == pytest.approx(float(np.abs(x).max()))
+    assert ranges["add/input1_amax"] == pytest.approx(float(np.abs(x).max()))
+    float_out, qat_out = model(x).numpy(), qat(x).numpy()
+    assert 0 < np.abs(float_out - qat_out).max() < 0.05 * np.abs(float_out).max()
+
+
+def test_unknown_exclusion_or_output_is_a_spec_error():
+    with pytest.raises(SpecError, match="qat.excluded_layers: no such layers .*: nope"):
+        quantize_model(identity_block(), QatSpec(excluded_layers=["nope"]))
+    with pytest.raises(SpecError, match="qat.quantize_outputs: not outputs .*: conv"):
+        quantize_model(identity_block(), QatSpec(quantize_outputs=["conv"]))
+
+
+def test_ranges_track_a_moving_average_in_training_and_hold_in_inference():
+    qat = quantize_model(identity_block(), QatSpec(ema_decay=0.5))
+    x = np.full((1, 8, 8, 4), 1.0, np.float32)
+    calibrate(qat, [x], 1)
+    conv = qat.get_layer("conv")
+    assert float(conv.input_range.amax.numpy()) == pytest.approx(1.0)
+    qat(x * 3, training=False)
+    assert float(conv.input_range.amax.numpy()) == pytest.approx(1.0)  # inference never moves a range
+    qat(x * 3, training=True)
+    assert float(conv.input_range.amax.numpy()) == pytest.approx(0.5 * 1.0 + 0.5 * 3.0)
+
+
+def test_relu6_option_and_gradients_reach_every_weight():
+    import tensorflow as tf
+
+    qat = quantize_model(identity_block(), QatSpec(relu6=True))
+    out = qat.get_layer("out")
+    assert isinstance(out, L.ReLU) and out.max_value == 6.0
+    x = np.random.default_rng(1).uniform(size=(2, 8, 8, 4)).astype(np.float32)
+    calibrate(qat, [x], 1)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(qat(x, training=True))
+    grads = tape.gradient(loss, qat.trainable_variables)
+    assert all(g is not None and np.any(g.numpy()) for g in grads)  # straight-through estimators
+
+
+def test_qat_model_saves_and_loads_with_its_ranges(tmp_path):
+    from qatpipe.models.io import load_keras_model
+
+    qat = quantize_model(projection_block(), QatSpec())
+    x = np.random.default_rng(2).uniform(size=(2, 8, 8, 4)).astype(np.float32)
+    calibrate(qat, [x], 1)
+    qat.save(tmp_path / "qat.keras")
+    loaded = load_keras_model(tmp_path / "qat.keras")
+    assert activation_ranges(loaded) == activation_ranges(qat)
+    np.testing.assert_array_equal(loaded(x).numpy(), qat(x).numpy())
+
+
+def test_detector_twin_quantises_every_conv_and_residual():
+    from qatpipe.models import get_architecture
+    from qatpipe.spec import bundled_spec_path, load_spec
+
+    spec = load_spec(bundled_spec_path("tiny"))
+    model = get_architecture(spec).build_model()
+    placements = plan(model, default_rules(spec.qat))
+    convs = [layer.name for layer in model.layers if type(layer) is L.Conv2D]
+    adds = [layer.name for layer in model.layers if type(layer) is L.Add]
+    assert sorted(n for n, p in placements.items() if p.wrapper is QDQConv2D) == sorted(convs)
+    assert all(placements[name].options == {"quantized_inputs": [1]} for name in adds)  # the shortcut
+    assert "output_bbox" not in placements and "output_cov" not in placements
