@@ -93,7 +93,10 @@ def cmd_prune(args) -> int:
 def cmd_retrain(args) -> int:
     from qatpipe.stages.retrain import retrain
 
-    summary = retrain(_load(args), args.model, args.results_dir, use_amp=True if args.use_amp else None)
+    spec = _load(args)
+    if args.qat:
+        spec.qat.enabled = True
+    summary = retrain(spec, args.model, args.results_dir, use_amp=True if args.use_amp else None)
     log.info("retraining done: %s", json.dumps({k: summary[k] for k in ("model", "params", "wall_seconds")}))
     return 0
 
@@ -102,8 +105,9 @@ def cmd_export(args) -> int:
     from qatpipe.stages.export import export
 
     report = export(_load(args, with_data=False), args.model, args.output)
-    print(f"{report['onnx']}  opset {report['opset']}  {report['size_mb']:.2f} MB  "
-          f"max |TF - ORT| {max(report['max_abs_difference_vs_tensorflow'].values()):.1e}")
+    worst = max(d["max_abs"] for d in report["difference_vs_tensorflow"].values())
+    print(f"{report['onnx']}  opset {report['opset']}  {report['quantization']}  {report['size_mb']:.2f} MB  "
+          f"max |TF - ORT| {worst:.1e}")
     return 0
 
 
@@ -117,7 +121,7 @@ def cmd_ptq(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from qatpipe.stages.compare import format_table
+    from qatpipe.stages.compare import format_table, pruning_line
     from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
 
     summary = run_local(args.output, args.spec, args.overrides, run_name=args.run_name or "")
@@ -126,6 +130,8 @@ def cmd_run(args) -> int:
         log.info("MLflow: run %s in experiment %r at %s", summary["mlflow"]["run_id"],
                  summary["mlflow"]["experiment"], summary["mlflow"]["tracking_uri"])
     print(format_table(summary["variants"]))  # the answer, for people and scripts
+    if "pruning" in summary:
+        print(pruning_line(summary["pruning"]))
     return 0
 
 
@@ -206,11 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("-o", "--output-dir", type=Path, help="default: MODEL_DIR/evaluate")
     evaluate.set_defaults(func=cmd_evaluate)
 
-    retrain = sub.add_parser("retrain", help="retrain a pruned model, FP32 (resumes from checkpoints)")
+    retrain = sub.add_parser("retrain", help="retrain a pruned model, FP32 or QAT (resumes from checkpoints)",
+                             description="Epochs: retrain.epochs (default train.epochs); QAT: the qat section.")
     _add_spec_args(retrain)
     retrain.add_argument("-m", "--model", required=True, type=Path, help="the pruned model (.keras)")
     retrain.add_argument("-r", "--results-dir", required=True, type=Path)
     retrain.add_argument("--use-amp", action="store_true", help="mixed precision (GPU only; FP32 on CPU)")
+    retrain.add_argument("--qat", action="store_true",
+                         help="quantisation-aware training for TensorRT INT8 (sets qat.enabled)")
     retrain.set_defaults(func=cmd_retrain)
 
     export = sub.add_parser("export", help="export a model to ONNX (tf2onnx), checked in ONNX Runtime")

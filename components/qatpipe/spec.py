@@ -217,8 +217,24 @@ class PruneSpec(_Section):
     excluded_layers: list[str] = Field(default_factory=list)
 
 
+class RetrainSpec(_Section):
+    """Retraining of the pruned model (FP32 and QAT): the train section's settings, except these."""
+
+    epochs: int | None = Field(None, ge=1, description="default: train.epochs")
+
+
 class QatSpec(_Section):
-    enabled: bool = False
+    """Quantisation-aware training for TensorRT (quantization/rules.py documents each placement rule)."""
+
+    enabled: bool = Field(False, description="retrain with fake quantisation (TAO's enable_qat)")
+    calibration_batches: int = Field(8, ge=1, description="training batches that initialise activation ranges")
+    ema_decay: float = Field(0.999, ge=0, lt=1, description="moving average of activation ranges in training")
+    excluded_layers: list[str] = Field(default_factory=list, description="layer names kept in float")
+    excluded_layer_types: list[str] = Field(default_factory=list, description="layer classes kept in float, e.g. Dense")
+    quantize_outputs: list[str] = Field(
+        default_factory=list, description="model outputs given Q/DQ too; none by default (TAO: a quantised bbox "
+        "output ruins detection)")
+    relu6: bool = Field(False, description="replace ReLU by ReLU6 before QAT (TAO-style)")
 
 
 class PtqSpec(_Section):
@@ -233,6 +249,9 @@ class PtqSpec(_Section):
 
 class ExportSpec(_Section):
     opset: int = Field(17, ge=13)
+    calibration_cache_trt_version: int = Field(
+        100300, description="TensorRT version in the QAT calibration cache header, as NV_TENSORRT_VERSION "
+        "(10.3.0 -> 100300, DeepStream 7.1; 8.6.1 -> 8601)")
 
 
 class EngineSpec(_Section):
@@ -257,6 +276,7 @@ class ExperimentSpec(_Section):
     train: TrainSpec = Field(default_factory=TrainSpec)
     evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
     prune: PruneSpec = Field(default_factory=PruneSpec)
+    retrain: RetrainSpec = Field(default_factory=RetrainSpec)
     qat: QatSpec = Field(default_factory=QatSpec)
     ptq: PtqSpec = Field(default_factory=PtqSpec)
     export: ExportSpec = Field(default_factory=ExportSpec)
@@ -434,6 +454,11 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "prepare_data": ("dataset",),
     "train": ("dataset", "model", "augmentation", "train"),
     "evaluate": ("dataset", "model", "evaluate"),
+    "prune": ("dataset", "model", "prune"),
+    "retrain": ("dataset", "model", "augmentation", "train", "retrain"),
+    "retrain_qat": ("dataset", "model", "augmentation", "train", "retrain", "qat"),
+    "export": ("dataset", "model", "export"),
+    "ptq": ("dataset", "model", "evaluate", "ptq"),
 }
 
 

@@ -1,6 +1,7 @@
-"""Stage: retrain a pruned detector (TAO `train` with `pruned_model_path`): FP32 fine-tuning that recovers the
-accuracy pruning took. Same training loop, schedule, checkpoints and resume as `train`; the model comes from
-the pruned file instead of a fresh initialisation."""
+"""Stage: retrain a pruned detector (TAO `train` with `pruned_model_path`): fine-tuning that recovers the
+accuracy pruning took, in FP32 or, with `qat.enabled` (TAO's `enable_qat`), quantisation-aware. Same training
+loop, schedule, checkpoints and resume as `train`; the model comes from the pruned file, `retrain.epochs`
+replaces `train.epochs`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
+
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import write_json
 from qatpipe.spec import ExperimentSpec
@@ -16,23 +19,65 @@ from qatpipe.spec import ExperimentSpec
 log = logging.getLogger(__name__)
 
 SOURCE_FILE = "source_model.json"
+QAT_RANGES_FILE = "qat_ranges.json"
+
+
+def retrain_spec(spec: ExperimentSpec) -> ExperimentSpec:
+    """The spec the retraining trains with: `retrain.epochs` in place of `train.epochs`."""
+    spec = spec.model_copy(deep=True)
+    if spec.retrain.epochs is not None:
+        spec.train.epochs = spec.retrain.epochs
+    return spec
 
 
 def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: str | Path,
-            use_amp: bool | None = None, stage_name: str = "retrain_fp32") -> dict:
-    """Fine-tune the pruned model into `results_dir` (model.keras, checkpoints, logs, tracking.json)."""
+            use_amp: bool | None = None, stage_name: str | None = None) -> dict:
+    """Fine-tune the pruned model into `results_dir` (model.keras, checkpoints, logs, tracking.json); a QAT
+    model when spec.qat.enabled (its activation ranges also go to qat_ranges.json)."""
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
     from qatpipe.stages.train import train
 
+    spec = retrain_spec(spec)
+    qat = spec.qat.enabled
+    stage_name = stage_name or ("retrain_qat" if qat else "retrain_fp32")
     pruned_model_path = Path(pruned_model_path)
     results_dir = Path(results_dir)
     model = load_keras_model(pruned_model_path, get_architecture(spec))
     _claim(results_dir, pruned_model_path)
-    log.info("retraining %s (%d params)", pruned_model_path, model.count_params())
+    if qat:
+        if use_amp or (use_amp is None and spec.train.use_amp):
+            log.warning("QAT trains in FP32: fake quantisation under float16 would not match TensorRT's int8")
+        use_amp = False
+        model = _prepare_qat(spec, model, results_dir)
+    log.info("retraining %s (%d params, %s)", pruned_model_path, model.count_params(), "QAT" if qat else "FP32")
     summary = train(spec, results_dir, use_amp=use_amp, model=model, stage_name=stage_name)
     summary["source_model"] = str(pruned_model_path)
+    if qat:
+        from qatpipe.quantization.transform import activation_ranges
+
+        summary["qat"] = {"activation_ranges": len(activation_ranges(model))}
+        write_json(results_dir / QAT_RANGES_FILE, activation_ranges(model))
     return summary
+
+
+def _prepare_qat(spec: ExperimentSpec, model, results_dir: Path):
+    """The QAT twin of `model`, its activation ranges calibrated on training images (a resumed run takes them
+    from its checkpoint instead)."""
+    from qatpipe.data.pipeline import eval_dataset
+    from qatpipe.data.splits import load_split
+    from qatpipe.quantization.transform import calibrate, quantize_model
+
+    model = quantize_model(model, spec.qat)
+    if (results_dir / "checkpoints").is_dir():
+        return model
+    samples = load_split(spec, "train")
+    batch_size = spec.train.batch_size
+    count = min(len(samples), spec.qat.calibration_batches * batch_size)
+    picked = np.random.default_rng(spec.train.seed).choice(len(samples), size=count, replace=False)
+    batches = (batch.numpy() for batch in eval_dataset([samples[i] for i in sorted(picked)], spec, batch_size))
+    calibrate(model, batches, spec.qat.calibration_batches)
+    return model
 
 
 def _claim(results_dir: Path, source: Path) -> None:
@@ -51,4 +96,4 @@ def _claim(results_dir: Path, source: Path) -> None:
     write_json(marker, {"path": str(source), "sha256": digest})
 
 
-__all__ = ["retrain"]
+__all__ = ["retrain", "retrain_spec"]

@@ -191,7 +191,8 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
 
 
 def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dict, stage_name: str) -> None:
-    sections = {key: value for key, value in spec.to_dict().items() if key in STAGE_SECTIONS["train"]}
+    view = STAGE_SECTIONS["retrain_qat" if stage_name.startswith("retrain") else "train"]
+    sections = {key: value for key, value in spec.to_dict().items() if key in view}
     metrics = numeric_leaves({key: summary[key] for key in ("images_per_second", "wall_seconds", "params",
                                                             "final_losses")})
     StageRecord(
