@@ -30,7 +30,7 @@ def trained_tiny(tiny_dataset, tmp_path_factory):
 def test_export_matches_tensorflow_and_names_its_io(trained_tiny, tmp_path):
     spec, model = trained_tiny
     report = export(spec, model, tmp_path / "model.onnx")
-    assert max(report["max_abs_difference_vs_tensorflow"].values()) < 1e-4
+    assert max(d["max_abs"] for d in report["difference_vs_tensorflow"].values()) < 1e-4
     proto = onnx.load(tmp_path / "model.onnx")
     onnx.checker.check_model(proto)
     assert [i.name for i in proto.graph.input] == ["input_1"]
@@ -93,10 +93,11 @@ def test_ptq_gives_symmetric_int8_qdq_that_still_detects(trained_tiny, tmp_path,
 
     spec, model = trained_tiny
     spec = spec.model_copy(deep=True)
-    spec.ptq.method, spec.ptq.calibration_images = method, 32
+    # 24 images in batches of 16: a short last batch, as in most real calibration sets
+    spec.ptq.method, spec.ptq.calibration_images = method, 24
     export(spec, model, tmp_path / "fp32.onnx")
     report = ptq(spec, tmp_path / "fp32.onnx", tmp_path / "ptq.onnx")
-    assert report["calibration_images"] == 32 and report["method"] == method
+    assert report["calibration_images"] == 24 and report["method"] == method
     graph = onnx.load(tmp_path / "ptq.onnx").graph
     inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
     quant = [n for n in graph.node if n.op_type == "QuantizeLinear"]
@@ -115,3 +116,121 @@ def test_ptq_gives_symmetric_int8_qdq_that_still_detects(trained_tiny, tmp_path,
     fp32 = evaluate(spec, tmp_path / "fp32.onnx", tmp_path / "e_fp32")["map50"]
     int8 = evaluate(spec, tmp_path / "ptq.onnx", tmp_path / "e_ptq")["map50"]
     assert int8 > 0.5 * fp32  # a sane INT8 model; the real comparison is bench/'s job
+
+
+@pytest.fixture(scope="module")
+def qat_export(trained_tiny, tmp_path_factory):
+    """One epoch of QAT on the tiny detector, exported: (spec, keras model path, onnx path, report)."""
+    from qatpipe.stages.retrain import retrain
+
+    spec, model = trained_tiny
+    spec = spec.model_copy(deep=True)
+    spec.qat.enabled, spec.retrain.epochs, spec.qat.calibration_batches = True, 1, 4
+    folder = tmp_path_factory.mktemp("qat")
+    summary = retrain(spec, model, folder / "retrain")
+    report = export(spec, summary["model"], folder / "qat.onnx")
+    return spec, summary["model"], folder / "qat.onnx", report
+
+
+def test_qat_onnx_follows_tensorrt_explicit_quantization_rules(qat_export):
+    from onnx import numpy_helper
+
+    _, _, path, report = qat_export
+    graph = onnx.load(path).graph
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    producers = {out: node for node in graph.node for out in node.output}
+    convs = [n for n in graph.node if n.op_type == "Conv"]
+    assert len(convs) == 15  # ResNet-10 with projections, plus the two heads
+    for conv in convs:  # every Conv reads input and weights through DequantizeLinear
+        data, weight = producers[conv.input[0]], producers[conv.input[1]]
+        assert data.op_type == "DequantizeLinear" and weight.op_type == "DequantizeLinear", conv.name
+        kernel, scale = inits[weight.input[0]], inits[weight.input[1]]
+        assert kernel.dtype == np.int8 and kernel.ndim == 4  # int8 OIHW weights...
+        assert scale.shape == (kernel.shape[0],)  # ...with one scale per output channel
+        assert [a.i for a in weight.attribute if a.name == "axis"] == [0]
+        assert inits[data.input[1]].size == 1  # activations per tensor
+    for node in graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            zero_point = inits[node.input[2]]
+            assert zero_point.dtype == np.int8 and not zero_point.any()  # symmetric: zero point 0
+        if node.op_type == "QuantizeLinear":
+            assert node.input[0] not in inits  # weights are stored int8, not quantised at run time
+    adds = [n for n in graph.node if n.op_type == "Add"]
+    assert len(adds) == 4 and all(  # each residual Add takes its shortcut through Q/DQ
+        sum(producers[name].op_type == "DequantizeLinear" for name in add.input if name in producers) == 1
+        for add in adds)
+    for output in graph.output:  # the heads' outputs stay float (TAO: a quantised bbox output ruins boxes)
+        assert producers[output.name].op_type != "DequantizeLinear"
+    assert report["qdq_check"]["problems"] == [] and len(report["qdq_check"]["quantized"]) == 15
+    assert report["int8_weights"] == 15
+
+
+def test_qat_onnx_agrees_with_tensorflow_to_about_one_step(qat_export):
+    from qatpipe.export.onnx_export import output_differences
+    from qatpipe.models.io import load_keras_model
+
+    _, model_path, path, report = qat_export
+    model = load_keras_model(model_path)
+    images = np.random.default_rng(5).uniform(size=(4, 192, 320, 3)).astype(np.float32)
+    for name, diff in output_differences(model, path, images).items():
+        # differences come only from values within an ulp of an int8 rounding boundary (x*(127/a) in TF vs
+        # x/(a/127) in ONNX, sums in another order), carried on by later layers: most outputs are identical
+        # and 90% agree to within one step of the output's int8 range
+        assert diff["p50_steps"] <= 0.05 and diff["p90_steps"] <= 1.0, (name, diff)
+    assert all(d["p90_steps"] <= 1.0 for d in report["difference_vs_tensorflow"].values())
+
+
+def test_qat_onnx_evaluates_like_the_tensorflow_qat_model(qat_export, tmp_path):
+    from qatpipe.stages.evaluate import evaluate
+
+    spec, model_path, path, _ = qat_export
+    keras_result = evaluate(spec, model_path, tmp_path / "keras")
+    onnx_result = evaluate(spec, path, tmp_path / "onnx")
+    assert keras_result["map50"] > 0.05
+    assert onnx_result["map50"] == pytest.approx(keras_result["map50"], abs=0.01)
+
+
+def test_calibration_cache_is_tao_format_and_pairs_with_the_implicit_onnx(qat_export):
+    import re
+
+    from qatpipe.export.qdq import read_calibration_cache
+    from qatpipe.models.io import load_keras_model
+    from qatpipe.quantization.transform import activation_ranges
+
+    spec, model_path, path, report = qat_export
+    text = (path.parent / "qat.cache").read_text()
+    lines = text.splitlines()
+    assert lines[0] == f"TRT-{spec.export.calibration_cache_trt_version}-EntropyCalibration2" == "TRT-100300-EntropyCalibration2"
+    assert all(re.fullmatch(r"[^\s].*: [0-9a-f]{8}", line) for line in lines[1:]), lines[:5]
+    _, scales = read_calibration_cache(text)
+    assert len(scales) == report["calibration_tensors"] > 10
+    # the image's scale is conv1's input range / 127, written as big-endian float32 hex
+    amax = activation_ranges(load_keras_model(model_path))["conv1/input_amax"]
+    assert scales["input_1"] == pytest.approx(amax / 127, rel=1e-6)
+    assert f"input_1: {np.array(amax / 127, '>f4').tobytes().hex()}" in lines
+    implicit = onnx.load(path.parent / "qat_implicit.onnx").graph
+    assert not [n for n in implicit.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    tensors = {i.name for i in implicit.input} | {o for n in implicit.node for o in n.output}
+    assert set(scales) <= tensors  # every cache entry names a tensor of the FP32 graph it goes with
+    as_json = json.loads((path.parent / "qat_scales.json").read_text())
+    assert as_json["input_1"]["scale"] == pytest.approx(scales["input_1"])
+    out = OnnxModel(path.parent / "qat_implicit.onnx").run(np.zeros((1, 192, 320, 3), np.float32))
+    assert out["output_bbox"].shape == (1, 12, 20, 12)
+
+
+def test_qdq_check_names_a_half_quantised_conv_and_a_nonzero_zero_point(qat_export):
+    from onnx import numpy_helper
+
+    from qatpipe.export.qdq import check_explicit_quantization
+
+    _, _, path, _ = qat_export
+    model = onnx.load(path)
+    producers = {out: node for node in model.graph.node for out in node.output}
+    conv = next(n for n in model.graph.node if n.op_type == "Conv")
+    conv.input[0] = producers[conv.input[0]].input[0]  # skip the input's DequantizeLinear
+    problems = check_explicit_quantization(model).problems
+    assert any(p.endswith("input not quantised (TensorRT needs both)") for p in problems), problems
+    dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear")
+    zero = next(i for i in model.graph.initializer if i.name == dq.input[2])
+    zero.CopyFrom(numpy_helper.from_array(np.ones(numpy_helper.to_array(zero).shape, np.int8), zero.name))
+    assert any("zero point must be int8 0" in p for p in check_explicit_quantization(model).problems)

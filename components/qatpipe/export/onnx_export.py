@@ -26,14 +26,11 @@ def export_onnx(model, path: str | Path, opset: int, batch_size: int | None = No
     path.parent.mkdir(parents=True, exist_ok=True)
     height, width, channels = model.input_shape[1:]
     signature = (tf.TensorSpec((batch_size, height, width, channels), tf.float32, name=INPUT_NAME),)
-    tmp = temp_path(path)
     try:
         proto, _ = tf2onnx.convert.from_keras(model, input_signature=signature, opset=opset)
         _name_batch_dimension(proto)
-        tmp.write_bytes(proto.SerializeToString())
-        os.replace(tmp, path)
+        save_onnx(proto, path)
     except Exception as exc:
-        tmp.unlink(missing_ok=True)
         raise QatpipeError(f"{path}: ONNX export failed: {type(exc).__name__}: {exc}") from None
     return path
 
@@ -46,11 +43,27 @@ def _name_batch_dimension(proto) -> None:
             dim.dim_param = "batch"
 
 
-def max_output_difference(model, onnx_path: str | Path, inputs: np.ndarray) -> dict[str, float]:
-    """Largest absolute difference per output between TensorFlow and ONNX Runtime on `inputs`."""
+def save_onnx(proto, path: str | Path) -> Path:
+    path = Path(path)
+    tmp = temp_path(path)
+    tmp.write_bytes(proto.SerializeToString())
+    os.replace(tmp, path)
+    return path
+
+
+def output_differences(model, onnx_path: str | Path, inputs: np.ndarray) -> dict[str, dict]:
+    """Per output, how far ONNX Runtime is from TensorFlow on `inputs`: the largest absolute difference, and
+    percentiles of the difference in int8 steps of that output's range (max |TF| / 127)."""
     from qatpipe.runtime.onnx_runtime import OnnxModel
 
     reference = model(inputs, training=False)
     reference = dict(zip([name.split("/")[0] for name in model.output_names], (r.numpy() for r in reference)))
     onnx_outputs = OnnxModel(onnx_path).run(inputs)
-    return {name: float(np.max(np.abs(reference[name] - onnx_outputs[name]))) for name in reference}
+    result = {}
+    for name, expected in reference.items():
+        diff = np.abs(expected - onnx_outputs[name])
+        step = max(float(np.abs(expected).max()), 1e-12) / 127.0
+        result[name] = {"max_abs": float(diff.max()),
+                        **{f"p{q}_steps": round(float(np.percentile(diff, q)) / step, 4) for q in (50, 90, 99)},
+                        "max_steps": round(float(diff.max()) / step, 3)}
+    return result

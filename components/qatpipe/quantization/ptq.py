@@ -20,19 +20,20 @@ METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 
 
 class BatchReader:
-    """ONNX Runtime's CalibrationDataReader over NHWC float32 batches."""
+    """ONNX Runtime's CalibrationDataReader over NHWC float32 batches, one image per read: ORT's histogram
+    calibrators stack the reads' outputs and fail on a short last batch."""
 
     def __init__(self, input_name: str, batches: Iterable[np.ndarray]):
         self.input_name = input_name
-        self._batches: Iterator[np.ndarray] = iter(batches)
+        self._images: Iterator[np.ndarray] = (image for batch in batches for image in np.asarray(batch, np.float32))
         self.images = 0
 
     def get_next(self):
-        batch = next(self._batches, None)
-        if batch is None:
+        image = next(self._images, None)
+        if image is None:
             return None
-        self.images += len(batch)
-        return {self.input_name: np.asarray(batch, np.float32)}
+        self.images += 1
+        return {self.input_name: image[None]}
 
 
 def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np.ndarray], method: str,

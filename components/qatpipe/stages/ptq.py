@@ -9,6 +9,7 @@ import numpy as np
 
 from qatpipe.fileio import write_json
 from qatpipe.spec import ExperimentSpec
+from qatpipe.tracking.records import StageRecord
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,13 @@ def ptq(spec: ExperimentSpec, fp32_onnx: str | Path, output: str | Path) -> dict
     batches = (batch.numpy() for batch in eval_dataset([samples[i] for i in chosen], spec))
     report = quantize_ptq(fp32_onnx, output, batches, settings.method, settings.percentile)
     report["source"] = str(fp32_onnx)
-    write_json(Path(output).with_name(f"{Path(output).stem}_ptq.json"), report)
+    output = Path(output)
+    report_path = write_json(output.with_name(f"{output.stem}_ptq.json"), report)
+    StageRecord(
+        stage="ptq", params={f"ptq.{key}": value for key, value in settings.model_dump().items()},
+        metrics={"calibration_images": report["calibration_images"], "size_mb": report["size_mb"]},
+        artifacts=[output.name, report_path.name],
+    ).write(output.parent)
     return report
 
 

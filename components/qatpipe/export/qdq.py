@@ -1,0 +1,215 @@
+"""Explicit-quantisation ONNX for TensorRT, after tf2onnx: store weights as int8, check the graph against
+TensorRT's rules, and derive the implicit-INT8 pair (an FP32 ONNX + TAO-format calibration cache) for
+TensorRT <= 10 and DeepStream users.
+
+tf2onnx writes each quantised kernel as a float initializer behind QuantizeLinear → DequantizeLinear; the
+deployment artifact stores the int8 values instead (4x smaller, and what TensorRT's weight DQ expects).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+QUANTIZED_OPS = ("Conv", "Gemm", "MatMul")
+LAYOUT_OPS = ("Transpose", "Reshape", "Identity")  # tf2onnx may put one between a Q and its DQ
+# TensorRT's version as NV_TENSORRT_VERSION writes it: 10.3.0 (DeepStream 7.1) -> 100300; 8.6.1 -> 8601
+DEFAULT_TRT_VERSION = 100300
+
+
+def _initializers(graph) -> dict:
+    from onnx import numpy_helper
+
+    return {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+
+
+def _attribute(node, name, default=None):
+    from onnx import helper
+
+    for attr in node.attribute:
+        if attr.name == name:
+            return helper.get_attribute_value(attr)
+    return default
+
+
+def _quantize(values: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int) -> np.ndarray:
+    """ONNX QuantizeLinear for int8: round half to even, saturate."""
+    shape = [1] * values.ndim
+    if scale.ndim == 1 and scale.size > 1:
+        shape[axis] = scale.size
+    q = np.rint(values.astype(np.float32) / scale.reshape(shape).astype(np.float32))  # np.rint: half to even
+    return np.clip(q + zero_point.reshape(shape).astype(np.float32), -128, 127).astype(np.int8)
+
+
+def fold_weight_quantizers(model) -> int:
+    """QuantizeLinear(float initializer) → DequantizeLinear becomes int8 initializer → DequantizeLinear.
+    Returns the number of weights folded (changes `model` in place)."""
+    from onnx import numpy_helper
+
+    graph = model.graph
+    inits = _initializers(graph)
+    consumers = defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            consumers[name].append(node)
+    folded, removed = 0, []
+    for node in graph.node:
+        if node.op_type != "QuantizeLinear" or node.input[0] not in inits:
+            continue
+        weight, scale = inits[node.input[0]], inits[node.input[1]]
+        zero_point = inits[node.input[2]] if len(node.input) > 2 and node.input[2] else np.zeros((), np.int8)
+        if zero_point.dtype != np.int8:
+            continue
+        q_name = f"{node.input[0].split(':')[0]}_int8"
+        graph.initializer.append(numpy_helper.from_array(_quantize(weight, scale, zero_point,
+                                                                   _attribute(node, "axis", 1)), q_name))
+        for consumer in consumers[node.output[0]]:
+            for i, name in enumerate(consumer.input):
+                if name == node.output[0]:
+                    consumer.input[i] = q_name
+        removed.append(node)
+        folded += 1
+    for node in removed:
+        graph.node.remove(node)
+    _drop_unused_initializers(graph)
+    return folded
+
+
+def _drop_unused_initializers(graph) -> None:
+    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    for init in [i for i in graph.initializer if i.name not in used]:
+        graph.initializer.remove(init)
+
+
+@dataclass
+class QdqCheck:
+    """What a walk over the graph found, against TensorRT's explicit-quantisation rules."""
+
+    quantized: list[str] = field(default_factory=list)  # Conv/Gemm/MatMul nodes with int8 input and weights
+    float_: list[str] = field(default_factory=list)  # Conv/Gemm/MatMul left in float (excluded layers)
+    residual_adds: list[str] = field(default_factory=list)  # Add nodes with a quantised input
+    problems: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["float"] = data.pop("float_")
+        return data
+
+
+def check_explicit_quantization(model) -> QdqCheck:
+    """Walk the graph: every quantised Conv/Gemm/MatMul must read its input and its weights through
+    DequantizeLinear, the weights int8 initializers with per-output-channel scales (axis 0 of OIHW), every
+    zero point int8 and 0; activations per tensor. A Conv with only one of the two quantised is a problem
+    (TensorRT would run it in float around a stray Q/DQ)."""
+    graph = model.graph
+    inits = _initializers(graph)
+    producer = {out: node for node in graph.node for out in node.output}
+    result = QdqCheck()
+
+    def dq_of(name):
+        node = producer.get(name)
+        return node if node is not None and node.op_type == "DequantizeLinear" else None
+
+    for node in graph.node:
+        if node.op_type == "DequantizeLinear":
+            zero_point = inits.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+            if zero_point is None or zero_point.dtype != np.int8 or np.any(zero_point != 0):
+                result.problems.append(f"{node.name or node.output[0]}: zero point must be int8 0")
+        if node.op_type == "Add" and any(dq_of(name) for name in node.input):
+            result.residual_adds.append(node.name or node.output[0])
+        if node.op_type not in QUANTIZED_OPS:
+            continue
+        label = node.name or node.output[0]
+        input_dq, weight_dq = dq_of(node.input[0]), dq_of(node.input[1])
+        if input_dq is None and weight_dq is None:
+            result.float_.append(label)
+            continue
+        if input_dq is None or weight_dq is None:
+            result.problems.append(f"{label}: {'input' if input_dq is None else 'weights'} not quantised "
+                                   "(TensorRT needs both)")
+            continue
+        weights = inits.get(weight_dq.input[0])
+        scale = inits.get(weight_dq.input[1])
+        if weights is None or weights.dtype != np.int8:
+            result.problems.append(f"{label}: weights are not an int8 initializer")
+        elif node.op_type == "Conv" and (scale is None or scale.shape != (weights.shape[0],)
+                                         or _attribute(weight_dq, "axis", 1) != 0):
+            result.problems.append(f"{label}: weight scales are not per output channel (axis 0)")
+        activation_scale = inits.get(input_dq.input[1])
+        if activation_scale is None or activation_scale.size != 1:
+            result.problems.append(f"{label}: input scale is not a per-tensor constant")
+        result.quantized.append(label)
+    return result
+
+
+def strip_qdq(model) -> dict[str, float]:
+    """Remove every Q/DQ: activations pass through, int8 weights become their dequantised float values (the
+    QAT weights exactly). Returns tensor name -> activation scale: the FP32 graph plus these scales is what
+    TensorRT's implicit INT8 mode takes. Changes `model` in place."""
+    from onnx import numpy_helper
+
+    graph = model.graph
+    inits = _initializers(graph)
+    producer = {out: node for node in graph.node for out in node.output}
+    scales: dict[str, float] = {}
+    rename: dict[str, str] = {}
+    removed = []
+    for node in graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in inits:  # a weight
+            weight, scale = inits[node.input[0]].astype(np.float32), inits[node.input[1]].astype(np.float32)
+            shape = [1] * weight.ndim
+            if scale.size > 1:
+                shape[_attribute(node, "axis", 1)] = scale.size
+            graph.initializer.append(numpy_helper.from_array(weight * scale.reshape(shape), node.output[0]))
+            removed.append(node)
+        elif node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            rename[node.output[0]] = node.input[0]
+            removed.append(node)
+            if node.op_type == "QuantizeLinear":
+                scale = float(inits[node.input[1]].reshape(-1)[0])
+                name = node.input[0]
+                scales[name] = max(scale, scales.get(name, 0.0))
+    for node in removed:
+        graph.node.remove(node)
+
+    def resolve(name):
+        while name in rename:
+            name = rename[name]
+        return name
+
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = resolve(name)
+    for output in graph.output:
+        if output.name in rename:
+            raise ValueError(f"model output {output.name} is a Q/DQ output; cannot strip it")
+    _drop_unused_initializers(graph)
+    del producer
+    return scales
+
+
+def calibration_cache_text(scales: dict[str, float], trt_version: int = DEFAULT_TRT_VERSION) -> str:
+    """TAO / TensorRT calibration cache: a header line, then `tensor: hex of the float32 scale (big endian)`."""
+    lines = [f"TRT-{trt_version}-EntropyCalibration2"]
+    lines += [f"{name}: {struct.pack('>f', scale).hex()}" for name, scale in sorted(scales.items())]
+    return "\n".join(lines) + "\n"
+
+
+def read_calibration_cache(text: str) -> tuple[str, dict[str, float]]:
+    """(header, tensor -> scale) of a calibration cache, for checks and tools."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    scales = {}
+    for line in lines[1:]:
+        name, _, value = line.rpartition(":")
+        scales[name.strip()] = struct.unpack(">f", bytes.fromhex(value.strip()))[0]
+    return lines[0], scales
+
+
+def write_scales_json(path: str | Path, scales: dict[str, float]) -> None:
+    Path(path).write_text(json.dumps({name: {"scale": scale, "amax": scale * 127.0}
+                                      for name, scale in sorted(scales.items())}, indent=2) + "\n")
