@@ -12,7 +12,11 @@ from qatpipe.errors import TrackingError
 from qatpipe.tracking.mlflow_runs import PARENT_TAG, STAGE_TAG
 from qatpipe_pipelines.local_run import PipelineFailed, run_local
 
-HEAVY_STAGES = {"prepare-data", "train", "evaluate-fp32"}
+HEAVY_STAGES = {"prepare-data", "train", "evaluate-unpruned", "prune", "retrain-fp32", "retrain-qat", "export-fp32",
+                "export-qat", "ptq", "evaluate-fp32", "evaluate-ptq", "evaluate-qat"}
+# nested MLflow runs: one per stage record
+STAGE_RUNS = {"prepare_data", "train", "evaluate_unpruned", "prune", "retrain_fp32", "retrain_qat", "export_fp32",
+              "export_qat", "ptq", "evaluate_fp32", "evaluate_ptq", "evaluate_qat"}
 
 
 def _pipeline_runs(client: MlflowClient, experiment: str):
@@ -33,10 +37,17 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     summary = run_local(out, "tiny", ["tracking.experiment=pipeline-test"])
 
     assert json.loads((out / "summary.json").read_text()) == summary
+    assert list(summary["variants"]) == ["fp32", "ptq", "qat"]  # all three scored in ONNX Runtime
     fp32 = summary["variants"]["fp32"]
-    assert set(fp32) == {"map50", "map", "latency_ms_p50", "throughput", "size_mb"}
+    assert set(fp32) == {"map50", "map", "latency_ms_p50", "throughput", "size_mb", "params", "gflops"}
     assert fp32["map50"] > 0.3 and 0 < fp32["map"] < fp32["map50"]
-    assert fp32["size_mb"] > 0.1
+    for variant in ("ptq", "qat"):  # INT8 models that still detect; the accuracy comparison is bench/'s job
+        row = summary["variants"][variant]
+        assert row["map50"] > 0.5 * fp32["map50"] and row["size_mb"] < 0.5 * fp32["size_mb"], variant
+    pruning = summary["pruning"]
+    assert pruning["flops_after"] < pruning["flops_before"] and pruning["params_after"] == fp32["params"]
+    assert pruning["unpruned_map50"] > 0.3
+    assert pruning["fp32_map50_change"] == pytest.approx(fp32["map50"] - pruning["unpruned_map50"], abs=1e-4)
     assert summary["gate_passed"] is None  # no validation gate before the deployment stages land
     assert summary["mlflow"]["experiment"] == "pipeline-test"
     assert summary["mlflow"]["tracking_uri"] == mlflow_server
@@ -48,15 +59,21 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert parent.info.status == "FINISHED"  # closed by the exit handler
     assert parent.data.params["train.epochs"] == "20"
     assert parent.data.metrics["variant.fp32.map50"] == pytest.approx(fp32["map50"])
+    assert parent.data.metrics["variant.qat.map50"] == pytest.approx(summary["variants"]["qat"]["map50"])
+    assert parent.data.metrics["pruning.flops_ratio"] == pytest.approx(pruning["flops_ratio"])
     assert {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")} >= {
         "comparison/summary.json", "comparison/comparison.png"}
     children = _children(client, parent)
-    assert set(children) == {"prepare_data", "train", "evaluate_fp32"}
+    assert set(children) == STAGE_RUNS
     losses = client.get_metric_history(children["train"].info.run_id, "loss")
     assert sorted(m.step for m in losses) == list(range(1, 21))  # per-epoch loss, epochs 1..20
     assert losses[-1].value < losses[0].value
     assert children["evaluate_fp32"].data.metrics["map50"] == pytest.approx(fp32["map50"])
     assert "model.keras" in {a.path for a in client.list_artifacts(children["train"].info.run_id)}
+    assert children["retrain_qat"].data.params["qat.enabled"] == "True"
+    assert len(client.get_metric_history(children["retrain_qat"].info.run_id, "loss")) == 3  # retrain.epochs
+    qat_files = {a.path for a in client.list_artifacts(children["export_qat"].info.run_id)}
+    assert {"model.onnx", "model.cache", "model_implicit.onnx", "model_scales.json"} <= qat_files
 
     # `qatpipe compare` reads the same table back from MLflow
     assert main(["compare", "--tracking-uri", mlflow_server, "--experiment", "pipeline-test",
@@ -70,7 +87,7 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert not HEAVY_STAGES & set(again["stages"])  # served from kfp.local's cache, not executed
     assert again["mlflow"]["run_id"] != summary["mlflow"]["run_id"]
     second = _pipeline_runs(client, "pipeline-test")[-1]
-    assert set(_children(client, second)) == {"prepare_data", "train", "evaluate_fp32"}
+    assert set(_children(client, second)) == STAGE_RUNS
 
 
 def test_failed_stage_names_itself_and_how_to_resume(tmp_path, monkeypatch):

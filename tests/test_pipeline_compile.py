@@ -11,9 +11,12 @@ from qatpipe_pipelines.qat_pipeline import SECRET_KEYS_TO_ENV
 from qatpipe_pipelines.submit import compile_pipeline
 
 REPO_YAML = Path(__file__).resolve().parents[1] / "pipelines" / "qat_pipeline.yaml"
-STAGE_TASKS = {"prepare-data", "train", "evaluate", "compare", "log-stage", "log-stage-2", "log-stage-3"}
-GPU_TASKS = {"train", "evaluate"}
-TRACKING_TASKS = {"start-tracking", "finish-tracking", "compare", "log-stage", "log-stage-2", "log-stage-3"}
+# tasks by display name
+VARIANTS = ("fp32", "ptq", "qat")
+STAGES = {"prepare-data", "train", "evaluate-unpruned", "prune", "retrain-fp32", "retrain-qat", "export-fp32",
+          "export-qat", "ptq", *(f"evaluate-{v}" for v in VARIANTS)}
+GPU_TASKS = {"train", "retrain-fp32", "retrain-qat", "evaluate-unpruned", *(f"evaluate-{v}" for v in VARIANTS)}
+CACHED_TASKS = STAGES
 
 
 @pytest.fixture(scope="module")
@@ -24,20 +27,26 @@ def compiled(tmp_path_factory):
 
 
 def _all_tasks(pipeline_spec) -> dict:
+    """Display name -> task, over the root DAG and the exit handler's."""
     tasks = dict(pipeline_spec["root"]["dag"]["tasks"])
     for component in pipeline_spec["components"].values():
         tasks.update(component.get("dag", {}).get("tasks", {}))
-    return tasks
+    return {task["taskInfo"]["name"]: task for task in tasks.values()}
 
 
-def _upstream(task) -> set[str]:
+def _upstream(spec, task) -> set[str]:
+    """Display names of the tasks `task` reads from or waits for."""
+    names = {}
+    for component in [spec["root"], *spec["components"].values()]:
+        for task_id, other in component.get("dag", {}).get("tasks", {}).items():
+            names[task_id] = other["taskInfo"]["name"]
     producers = set(task.get("dependentTasks", []))
     inputs = task.get("inputs", {})
-    for spec in list(inputs.get("artifacts", {}).values()) + list(inputs.get("parameters", {}).values()):
+    for value in list(inputs.get("artifacts", {}).values()) + list(inputs.get("parameters", {}).values()):
         for key in ("taskOutputArtifact", "taskOutputParameter"):
-            if key in spec:
-                producers.add(spec[key]["producerTask"])
-    return producers
+            if key in value:
+                producers.add(value[key]["producerTask"])
+    return {names[p] for p in producers}
 
 
 def test_dag_shape(compiled):
@@ -47,21 +56,37 @@ def test_dag_shape(compiled):
     assert set(root) == {"finish-tracking", "exit-handler-1"}
     assert root["finish-tracking"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
     handler = spec["components"][root["exit-handler-1"]["componentRef"]["name"]]["dag"]["tasks"]
-    assert STAGE_TASKS | {"resolve-spec", "start-tracking"} == set(handler)
+    logged = {f"log-{stage}" for stage in STAGES}
+    assert {task["taskInfo"]["name"] for task in handler.values()} == (
+        STAGES | logged | {"resolve-spec", "start-tracking", "compare"})
     tasks = _all_tasks(spec)
-    assert _upstream(tasks["start-tracking"]) == {"resolve-spec"}
-    assert _upstream(tasks["prepare-data"]) == {"resolve-spec"}
-    assert _upstream(tasks["train"]) == {"prepare-data", "resolve-spec"}
-    assert _upstream(tasks["evaluate"]) == {"prepare-data", "train", "resolve-spec"}
-    assert _upstream(tasks["compare"]) == {"evaluate", "start-tracking"}
-    logged = {tasks[name]["taskInfo"]["name"]: _upstream(tasks[name])
-              for name in ("log-stage", "log-stage-2", "log-stage-3")}
-    assert logged == {"log-prepare-data": {"prepare-data", "start-tracking"},
-                      "log-train": {"train", "start-tracking"},
-                      "log-evaluate-fp32": {"evaluate", "start-tracking"}}
-    # every stage receives only its spec view
+
+    def upstream(name):
+        return _upstream(spec, tasks[name]) - {"resolve-spec"}  # every stage reads its spec view
+
+    assert upstream("start-tracking") == set() and upstream("prepare-data") == set()
+    assert upstream("train") == {"prepare-data"}
+    assert upstream("evaluate-unpruned") == {"prepare-data", "train"}
+    # TAO's recipe: prune the trained model, retrain it twice (FP32 and QAT) from the pruned one
+    assert upstream("prune") == {"train"}
+    assert upstream("retrain-fp32") == upstream("retrain-qat") == {"prepare-data", "prune"}
+    assert upstream("export-fp32") == {"retrain-fp32"} and upstream("export-qat") == {"retrain-qat"}
+    # the PTQ baseline calibrates the FP32 retrain's ONNX; every variant is scored from its ONNX
+    assert upstream("ptq") == {"prepare-data", "export-fp32"}
+    assert upstream("evaluate-fp32") == {"prepare-data", "export-fp32"}
+    assert upstream("evaluate-ptq") == {"prepare-data", "ptq"}
+    assert upstream("evaluate-qat") == {"prepare-data", "export-qat"}
+    assert upstream("compare") == {"start-tracking", "prune", "evaluate-unpruned",
+                                   *(f"evaluate-{v}" for v in VARIANTS)}
+    for stage in STAGES:
+        assert upstream(f"log-{stage}") == {stage, "start-tracking"}, stage
+    # every stage receives only its spec view; the QAT retrain gets the view with the qat section
     assert tasks["train"]["inputs"]["parameters"]["train_spec"]["taskOutputParameter"] == {
         "producerTask": "resolve-spec", "outputParameterKey": "train_spec"}
+    qat_view = tasks["retrain-qat"]["inputs"]["parameters"]
+    assert qat_view["retrain_spec"]["taskOutputParameter"]["outputParameterKey"] == "retrain_qat_spec"
+    assert qat_view["qat"]["runtimeValue"]["constant"] is True
+    assert tasks["retrain-fp32"]["inputs"]["parameters"]["qat"]["runtimeValue"]["constant"] is False
 
 
 def test_parameters(compiled):
@@ -118,22 +143,26 @@ def test_secrets_come_from_a_kubernetes_secret(compiled):
 def test_retries_and_caching(compiled):
     _, spec, _ = compiled
     tasks = _all_tasks(spec)
-    for name in ("resolve-spec", "start-tracking", "prepare-data", "compare", "log-stage"):
+    for name in ("resolve-spec", "start-tracking", "prepare-data", "compare", "log-train"):
         assert tasks[name]["retryPolicy"]["maxRetryCount"] == 3, name
     assert "retryPolicy" not in tasks["train"]
-    for name in TRACKING_TASKS | {"resolve-spec"}:
-        assert not tasks[name].get("cachingOptions", {}).get("enableCache", False), name
-    for name in ("prepare-data", "train", "evaluate"):
-        assert tasks[name]["cachingOptions"]["enableCache"] is True, name
+    for name, task in tasks.items():  # stages are cached on their inputs; per-run tracking tasks never
+        cached = task.get("cachingOptions", {}).get("enableCache", False)
+        assert cached == (name in CACHED_TASKS), name
 
 
 def test_cache_pvc_option(tmp_path):
     path = compile_pipeline(tmp_path / "with_pvc.yaml", cache_pvc="qatpipe-cache")
-    _, platform = yaml.safe_load_all(path.read_text())
+    spec, platform = yaml.safe_load_all(path.read_text())
     k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
-    mounted = {name for name, config in k8s.items() if config.get("pvcMount")}
-    assert {"exec-prepare-data", "exec-train", "exec-evaluate"} == mounted
-    assert k8s["exec-train"]["pvcMount"][0]["mountPath"] == "/var/cache/qatpipe"
+    executor_of = {name: spec["components"][task["componentRef"]["name"]]["executorLabel"]
+                   for name, task in _all_tasks(spec).items() if "componentRef" in task
+                   and "executorLabel" in spec["components"][task["componentRef"]["name"]]}
+    mounted = {name for name, executor in executor_of.items() if k8s[executor].get("pvcMount")}
+    # the stages that read the data set
+    assert mounted == {"prepare-data", "train", "retrain-fp32", "retrain-qat", "ptq", "evaluate-unpruned",
+                       *(f"evaluate-{v}" for v in VARIANTS)}
+    assert k8s[executor_of["train"]]["pvcMount"][0]["mountPath"] == "/var/cache/qatpipe"
 
 
 def test_repo_yaml_is_in_sync_with_the_code(compiled):

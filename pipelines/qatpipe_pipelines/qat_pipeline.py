@@ -1,8 +1,10 @@
-"""The qatpipe DAG: resolve spec → prepare data → train → evaluate → compare, with MLflow tracking around it.
+"""The qatpipe DAG, TAO's recipe with MLflow tracking around it:
 
-Target shape (later stages slot in where marked): prepare data → train (unpruned) → prune →
-[retrain FP32 → PTQ calibrate → build engine → validate] and [retrain QAT → export → build engine → validate]
-→ compare → register (if the gate passes).
+prepare data → train (unpruned) → evaluate (unpruned) and prune →
+  [retrain FP32 → export → evaluate FP32; export → PTQ calibrate → evaluate PTQ]
+  [retrain QAT → export (explicit Q/DQ + calibration cache) → evaluate QAT]
+→ compare (FP32 / PTQ / QAT, all scored in ONNX Runtime, plus the pruning block).
+Still to slot in (marked below): build engine → validate per variant, and register under dsl.If(gate).
 
 Adding a stage: a component folder under components/qatpipe_kfp/, its spec sections in
 qatpipe.spec.STAGE_SECTIONS (and an output of resolve-spec), then here one call wrapped in `run.cpu(...)` or
@@ -17,10 +19,14 @@ from kfp import dsl, kubernetes
 
 from qatpipe_kfp.compare.component import compare
 from qatpipe_kfp.evaluate.component import evaluate
+from qatpipe_kfp.export.component import export
 from qatpipe_kfp.finish_tracking.component import finish_tracking
 from qatpipe_kfp.log_stage.component import log_stage
 from qatpipe_kfp.prepare_data.component import prepare_data
+from qatpipe_kfp.prune.component import prune
+from qatpipe_kfp.ptq.component import ptq
 from qatpipe_kfp.resolve_spec.component import resolve_spec
+from qatpipe_kfp.retrain.component import retrain
 from qatpipe_kfp.settings import DEFAULT_IMAGE
 from qatpipe_kfp.start_tracking.component import start_tracking
 from qatpipe_kfp.train.component import train
@@ -149,14 +155,48 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             trained = run.gpu(train(train_spec=specs.outputs["train_spec"], dataset=data.outputs["dataset"]))
             run.logged(trained.outputs["model"], parent_run_id, "log-train")
 
-            # later: prune → retrain FP32 / QAT → PTQ calibrate / export → build engine → validate
+            def evaluated(name: str, model) -> dsl.PipelineTask:
+                task = run.gpu(evaluate(evaluate_spec=specs.outputs["evaluate_spec"], variant=name,
+                                        dataset=data.outputs["dataset"], model=model))
+                task.set_display_name(f"evaluate-{name}")
+                run.logged(task.outputs["results"], parent_run_id, f"log-evaluate-{name}")
+                return task
 
-            fp32_eval = run.gpu(evaluate(evaluate_spec=specs.outputs["evaluate_spec"], variant="fp32",
-                                         dataset=data.outputs["dataset"], model=trained.outputs["model"]))
-            fp32_eval.set_display_name("evaluate-fp32")
-            run.logged(fp32_eval.outputs["results"], parent_run_id, "log-evaluate-fp32")
+            def exported(name: str, model) -> dsl.PipelineTask:
+                task = run.cpu(export(export_spec=specs.outputs["export_spec"], variant=name, model=model))
+                task.set_display_name(f"export-{name}")
+                run.logged(task.outputs["onnx_model"], parent_run_id, f"log-export-{name}")
+                return task
 
-            run.cpu(compare(parent_run_id=parent_run_id, fp32=fp32_eval.outputs["results"]),
+            unpruned_eval = evaluated("unpruned", trained.outputs["model"])
+
+            pruned = run.cpu(prune(prune_spec=specs.outputs["prune_spec"], model=trained.outputs["model"]))
+            run.logged(pruned.outputs["pruned"], parent_run_id, "log-prune")
+
+            retrained = {}
+            for name, qat, view in (("fp32", False, "retrain_spec"), ("qat", True, "retrain_qat_spec")):
+                task = run.gpu(retrain(retrain_spec=specs.outputs[view], qat=qat, dataset=data.outputs["dataset"],
+                                       pruned=pruned.outputs["pruned"]))
+                task.set_display_name(f"retrain-{name}")
+                run.logged(task.outputs["model"], parent_run_id, f"log-retrain-{name}")
+                retrained[name] = task
+
+            fp32_onnx = exported("fp32", retrained["fp32"].outputs["model"])
+            qat_onnx = exported("qat", retrained["qat"].outputs["model"])
+            calibrated = run.cpu(ptq(ptq_spec=specs.outputs["ptq_spec"], dataset=data.outputs["dataset"],
+                                     fp32_onnx=fp32_onnx.outputs["onnx_model"]), reads_data=True)
+            run.logged(calibrated.outputs["int8_onnx"], parent_run_id, "log-ptq")
+
+            # later: build engine → validate, per variant
+            evaluations = {
+                "fp32": evaluated("fp32", fp32_onnx.outputs["onnx_model"]),
+                "ptq": evaluated("ptq", calibrated.outputs["int8_onnx"]),
+                "qat": evaluated("qat", qat_onnx.outputs["onnx_model"]),
+            }
+
+            run.cpu(compare(parent_run_id=parent_run_id, fp32=evaluations["fp32"].outputs["results"],
+                            ptq=evaluations["ptq"].outputs["results"], qat=evaluations["qat"].outputs["results"],
+                            unpruned=unpruned_eval.outputs["results"], pruned=pruned.outputs["pruned"]),
                     network=True, per_run=True)
             # later: register the validated model, under dsl.If(gate passed)
 

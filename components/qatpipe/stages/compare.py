@@ -27,6 +27,8 @@ VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
     "latency_ms_p50": ("p50 latency (ms)", "{:.2f}"),
     "throughput": ("throughput (img/s)", "{:.1f}"),
     "size_mb": ("size (MB)", "{:.2f}"),
+    "params": ("params", "{:,.0f}"),
+    "gflops": ("GFLOPs", "{:.3f}"),
 }
 
 
@@ -47,15 +49,39 @@ def variant_row(evaluation_dir: str | Path) -> dict[str, Any]:
     }
 
 
-def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path) -> dict:
-    """Summarise the variants' evaluations into output_dir: summary.json, a Markdown table, a chart."""
+def pruning_block(prune_report: dict, unpruned_evaluation: str | Path | None, fp32_row: dict | None) -> dict:
+    """What pruning cost and saved: sizes before/after, and mAP@0.5 of the unpruned model vs the retrained
+    FP32 one."""
+    block = {key: prune_report[key] for key in ("params_before", "params_after", "flops_before", "flops_after",
+                                                 "flops_ratio", "params_ratio")}
+    if unpruned_evaluation is not None:
+        unpruned = variant_row(unpruned_evaluation)
+        block.update(unpruned_map50=unpruned["map50"], unpruned_map=unpruned["map"],
+                     unpruned_size_mb=unpruned["size_mb"])
+        if fp32_row is not None:
+            block["fp32_map50_change"] = round(fp32_row["map50"] - unpruned["map50"], 4)
+    return block
+
+
+def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path, prune_report: dict | None = None,
+                     unpruned_evaluation: str | Path | None = None) -> dict:
+    """Summarise the variants' evaluations into output_dir: summary.json, a Markdown table, a chart.
+    With the prune report (and the unpruned model's evaluation) the variants get their params and FLOPs
+    (all variants are the pruned network) and the summary a `pruning` block."""
     if not evaluations:
         raise QatpipeError("compare: no evaluated variants")
     output_dir = Path(output_dir)
     variants = {name: variant_row(folder) for name, folder in evaluations.items()}
-    summary = {"variants": variants, "gate_passed": None}  # the validation gate fills gate_passed
+    summary: dict[str, Any] = {"variants": variants}
+    if prune_report is not None:
+        for row in variants.values():
+            row.update(params=prune_report["params_after"], gflops=round(prune_report["flops_after"] / 1e9, 4))
+        summary["pruning"] = pruning_block(prune_report, unpruned_evaluation, variants.get("fp32"))
+    summary["gate_passed"] = None  # the validation gate fills it
     write_json(output_dir / SUMMARY_FILE, summary)
     table = format_table(variants, markdown=True)
+    if "pruning" in summary:
+        table += "\n\n" + pruning_line(summary["pruning"])
     atomic_write_text(output_dir / TABLE_FILE, "# Variants\n\n" + table + "\n")
     plot_variants(variants, output_dir / CHART_FILE)
     atomic_write_text(output_dir / HTML_FILE, png_page("Variants", output_dir / CHART_FILE, table))
@@ -65,8 +91,19 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path)
                  if value is not None},
         artifacts=[SUMMARY_FILE, TABLE_FILE, CHART_FILE],
     ).write(output_dir)
-    log.info("variants:\n%s", format_table(variants))
+    log.info("variants:\n%s%s", format_table(variants),
+             "\n" + pruning_line(summary["pruning"]) if "pruning" in summary else "")
     return summary
+
+
+def pruning_line(block: dict) -> str:
+    text = (f"Pruning: {block['flops_before'] / 1e9:.3f} → {block['flops_after'] / 1e9:.3f} GFLOPs "
+            f"(x{block['flops_ratio']:.3f}), {block['params_before']:,} → {block['params_after']:,} params")
+    if "unpruned_map50" in block:
+        text += f"; unpruned mAP@0.5 {block['unpruned_map50']:.4f}"
+        if "fp32_map50_change" in block:
+            text += f", retrained FP32 {100 * block['fp32_map50_change']:+.2f} points"
+    return text
 
 
 def format_table(variants: dict[str, dict[str, Any]], markdown: bool = False) -> str:

@@ -265,10 +265,13 @@ class MlflowTracker:
         self.log_metrics(run_id, flat)
         self.set_tags(run_id, {"qatpipe.variants": ",".join(variants)})
 
-    def log_comparison(self, run_id: str, variants: dict[str, dict[str, Any]], folder: str | Path) -> dict:
-        """The compare stage's output on the parent run: variant metrics plus its files under comparison/.
-        Returns where it went (summary.json's `mlflow` block)."""
+    def log_comparison(self, run_id: str, variants: dict[str, dict[str, Any]], folder: str | Path,
+                       pruning: dict[str, Any] | None = None) -> dict:
+        """The compare stage's output on the parent run: variant metrics (and `pruning.*`) plus its files
+        under comparison/. Returns where it went (summary.json's `mlflow` block)."""
         self.log_variants(run_id, variants)
+        if pruning:
+            self.log_metrics(run_id, {f"pruning.{key}": value for key, value in pruning.items()})
         for relative in StageRecord.read(folder).artifacts:
             self.log_artifact(run_id, Path(folder) / relative, "comparison")
         run = self._call(f"reading run {run_id}", lambda: self.client.get_run(run_id))

@@ -9,7 +9,9 @@ from qatpipe_kfp.settings import component
 # The return type is spelled out in the signature: KFP ships only the function's source to the pod.
 @component
 def resolve_spec(spec_uri: str, overrides: List[str]) -> NamedTuple(
-        "StageSpecs", [("spec", str), ("data_spec", str), ("train_spec", str), ("evaluate_spec", str)]):
+        "StageSpecs", [("spec", str), ("data_spec", str), ("train_spec", str), ("evaluate_spec", str),
+                       ("prune_spec", str), ("retrain_spec", str), ("retrain_qat_spec", str),
+                       ("export_spec", str), ("ptq_spec", str)]):
     from collections import namedtuple
 
     from qatpipe.spec import spec_to_yaml, stage_view
@@ -18,6 +20,7 @@ def resolve_spec(spec_uri: str, overrides: List[str]) -> NamedTuple(
 
     with stage("resolve-spec"):
         spec = load_spec_uri(spec_uri, list(overrides))
-        outputs = namedtuple("StageSpecs", "spec data_spec train_spec evaluate_spec")
-        return outputs(spec_to_yaml(spec), stage_view(spec, "prepare_data"), stage_view(spec, "train"),
-                       stage_view(spec, "evaluate"))
+        stages = ("prepare_data", "train", "evaluate", "prune", "retrain", "retrain_qat", "export", "ptq")
+        outputs = namedtuple("StageSpecs", "spec data_spec train_spec evaluate_spec prune_spec retrain_spec "
+                                           "retrain_qat_spec export_spec ptq_spec")
+        return outputs(spec_to_yaml(spec), *(stage_view(spec, name) for name in stages))

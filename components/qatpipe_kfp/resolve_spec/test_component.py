@@ -9,6 +9,12 @@ def test_each_stage_gets_only_its_sections():
     assert set(yaml.safe_load(out.data_spec)) == {"dataset"}
     assert set(yaml.safe_load(out.train_spec)) == {"dataset", "model", "augmentation", "train"}
     assert set(yaml.safe_load(out.evaluate_spec)) == {"dataset", "model", "evaluate"}
+    assert set(yaml.safe_load(out.prune_spec)) == {"dataset", "model", "prune"}
+    assert set(yaml.safe_load(out.retrain_spec)) == {"dataset", "model", "augmentation", "train", "retrain"}
+    assert set(yaml.safe_load(out.retrain_qat_spec)) == {"dataset", "model", "augmentation", "train", "retrain",
+                                                         "qat"}
+    assert set(yaml.safe_load(out.export_spec)) == {"dataset", "model", "export"}
+    assert set(yaml.safe_load(out.ptq_spec)) == {"dataset", "model", "evaluate", "ptq"}
 
 
 def test_unrelated_change_keeps_the_training_input_identical():
@@ -16,3 +22,6 @@ def test_unrelated_change_keeps_the_training_input_identical():
     base = resolve_spec.python_func(spec_uri="tiny", overrides=[])
     gated = resolve_spec.python_func(spec_uri="tiny", overrides=["validate.max_map_drop=0.02"])
     assert gated.train_spec == base.train_spec and gated.spec != base.spec
+    # nor does a QAT setting touch the FP32 retrain
+    qat = resolve_spec.python_func(spec_uri="tiny", overrides=["qat.relu6=true"])
+    assert qat.retrain_spec == base.retrain_spec and qat.retrain_qat_spec != base.retrain_qat_spec

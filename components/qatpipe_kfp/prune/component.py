@@ -1,0 +1,30 @@
+"""prune: TAO-style structured pruning of the trained detector (a physically smaller model + report)."""
+
+from kfp.dsl import Input, Markdown, Metrics, Model, Output
+
+from qatpipe_kfp.settings import component
+
+
+@component
+def prune(prune_spec: str, model: Input[Model], pruned: Output[Model], metrics: Output[Metrics],
+          report: Output[Markdown]):
+    from pathlib import Path
+
+    from qatpipe.models import get_architecture
+    from qatpipe.stages.prune import prune as prune_stage
+    from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics, write_text
+
+    with stage("prune"):
+        spec = load_stage_spec(prune_spec)
+        model_file = Path(model.path) / model.metadata.get("file", "model.keras")
+        result = prune_stage(model_file, pruned.path, spec.prune, get_architecture(spec))
+        pruned.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": result["params_after"]})
+        figures = {key: result[key] for key in ("params_before", "params_after", "flops_before", "flops_after",
+                                                 "flops_ratio", "params_ratio")}
+        write_metrics(metrics, figures)
+        rows = [f"| {', '.join(g['convs'])} | {g['before']} | {g['after']} |" for g in result["groups"]]
+        write_text(report, "\n".join([
+            f"# Pruning: FLOPs x{result['flops_ratio']:.3f}, params x{result['params_ratio']:.3f}", "",
+            f"{result['params_before']:,} → {result['params_after']:,} parameters, "
+            f"{result['flops_before'] / 1e9:.3f} → {result['flops_after'] / 1e9:.3f} GFLOPs", "",
+            "| convs (one channel set) | filters before | after |", "|---|---|---|", *rows, ""]))

@@ -1,0 +1,24 @@
+"""ptq: the PTQ baseline: calibrate the FP32 ONNX on training images (ONNX Runtime static quantisation,
+symmetric int8 Q/DQ) into an INT8 ONNX."""
+
+from kfp.dsl import Dataset, Input, Metrics, Model, Output
+
+from qatpipe_kfp.settings import component
+
+
+@component
+def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_onnx: Output[Model],
+        metrics: Output[Metrics]):
+    from pathlib import Path
+
+    from qatpipe.data.prepare import spec_with_prepared_dataset
+    from qatpipe.stages.ptq import ptq as ptq_stage
+    from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics
+
+    with stage("ptq"):
+        spec = spec_with_prepared_dataset(load_stage_spec(ptq_spec), dataset.path)
+        source = Path(fp32_onnx.path) / fp32_onnx.metadata.get("file", "model.onnx")
+        report = ptq_stage(spec, source, Path(int8_onnx.path) / "model.onnx")
+        int8_onnx.metadata.update({"framework": "onnx", "file": "model.onnx", "variant": "ptq",
+                                   "quantization": f"int8 Q/DQ, PTQ ({report['method']})"})
+        write_metrics(metrics, {"calibration_images": report["calibration_images"], "size_mb": report["size_mb"]})
