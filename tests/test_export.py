@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -129,7 +130,7 @@ def qat_export(trained_tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("qat")
     summary = retrain(spec, model, folder / "retrain")
     report = export(spec, summary["model"], folder / "qat.onnx")
-    return spec, summary["model"], folder / "qat.onnx", report
+    return spec, Path(summary["model"]), folder / "qat.onnx", report
 
 
 def test_qat_onnx_follows_tensorrt_explicit_quantization_rules(qat_export):
@@ -212,6 +213,10 @@ def test_calibration_cache_is_tao_format_and_pairs_with_the_implicit_onnx(qat_ex
     assert not [n for n in implicit.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
     tensors = {i.name for i in implicit.input} | {o for n in implicit.node for o in n.output}
     assert set(scales) <= tensors  # every cache entry names a tensor of the FP32 graph it goes with
+    # every convolution (all are quantised in the QAT model) reads a tensor the cache has a scale for, even
+    # conv1 behind the input's transpose and the block after max pooling
+    convs = [n for n in implicit.node if n.op_type == "Conv"]
+    assert len(convs) == 15 and all(conv.input[0] in scales for conv in convs)
     as_json = json.loads((path.parent / "qat_scales.json").read_text())
     assert as_json["input_1"]["scale"] == pytest.approx(scales["input_1"])
     out = OnnxModel(path.parent / "qat_implicit.onnx").run(np.zeros((1, 192, 320, 3), np.float32))
@@ -234,3 +239,79 @@ def test_qdq_check_names_a_half_quantised_conv_and_a_nonzero_zero_point(qat_expo
     zero = next(i for i in model.graph.initializer if i.name == dq.input[2])
     zero.CopyFrom(numpy_helper.from_array(np.ones(numpy_helper.to_array(zero).shape, np.int8), zero.name))
     assert any("zero point must be int8 0" in p for p in check_explicit_quantization(model).problems)
+
+
+def test_a_wrong_scale_on_one_output_channel_fails_the_agreement_check(qat_export, tmp_path):
+    from onnx import numpy_helper
+
+    from qatpipe.export.onnx_export import output_differences, save_onnx
+    from qatpipe.models.io import load_keras_model
+    from qatpipe.stages.export import QAT_TOLERANCE_STEPS
+
+    _, model_path, path, _ = qat_export
+    model = onnx.load(path)
+    producers = {out: node for node in model.graph.node for out in node.output}
+    head = next(n for n in model.graph.node if n.op_type == "Conv" and "conv_bbox" in n.output[0])
+    scale = next(i for i in model.graph.initializer if i.name == producers[head.input[1]].input[1])
+    values = numpy_helper.to_array(scale).copy()
+    values[0] *= 1.5  # one of twelve bbox channels
+    scale.CopyFrom(numpy_helper.from_array(values, scale.name))
+    save_onnx(model, tmp_path / "broken.onnx")
+    images = np.random.default_rng(0).uniform(size=(2, 192, 320, 3)).astype(np.float32)
+    diff = output_differences(load_keras_model(model_path), tmp_path / "broken.onnx", images)["output_bbox"]
+    assert any(diff[key] > limit for key, limit in QAT_TOLERANCE_STEPS.items()), diff
+
+
+def test_a_quantised_model_output_keeps_its_name_in_the_implicit_onnx(tmp_path):
+    import tf_keras as keras
+
+    from qatpipe.export.onnx_export import export_onnx
+    from qatpipe.export.qdq import fold_weight_quantizers, strip_qdq
+    from qatpipe.quantization.transform import calibrate, quantize_model
+    from qatpipe.spec import QatSpec
+
+    x = keras.Input((16, 16, 3), name="input_1")
+    conv = keras.layers.Conv2D(4, 3, padding="same", name="conv")(x)
+    model = keras.Model(x, keras.layers.Activation("sigmoid", name="output_cov")(conv))
+    qat = quantize_model(model, QatSpec(quantize_outputs=["output_cov"]))
+    images = np.random.default_rng(0).uniform(size=(2, 16, 16, 3)).astype(np.float32)
+    calibrate(qat, [images], 1)
+    export_onnx(qat, tmp_path / "q.onnx", 17)
+    proto = onnx.load(tmp_path / "q.onnx")
+    fold_weight_quantizers(proto)
+    scales = strip_qdq(proto)
+    assert [o.name for o in proto.graph.output] == ["output_cov"] and "output_cov" in scales
+    onnx.checker.check_model(proto)
+    from qatpipe.export.onnx_export import save_onnx
+
+    out = OnnxModel(save_onnx(proto, tmp_path / "implicit.onnx")).run(images)["output_cov"]
+    np.testing.assert_allclose(out, model(images).numpy(), atol=0.05)  # the float network, QAT weights
+
+
+def test_ptq_and_prune_refuse_the_wrong_kind_of_model_file(trained_tiny, tmp_path):
+    from qatpipe.stages.prune import prune
+    from qatpipe.stages.ptq import ptq
+
+    spec, model = trained_tiny
+    with pytest.raises(ModelFileError, match=r"model.keras: not an ONNX model file \(expected .onnx"):
+        ptq(spec, model, tmp_path / "ptq.onnx")
+    with pytest.raises(ModelFileError, match="nothere.onnx: model file not found"):
+        ptq(spec, tmp_path / "nothere.onnx", tmp_path / "ptq.onnx")
+    (tmp_path / "corrupt.onnx").write_bytes(b"\x08\x01garbage")
+    with pytest.raises(ModelFileError, match="corrupt.onnx: not a loadable ONNX model"):
+        ptq(spec, tmp_path / "corrupt.onnx", tmp_path / "ptq.onnx")
+    export(spec, model, tmp_path / "fp32.onnx")
+    with pytest.raises(ModelFileError, match=r"fp32.onnx: not a Keras model file"):
+        prune(tmp_path / "fp32.onnx", tmp_path / "pruned", spec.prune)
+
+
+def test_retrain_refuses_checkpoints_of_other_qat_settings(qat_export):
+    from qatpipe.stages.retrain import retrain
+
+    spec, model_path, _, _ = qat_export
+    folder = model_path.parent
+    changed = spec.model_copy(deep=True)
+    changed.qat.relu6 = True
+    source = json.loads((folder / "source_model.json").read_text())["path"]
+    with pytest.raises(QatpipeError, match="whose qat differs from this spec"):
+        retrain(changed, source, folder)

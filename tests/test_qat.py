@@ -182,3 +182,33 @@ def test_detector_twin_quantises_every_conv_and_residual():
     assert sorted(n for n, p in placements.items() if p.wrapper is QDQConv2D) == sorted(convs)
     assert all(placements[name].options == {"quantized_inputs": [1]} for name in adds)  # the shortcut
     assert "output_bbox" not in placements and "output_cov" not in placements
+
+
+def test_ranges_move_inside_a_compiled_training_step_and_calibration_is_off():
+    qat = quantize_model(identity_block(), QatSpec(ema_decay=0.5))
+    x = np.random.default_rng(3).uniform(size=(4, 8, 8, 4)).astype(np.float32)
+    calibrate(qat, [x], 1)
+    conv = qat.get_layer("conv")
+    assert not conv.input_range.calibrating
+    before = float(conv.input_range.amax.numpy())
+    qat.compile(optimizer="sgd", loss="mse")  # model.fit traces a tf.function: the Python flags are read then
+    qat.fit(x * 4, np.zeros((4, 8, 8, 4), np.float32), epochs=1, batch_size=4, verbose=0)
+    assert float(conv.input_range.amax.numpy()) == pytest.approx(0.5 * before + 0.5 * 4 * before, rel=1e-5)
+
+
+def test_unknown_excluded_layer_type_is_a_spec_error():
+    with pytest.raises(SpecError, match="qat.excluded_layer_types: no layers of these classes .*: dense"):
+        quantize_model(identity_block(), QatSpec(excluded_layer_types=["dense"]))
+
+
+@pytest.mark.parametrize("suffix", [".keras", ".h5"])
+def test_qat_conv_model_loads_in_both_formats(tmp_path, suffix):
+    from qatpipe.models.io import load_keras_model
+
+    qat = quantize_model(identity_block(), QatSpec())
+    x = np.random.default_rng(4).uniform(size=(2, 8, 8, 4)).astype(np.float32)
+    calibrate(qat, [x], 1)
+    qat.save(tmp_path / f"qat{suffix}")
+    loaded = load_keras_model(tmp_path / f"qat{suffix}")
+    assert activation_ranges(loaded) == activation_ranges(qat)
+    np.testing.assert_array_equal(loaded(x).numpy(), qat(x).numpy())

@@ -26,3 +26,13 @@ def load_split(spec: ExperimentSpec, split: Split) -> list[KittiSample]:
         )
     folder = resolve_dataset_dir(uri, spec.dataset.cache_dir)  # a local path comes back as it is
     return read_kitti_dataset(folder, class_map_from_spec(spec), spec.dataset.box_tolerance_px, key=f"dataset.{split}")
+
+
+def sample_split(spec: ExperimentSpec, split: Split, count: int, seed: int) -> list[KittiSample]:
+    """A seeded sample of `count` images of a split (all of them if it has fewer), in data-set order: the
+    calibration sets of QAT and PTQ."""
+    import numpy as np
+
+    samples = load_split(spec, split)
+    picked = np.random.default_rng(seed).choice(len(samples), size=min(count, len(samples)), replace=False)
+    return [samples[i] for i in sorted(picked)]

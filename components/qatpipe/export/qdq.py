@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 
 QUANTIZED_OPS = ("Conv", "Gemm", "MatMul")
-LAYOUT_OPS = ("Transpose", "Reshape", "Identity")  # tf2onnx may put one between a Q and its DQ
+# ops that move or pick values without changing their range: a tensor they produce from a quantised one
+# has the same scale (tf2onnx puts a Transpose between the model input's Q and DQ; max pooling follows ReLU)
+RANGE_KEEPING_OPS = ("Transpose", "Reshape", "Identity", "Flatten", "MaxPool")
 # TensorRT's version as NV_TENSORRT_VERSION writes it: 10.3.0 (DeepStream 7.1) -> 100300; 8.6.1 -> 8601
 DEFAULT_TRT_VERSION = 100300
 
@@ -65,7 +67,7 @@ def fold_weight_quantizers(model) -> int:
         zero_point = inits[node.input[2]] if len(node.input) > 2 and node.input[2] else np.zeros((), np.int8)
         if zero_point.dtype != np.int8:
             continue
-        q_name = f"{node.input[0].split(':')[0]}_int8"
+        q_name = f"{node.input[0].split(':')[0]}_int8_{folded}"  # unique even if two Q nodes read one weight
         graph.initializer.append(numpy_helper.from_array(_quantize(weight, scale, zero_point,
                                                                    _attribute(node, "axis", 1)), q_name))
         for consumer in consumers[node.output[0]]:
@@ -137,9 +139,12 @@ def check_explicit_quantization(model) -> QdqCheck:
         scale = inits.get(weight_dq.input[1])
         if weights is None or weights.dtype != np.int8:
             result.problems.append(f"{label}: weights are not an int8 initializer")
-        elif node.op_type == "Conv" and (scale is None or scale.shape != (weights.shape[0],)
-                                         or _attribute(weight_dq, "axis", 1) != 0):
-            result.problems.append(f"{label}: weight scales are not per output channel (axis 0)")
+        else:
+            # the output-channel axis: O of OIHW (Conv), N of a (K, N) MatMul / Gemm weight, K x N transposed
+            transposed = node.op_type == "Gemm" and _attribute(node, "transB", 0)
+            axis = 0 if node.op_type == "Conv" or transposed else weights.ndim - 1
+            if scale is None or scale.shape != (weights.shape[axis],) or _attribute(weight_dq, "axis", 1) != axis:
+                result.problems.append(f"{label}: weight scales are not per output channel (axis {axis})")
         activation_scale = inits.get(input_dq.input[1])
         if activation_scale is None or activation_scale.size != 1:
             result.problems.append(f"{label}: input scale is not a per-tensor constant")
@@ -149,13 +154,13 @@ def check_explicit_quantization(model) -> QdqCheck:
 
 def strip_qdq(model) -> dict[str, float]:
     """Remove every Q/DQ: activations pass through, int8 weights become their dequantised float values (the
-    QAT weights exactly). Returns tensor name -> activation scale: the FP32 graph plus these scales is what
-    TensorRT's implicit INT8 mode takes. Changes `model` in place."""
-    from onnx import numpy_helper
+    QAT weights exactly). Returns tensor name -> activation scale for every quantised tensor of the result,
+    carried through range-keeping ops (a transpose of the input, max pooling): the FP32 graph plus these
+    scales is what TensorRT's implicit INT8 mode takes. Changes `model` in place."""
+    from onnx import helper, numpy_helper
 
     graph = model.graph
     inits = _initializers(graph)
-    producer = {out: node for node in graph.node for out in node.output}
     scales: dict[str, float] = {}
     rename: dict[str, str] = {}
     removed = []
@@ -172,8 +177,7 @@ def strip_qdq(model) -> dict[str, float]:
             removed.append(node)
             if node.op_type == "QuantizeLinear":
                 scale = float(inits[node.input[1]].reshape(-1)[0])
-                name = node.input[0]
-                scales[name] = max(scale, scales.get(name, 0.0))
+                scales[node.input[0]] = max(scale, scales.get(node.input[0], 0.0))
     for node in removed:
         graph.node.remove(node)
 
@@ -185,11 +189,15 @@ def strip_qdq(model) -> dict[str, float]:
     for node in graph.node:
         for i, name in enumerate(node.input):
             node.input[i] = resolve(name)
-    for output in graph.output:
+    for output in graph.output:  # a quantised model output (qat.quantize_outputs) keeps its name
         if output.name in rename:
-            raise ValueError(f"model output {output.name} is a Q/DQ output; cannot strip it")
+            graph.node.append(helper.make_node("Identity", [resolve(output.name)], [output.name],
+                                               name=f"{output.name}_identity"))
+    for node in graph.node:  # graph.node is topologically sorted: one pass carries scales forward
+        if node.op_type in RANGE_KEEPING_OPS and node.input and node.input[0] in scales:
+            for out in node.output:
+                scales.setdefault(out, scales[node.input[0]])
     _drop_unused_initializers(graph)
-    del producer
     return scales
 
 
@@ -203,6 +211,8 @@ def calibration_cache_text(scales: dict[str, float], trt_version: int = DEFAULT_
 def read_calibration_cache(text: str) -> tuple[str, dict[str, float]]:
     """(header, tensor -> scale) of a calibration cache, for checks and tools."""
     lines = [line for line in text.splitlines() if line.strip()]
+    if not lines or not lines[0].startswith("TRT-"):
+        raise ValueError("not a TensorRT calibration cache: the first line must be TRT-<version>-<calibrator>")
     scales = {}
     for line in lines[1:]:
         name, _, value = line.rpartition(":")

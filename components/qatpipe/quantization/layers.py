@@ -22,7 +22,13 @@ DEFAULT_EMA_DECAY = 0.999
 
 
 class _Quantized:
-    """Mixin: the activation ranges of one layer and the calibration switch."""
+    """Mixin: the activation ranges of one layer and the calibration switch. Keras may build a layer twice
+    while loading it (Merge layers do): `_ranges_built` makes sure the ranges are created once."""
+
+    def _build_ranges(self, make) -> None:
+        if not getattr(self, "_ranges_built", False):
+            self._ranges = make()
+            self._ranges_built = True
 
     def activation_ranges(self) -> list[ActivationRange]:
         return list(getattr(self, "_ranges", []))
@@ -40,15 +46,16 @@ class QDQConv2D(_Quantized, keras.layers.Conv2D):
 
     def build(self, input_shape):
         super().build(input_shape)
-        self.input_range = ActivationRange(self, "input", self.ema_decay)
-        self._ranges = [self.input_range]
+        self._build_ranges(lambda: [ActivationRange(self, "input", self.ema_decay)])
+        self.input_range = self._ranges[0]
 
     def call(self, inputs, training=None):
         inputs = self.input_range(inputs, training)
         kernel = fake_quant_per_channel(self.kernel, axis=3)  # HWIO: axis 3 is the output channel
         outputs = self.convolution_op(inputs, kernel)
         if self.use_bias:
-            outputs = tf.nn.bias_add(outputs, self.bias)
+            outputs = tf.nn.bias_add(outputs, self.bias,
+                                     data_format="NHWC" if self.data_format == "channels_last" else "NCHW")
         return self.activation(outputs) if self.activation is not None else outputs
 
     def get_config(self):
@@ -63,8 +70,8 @@ class QDQDense(_Quantized, keras.layers.Dense):
 
     def build(self, input_shape):
         super().build(input_shape)
-        self.input_range = ActivationRange(self, "input", self.ema_decay)
-        self._ranges = [self.input_range]
+        self._build_ranges(lambda: [ActivationRange(self, "input", self.ema_decay)])
+        self.input_range = self._ranges[0]
 
     def call(self, inputs, training=None):
         inputs = self.input_range(inputs, training)
@@ -89,8 +96,7 @@ class QDQAdd(_Quantized, keras.layers.Add):
 
     def build(self, input_shape):
         super().build(input_shape)
-        if not hasattr(self, "_ranges"):  # Merge layers may be built twice when loaded; create the ranges once
-            self._ranges = [ActivationRange(self, f"input{i}", self.ema_decay) for i in self.quantized_inputs]
+        self._build_ranges(lambda: [ActivationRange(self, f"input{i}", self.ema_decay) for i in self.quantized_inputs])
 
     def call(self, inputs, training=None):
         inputs = list(inputs)
@@ -113,8 +119,8 @@ class QDQActivation(_Quantized, keras.layers.Activation):
 
     def build(self, input_shape):
         super().build(input_shape)
-        self.output_range = ActivationRange(self, "output", self.ema_decay)
-        self._ranges = [self.output_range]
+        self._build_ranges(lambda: [ActivationRange(self, "output", self.ema_decay)])
+        self.output_range = self._ranges[0]
 
     def call(self, inputs, training=None):
         return self.output_range(super().call(inputs), training)

@@ -13,6 +13,7 @@ import numpy as np
 
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import temp_path
+from qatpipe.runtime.onnx_runtime import load_onnx_proto
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +40,13 @@ class BatchReader:
 def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np.ndarray], method: str,
                  percentile: float = 99.99) -> dict:
     """Calibrate on `batches` by `method` (minmax, entropy, percentile) and write the Q/DQ model."""
-    import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     if method not in METHODS:
         raise QatpipeError(f"unknown calibration method {method!r}: one of {', '.join(METHODS)}")
     fp32_onnx, output = Path(fp32_onnx), Path(output)
-    input_name = onnx.load(fp32_onnx, load_external_data=False).graph.input[0].name
+    input_name = load_onnx_proto(fp32_onnx).graph.input[0].name
     output.parent.mkdir(parents=True, exist_ok=True)
     prepared, tmp = temp_path(output), temp_path(output)
     reader = BatchReader(input_name, batches)

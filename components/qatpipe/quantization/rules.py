@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import tf_keras as keras
 
 from qatpipe.pruning.graph import inbound_layers
-from qatpipe.quantization.layers import QDQActivation, QDQAdd, QDQConv2D, QDQDense
+from qatpipe.quantization.layers import WRAPPERS, QDQActivation, QDQAdd
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,12 @@ class ConvDenseInputsAndWeights(PlacementRule):
     """
 
     name = "conv_dense_inputs_and_weights"
-    _wrappers = {keras.layers.Conv2D: QDQConv2D, keras.layers.Dense: QDQDense}
+    kinds = (keras.layers.Conv2D, keras.layers.Dense)
 
     def place(self, layer, graph):
-        wrapper = self._wrappers.get(type(layer))  # exact types: depthwise/transposed convs are not covered
-        return Placement(wrapper, rule=self.name) if wrapper else None
+        if type(layer) not in self.kinds:  # exact types: depthwise/transposed convs are not covered
+            return None
+        return Placement(WRAPPERS[type(layer)], rule=self.name)
 
 
 def _fusable_conv_input(add_layer, graph: LayerGraph) -> int | None:

@@ -33,18 +33,27 @@ def quantize_model(model: keras.Model, settings, rules=None) -> keras.Model:
     unknown = sorted(set(settings.excluded_layers) - names)
     if unknown:
         raise SpecError(f"qat.excluded_layers: no such layers in {model.name}: {', '.join(unknown)}")
+    unknown = sorted(set(settings.excluded_layer_types) - {type(layer).__name__ for layer in model.layers})
+    if unknown:
+        raise SpecError(f"qat.excluded_layer_types: no layers of these classes in {model.name}: "
+                        f"{', '.join(unknown)}")
     unknown = sorted(set(settings.quantize_outputs) - {t.node.layer.name for t in model.outputs})
     if unknown:
         raise SpecError(f"qat.quantize_outputs: not outputs of {model.name}: {', '.join(unknown)}")
     placements = plan(model, rules if rules is not None else default_rules(settings))
     tensors: dict[str, object] = {}
+    swapped = 0
     for layer in model.layers:
         config = layer.get_config()
         if isinstance(layer, keras.layers.InputLayer):
             tensors[layer.name] = keras.Input(batch_shape=config["batch_input_shape"], name=layer.name,
                                               dtype=config.get("dtype"))
             continue
+        # QAT computes in float32 whatever policy the model was trained under (a mixed_float16 model keeps
+        # its policy in each layer's config): fake quant in float16 would not match TensorRT's int8
+        config["dtype"] = "float32"
         new_layer = _new_layer(layer, config, placements.get(layer.name), settings)
+        swapped += bool(settings.relu6 and layer.name not in placements and _is_relu(layer))
         inputs = [tensors[src.name] for src in inbound_layers(layer)]
         tensors[layer.name] = new_layer(inputs if len(inputs) > 1 else inputs[0])
         old = layer.get_weights()
@@ -57,7 +66,8 @@ def quantize_model(model: keras.Model, settings, rules=None) -> keras.Model:
     for placement in placements.values():
         by_rule[placement.rule] = by_rule.get(placement.rule, 0) + 1
     log.info("QAT: %d layers quantised (%s)%s", len(placements),
-             ", ".join(f"{rule}: {n}" for rule, n in sorted(by_rule.items())), "; ReLU -> ReLU6" if settings.relu6 else "")
+             ", ".join(f"{rule}: {n}" for rule, n in sorted(by_rule.items())),
+             f"; {swapped} ReLU -> ReLU6" if swapped else "")
     return qat
 
 

@@ -9,6 +9,21 @@ import numpy as np
 from qatpipe.errors import ModelFileError
 
 
+def load_onnx_proto(path: str | Path):
+    """The ONNX graph in `path`, with the errors of OnnxModel for a missing, wrong-kind or corrupt file."""
+    import onnx
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"{path}: model file not found")
+    if path.suffix.lower() != ".onnx":
+        raise ModelFileError(f"{path}: not an ONNX model file (expected .onnx; export a Keras model first)")
+    try:
+        return onnx.load(path, load_external_data=False)
+    except Exception as exc:  # protobuf DecodeError and friends
+        raise ModelFileError(f"{path}: not a loadable ONNX model: {type(exc).__name__}: {exc}") from None
+
+
 class OnnxModel:
     """`run(batch)` -> {output name: array}, with graph optimisation on (Q/DQ fused where ORT can)."""
 

@@ -24,9 +24,10 @@ log = logging.getLogger(__name__)
 FP32_TOLERANCE = 1e-3
 # QAT: TensorFlow computes x * (127/amax), ONNX x / (amax/127), and their convolutions sum in different
 # orders; values within an ulp of a rounding boundary land one int8 step apart and later layers carry the
-# flip, so a few outputs differ by a few steps. Most agree to well under one step (measured: the 90th
-# percentile 0.06-0.3 steps, the median 0); a conversion bug (a wrong scale or axis) moves most of them.
-QAT_P90_TOLERANCE_STEPS = 1.0
+# flip, so a few outputs differ by a few steps. Most agree to well under one step (measured on the detector:
+# median 0, 90th percentile 0.06-0.33 steps, 99th 1.2-1.5). A conversion bug (a wrong scale or axis, even on
+# one channel of twelve) moves far more of them.
+QAT_TOLERANCE_STEPS = {"p90_steps": 1.0, "p99_steps": 4.0}
 
 
 def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path, stage_name: str = "export") -> dict:
@@ -55,11 +56,13 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
     report["difference_vs_tensorflow"] = differences
     report_path = write_json(output_path.with_name(f"{output_path.stem}_export.json"), report)
     for name, d in differences.items():
-        if (qat and d["p90_steps"] > QAT_P90_TOLERANCE_STEPS) or (not qat and d["max_abs"] > FP32_TOLERANCE):
+        too_far = (any(d[key] > limit for key, limit in QAT_TOLERANCE_STEPS.items()) if qat
+                   else d["max_abs"] > FP32_TOLERANCE)
+        if too_far:
             raise QatpipeError(
-                f"{output_path}: ONNX Runtime differs from TensorFlow on {name} (max {d['max_abs']:.2e}, 90th "
-                f"percentile {d['p90_steps']:.2f} int8 steps); the export is wrong, see "
-                f"{output_path.stem}_export.json")
+                f"{output_path}: ONNX Runtime differs from TensorFlow on {name} (max {d['max_abs']:.2e}; 90th / "
+                f"99th percentile {d['p90_steps']:.2f} / {d['p99_steps']:.2f} int8 steps); the export is wrong, "
+                f"see {output_path.stem}_export.json")
     files = [output_path, report_path] + [Path(report[key]) for key in ("implicit_onnx", "calibration_cache")
                                           if key in report]
     if qat:
@@ -96,7 +99,7 @@ def _finish_qat_export(spec: ExperimentSpec, output_path: Path) -> dict:
     cache = output_path.with_name(f"{stem}.cache")
     atomic_write_text(cache, calibration_cache_text(scales, spec.export.calibration_cache_trt_version))
     write_scales_json(output_path.with_name(f"{stem}_scales.json"), scales)
-    log.info("QAT ONNX: %d int8 weights, %d quantised Conv/Gemm, %d float, %d residual Add inputs; "
+    log.info("QAT ONNX: %d int8 weights, %d quantised Conv/Gemm, %d float, %d Add nodes with a quantised input; "
              "calibration cache %s (%d tensors)", folded, len(check.quantized), len(check.float_),
              len(check.residual_adds), cache, len(scales))
     return {"int8_weights": folded, "qdq_check": check.to_dict(), "implicit_onnx": str(implicit),

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import numpy as np
-
 from qatpipe.fileio import write_json
 from qatpipe.spec import ExperimentSpec
 from qatpipe.tracking.records import StageRecord
@@ -18,14 +16,12 @@ def ptq(spec: ExperimentSpec, fp32_onnx: str | Path, output: str | Path) -> dict
     """`spec.ptq` settings; calibration images: a seeded sample of dataset.train, preprocessed as in evaluation.
     Writes `output` (.onnx) and `<stem>_ptq.json` beside it."""
     from qatpipe.data.pipeline import eval_dataset
-    from qatpipe.data.splits import load_split
+    from qatpipe.data.splits import sample_split
     from qatpipe.quantization.ptq import quantize_ptq
 
     settings = spec.ptq
-    samples = load_split(spec, "train")
-    rng = np.random.default_rng(settings.seed)
-    chosen = sorted(rng.choice(len(samples), size=min(settings.calibration_images, len(samples)), replace=False))
-    batches = (batch.numpy() for batch in eval_dataset([samples[i] for i in chosen], spec))
+    samples = sample_split(spec, "train", settings.calibration_images, settings.seed)
+    batches = (batch.numpy() for batch in eval_dataset(samples, spec))
     report = quantize_ptq(fp32_onnx, output, batches, settings.method, settings.percentile)
     report["source"] = str(fp32_onnx)
     output = Path(output)

@@ -10,8 +10,6 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
-
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import write_json
 from qatpipe.spec import ExperimentSpec
@@ -65,17 +63,17 @@ def _prepare_qat(spec: ExperimentSpec, model, results_dir: Path):
     """The QAT twin of `model`, its activation ranges calibrated on training images (a resumed run takes them
     from its checkpoint instead)."""
     from qatpipe.data.pipeline import eval_dataset
-    from qatpipe.data.splits import load_split
+    from qatpipe.data.splits import sample_split
     from qatpipe.quantization.transform import calibrate, quantize_model
 
+    import tensorflow as tf
+
     model = quantize_model(model, spec.qat)
-    if (results_dir / "checkpoints").is_dir():
-        return model
-    samples = load_split(spec, "train")
+    if tf.train.latest_checkpoint(str(results_dir / "checkpoints")):
+        return model  # the ranges come back with the checkpoint (train refuses a checkpoint of other qat settings)
     batch_size = spec.train.batch_size
-    count = min(len(samples), spec.qat.calibration_batches * batch_size)
-    picked = np.random.default_rng(spec.train.seed).choice(len(samples), size=count, replace=False)
-    batches = (batch.numpy() for batch in eval_dataset([samples[i] for i in sorted(picked)], spec, batch_size))
+    samples = sample_split(spec, "train", spec.qat.calibration_batches * batch_size, spec.train.seed)
+    batches = (batch.numpy() for batch in eval_dataset(samples, spec, batch_size))
     calibrate(model, batches, spec.qat.calibration_batches)
     return model
 

@@ -41,7 +41,7 @@ def _configure_precision(use_amp: bool) -> bool:
 _RESUME_MUST_MATCH = (
     "model.arch", "model.backbone", "model.regularizer", "model.loss", "model.target", "dataset.classes",
     "dataset.train", "dataset.image_size", "augmentation", "train.batch_size", "train.seed", "train.optimizer",
-    "train.momentum", "train.learning_rate",
+    "train.momentum", "train.learning_rate", "qat",
 )
 
 
@@ -191,7 +191,8 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
 
 
 def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dict, stage_name: str) -> None:
-    view = STAGE_SECTIONS["retrain_qat" if stage_name.startswith("retrain") else "train"]
+    view = STAGE_SECTIONS["train" if not stage_name.startswith("retrain") else
+                          "retrain_qat" if spec.qat.enabled else "retrain"]
     sections = {key: value for key, value in spec.to_dict().items() if key in view}
     metrics = numeric_leaves({key: summary[key] for key in ("images_per_second", "wall_seconds", "params",
                                                             "final_losses")})
