@@ -22,12 +22,16 @@ DEFAULT_EMA_DECAY = 0.999
 
 
 class _Quantized:
-    """Mixin: the activation ranges of one layer and the calibration switch. Keras may build a layer twice
-    while loading it (Merge layers do): `_ranges_built` makes sure the ranges are created once."""
+    """Mixin: the activation ranges of one layer, the calibration switch and the `ema_decay` option. Keras
+    may build a layer twice while loading it (Merge layers do): `_build_ranges` creates the ranges once."""
 
-    def _build_ranges(self, make) -> None:
+    def __init__(self, *args, ema_decay: float = DEFAULT_EMA_DECAY, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ema_decay = ema_decay
+
+    def _build_ranges(self, *names: str) -> None:
         if not getattr(self, "_ranges_built", False):
-            self._ranges = make()
+            self._ranges = [ActivationRange(self, name, self.ema_decay) for name in names]
             self._ranges_built = True
 
     def activation_ranges(self) -> list[ActivationRange]:
@@ -37,66 +41,57 @@ class _Quantized:
         for quantizer in self.activation_ranges():
             quantizer.calibrating = on
 
-
-@keras.utils.register_keras_serializable(package=PACKAGE)
-class QDQConv2D(_Quantized, keras.layers.Conv2D):
-    def __init__(self, *args, ema_decay: float = DEFAULT_EMA_DECAY, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ema_decay = ema_decay
-
-    def build(self, input_shape):
-        super().build(input_shape)
-        self._build_ranges(lambda: [ActivationRange(self, "input", self.ema_decay)])
-        self.input_range = self._ranges[0]
-
-    def call(self, inputs, training=None):
-        inputs = self.input_range(inputs, training)
-        kernel = fake_quant_per_channel(self.kernel, axis=3)  # HWIO: axis 3 is the output channel
-        outputs = self.convolution_op(inputs, kernel)
-        if self.use_bias:
-            outputs = tf.nn.bias_add(outputs, self.bias,
-                                     data_format="NHWC" if self.data_format == "channels_last" else "NCHW")
-        return self.activation(outputs) if self.activation is not None else outputs
-
     def get_config(self):
         return {**super().get_config(), "ema_decay": self.ema_decay}
 
 
-@keras.utils.register_keras_serializable(package=PACKAGE)
-class QDQDense(_Quantized, keras.layers.Dense):
-    def __init__(self, *args, ema_decay: float = DEFAULT_EMA_DECAY, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ema_decay = ema_decay
+class _InputAndKernelQuantized(_Quantized):
+    """Conv2D / Dense: per-tensor fake quant on the input, per-channel on the kernel, then the layer's own
+    linear op, bias and activation."""
+
+    kernel_axis: int  # the kernel's output-channel axis
 
     def build(self, input_shape):
         super().build(input_shape)
-        self._build_ranges(lambda: [ActivationRange(self, "input", self.ema_decay)])
+        self._build_ranges("input")
         self.input_range = self._ranges[0]
 
     def call(self, inputs, training=None):
         inputs = self.input_range(inputs, training)
-        kernel = fake_quant_per_channel(self.kernel, axis=1)  # (in, out): axis 1 is the output unit
-        outputs = tf.tensordot(inputs, kernel, axes=[[inputs.shape.rank - 1], [0]])
+        outputs = self._linear(inputs, fake_quant_per_channel(self.kernel, axis=self.kernel_axis))
         if self.use_bias:
-            outputs = tf.nn.bias_add(outputs, self.bias)
+            channels_first = getattr(self, "data_format", "channels_last") == "channels_first"
+            outputs = tf.nn.bias_add(outputs, self.bias, data_format="NCHW" if channels_first else "NHWC")
         return self.activation(outputs) if self.activation is not None else outputs
 
-    def get_config(self):
-        return {**super().get_config(), "ema_decay": self.ema_decay}
+
+@keras.utils.register_keras_serializable(package=PACKAGE)
+class QDQConv2D(_InputAndKernelQuantized, keras.layers.Conv2D):
+    kernel_axis = 3  # HWIO
+
+    def _linear(self, inputs, kernel):
+        return self.convolution_op(inputs, kernel)
+
+
+@keras.utils.register_keras_serializable(package=PACKAGE)
+class QDQDense(_InputAndKernelQuantized, keras.layers.Dense):
+    kernel_axis = 1  # (in, out)
+
+    def _linear(self, inputs, kernel):
+        return tf.tensordot(inputs, kernel, axes=[[inputs.shape.rank - 1], [0]])
 
 
 @keras.utils.register_keras_serializable(package=PACKAGE)
 class QDQAdd(_Quantized, keras.layers.Add):
     """Add with Q/DQ on the inputs at `quantized_inputs` (indices into its input list)."""
 
-    def __init__(self, quantized_inputs=(1,), ema_decay: float = DEFAULT_EMA_DECAY, **kwargs):
+    def __init__(self, quantized_inputs=(1,), **kwargs):
         super().__init__(**kwargs)
         self.quantized_inputs = tuple(int(i) for i in quantized_inputs)
-        self.ema_decay = ema_decay
 
     def build(self, input_shape):
         super().build(input_shape)
-        self._build_ranges(lambda: [ActivationRange(self, f"input{i}", self.ema_decay) for i in self.quantized_inputs])
+        self._build_ranges(*(f"input{i}" for i in self.quantized_inputs))
 
     def call(self, inputs, training=None):
         inputs = list(inputs)
@@ -105,28 +100,20 @@ class QDQAdd(_Quantized, keras.layers.Add):
         return super().call(inputs)
 
     def get_config(self):
-        return {**super().get_config(), "quantized_inputs": list(self.quantized_inputs),
-                "ema_decay": self.ema_decay}
+        return {**super().get_config(), "quantized_inputs": list(self.quantized_inputs)}
 
 
 @keras.utils.register_keras_serializable(package=PACKAGE)
 class QDQActivation(_Quantized, keras.layers.Activation):
     """Activation whose output is quantised (a model output the spec asks to quantise)."""
 
-    def __init__(self, activation, ema_decay: float = DEFAULT_EMA_DECAY, **kwargs):
-        super().__init__(activation, **kwargs)
-        self.ema_decay = ema_decay
-
     def build(self, input_shape):
         super().build(input_shape)
-        self._build_ranges(lambda: [ActivationRange(self, "output", self.ema_decay)])
+        self._build_ranges("output")
         self.output_range = self._ranges[0]
 
     def call(self, inputs, training=None):
         return self.output_range(super().call(inputs), training)
-
-    def get_config(self):
-        return {**super().get_config(), "ema_decay": self.ema_decay}
 
 
 # the registry: which quantised wrapper stands in for which float layer kind
