@@ -25,6 +25,11 @@ def evaluation_dir(tmp_path):
     folder = tmp_path / "evaluation"
     folder.mkdir()
     (folder / "metrics.json").write_text(json.dumps({"map50": 0.8, "map": 0.5, "model_size_mb": 1.0}))
+    pruned = tmp_path / "pruned"
+    pruned.mkdir()
+    (pruned / "prune_report.json").write_text(json.dumps({
+        "params_before": 100, "params_after": 40, "flops_before": 10**9, "flops_after": 4 * 10**8,
+        "flops_ratio": 0.4, "params_ratio": 0.4}))
     return folder
 
 
@@ -44,8 +49,10 @@ def test_light_components_run_from_their_shipped_source(tmp_path, monkeypatch, e
                                     kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
             data = prepare_data(data_spec=specs.outputs["data_spec"])
             log_stage(parent_run_id=parent.output, stage_output=data.outputs["dataset"])
-            evaluation = dsl.importer(artifact_uri=str(evaluation_dir), artifact_class=dsl.Artifact)
-            compare(parent_run_id=parent.output, fp32=evaluation.output)
+            evaluation = dsl.importer(artifact_uri=str(evaluation_dir), artifact_class=dsl.Artifact).output
+            pruned = dsl.importer(artifact_uri=str(evaluation_dir.parent / "pruned"), artifact_class=dsl.Model)
+            compare(parent_run_id=parent.output, fp32=evaluation, ptq=evaluation, qat=evaluation,
+                    unpruned=evaluation, pruned=pruned.output)
 
     local.init(local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "kfp"))
     light_stages()
@@ -55,5 +62,6 @@ def test_light_components_run_from_their_shipped_source(tmp_path, monkeypatch, e
                                 "attributes.run_name = 'shipped'")
     assert run.info.status == "FINISHED"
     assert run.data.metrics["variant.fp32.map50"] == 0.8
+    assert run.data.metrics["pruning.flops_ratio"] == 0.4
     (child,) = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
     assert child.info.run_name == "prepare_data" and child.data.metrics["train.images"] == 6

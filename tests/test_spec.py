@@ -28,7 +28,7 @@ def test_defaults_fill_every_section():
     spec = parse_spec(MINIMAL)
     assert spec.train.epochs == 20 and spec.model.backbone.depth == 10
     assert spec.validate_.max_map_drop == 0.01
-    assert set(spec.to_dict()) == {"dataset", "model", "augmentation", "train", "evaluate", "prune", "qat", "ptq",
+    assert set(spec.to_dict()) == {"dataset", "model", "augmentation", "train", "evaluate", "prune", "retrain", "qat", "ptq",
                                    "export", "engine", "validate", "tracking"}
 
 
