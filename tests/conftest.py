@@ -111,3 +111,31 @@ def mlflow_server(tmp_path_factory):
 def closed_port_uri() -> str:
     """An http:// URI on loopback where nothing listens."""
     return f"http://127.0.0.1:{_free_port()}"
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tiny_dataset, tmp_path_factory):
+    """A briefly trained tiny detector (enough detections to compare evaluations)."""
+    from qatpipe.spec import bundled_spec_path, load_spec
+    from qatpipe.stages.train import train
+
+    spec = load_spec(bundled_spec_path("tiny"), [f"dataset.train={tiny_dataset / 'train'}",
+                                                 f"dataset.val={tiny_dataset / 'val'}", "train.epochs=6"])
+    folder = tmp_path_factory.mktemp("trained")
+    train(spec, folder)
+    return spec, folder / "model.keras"
+
+
+@pytest.fixture(scope="session")
+def qat_export(trained_tiny, tmp_path_factory):
+    """One epoch of QAT on the tiny detector, exported: (spec, keras model path, onnx path, report)."""
+    from qatpipe.stages.export import export
+    from qatpipe.stages.retrain import retrain
+
+    spec, model = trained_tiny
+    spec = spec.model_copy(deep=True)
+    spec.qat.enabled, spec.retrain.epochs, spec.qat.calibration_batches = True, 1, 4
+    folder = tmp_path_factory.mktemp("qat")
+    summary = retrain(spec, model, folder / "retrain")
+    report = export(spec, summary["model"], folder / "qat.onnx")
+    return spec, Path(summary["model"]), folder / "qat.onnx", report

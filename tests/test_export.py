@@ -15,19 +15,6 @@ from qatpipe.runtime.onnx_runtime import OnnxModel
 from qatpipe.stages.export import export
 
 
-@pytest.fixture(scope="module")
-def trained_tiny(tiny_dataset, tmp_path_factory):
-    """A briefly trained tiny detector (enough detections to compare evaluations)."""
-    from qatpipe.spec import bundled_spec_path, load_spec
-    from qatpipe.stages.train import train
-
-    spec = load_spec(bundled_spec_path("tiny"), [f"dataset.train={tiny_dataset / 'train'}",
-                                                 f"dataset.val={tiny_dataset / 'val'}", "train.epochs=6"])
-    folder = tmp_path_factory.mktemp("trained")
-    train(spec, folder)
-    return spec, folder / "model.keras"
-
-
 def test_export_matches_tensorflow_and_names_its_io(trained_tiny, tmp_path):
     spec, model = trained_tiny
     report = export(spec, model, tmp_path / "model.onnx")
@@ -117,20 +104,6 @@ def test_ptq_gives_symmetric_int8_qdq_that_still_detects(trained_tiny, tmp_path,
     fp32 = evaluate(spec, tmp_path / "fp32.onnx", tmp_path / "e_fp32")["map50"]
     int8 = evaluate(spec, tmp_path / "ptq.onnx", tmp_path / "e_ptq")["map50"]
     assert int8 > 0.5 * fp32  # a sane INT8 model; the real comparison is bench/'s job
-
-
-@pytest.fixture(scope="module")
-def qat_export(trained_tiny, tmp_path_factory):
-    """One epoch of QAT on the tiny detector, exported: (spec, keras model path, onnx path, report)."""
-    from qatpipe.stages.retrain import retrain
-
-    spec, model = trained_tiny
-    spec = spec.model_copy(deep=True)
-    spec.qat.enabled, spec.retrain.epochs, spec.qat.calibration_batches = True, 1, 4
-    folder = tmp_path_factory.mktemp("qat")
-    summary = retrain(spec, model, folder / "retrain")
-    report = export(spec, summary["model"], folder / "qat.onnx")
-    return spec, Path(summary["model"]), folder / "qat.onnx", report
 
 
 def test_qat_onnx_follows_tensorrt_explicit_quantization_rules(qat_export):

@@ -120,6 +120,41 @@ def cmd_ptq(args) -> int:
     return 0
 
 
+def cmd_build_engine(args) -> int:
+    from qatpipe.stages.build_engine import build_engine
+
+    info = build_engine(_load(args, with_data=False), args.model, args.output, backend=args.backend)
+    print(f"{args.output}  {info['backend']} {info['runtime_version']}  {info['precision']}  {info['device']}  "
+          f"{info['engine_size_mb']:.2f} MB")
+    return 0
+
+
+def cmd_bench_engine(args) -> int:
+    from qatpipe.stages.bench_engine import bench_engine
+
+    report = bench_engine(_load(args, with_data=False), args.model, args.output)
+    print(f"{args.model}: {report['backend']}, {report['precision']}, {report['device']}")
+    print("batch  p50 ms   p95 ms   p99 ms   img/s")
+    for row in report["batches"]:
+        print(f"{row['batch_size']:<6} {row['latency_ms_p50']:<8.2f} {row['latency_ms_p95']:<8.2f} "
+              f"{row['latency_ms_p99']:<8.2f} {row['throughput']:.1f}")
+    print(f"model {report['model_size_mb']} MB, engine {report['engine_size_mb']} MB, peak memory "
+          f"{report['peak_memory_mb']} MB")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from qatpipe.stages.validate import gate_message, validate
+
+    report = validate(_load(args), args.model, args.baseline, args.output, variant=args.variant)
+    if not report["passed"]:
+        log.error("%s", gate_message(report))
+        return 1
+    print(f"{report['variant']}: PASSED  mAP@0.5 {report['map50']:.4f} (baseline {report['baseline_map50']:.4f}, "
+          f"drop {100 * report['map50_drop']:+.2f} points, allowed {100 * report['max_map_drop']:.2f})")
+    return 0
+
+
 def cmd_run(args) -> int:
     from qatpipe.stages.compare import format_table, pruning_line
     from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
@@ -230,6 +265,29 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Settings: the spec's `ptq` section (--set ptq.method=percentile ...).")
     _add_model_conversion_args(ptq, "FP32 model (.onnx, from `qatpipe export`)", "the INT8 Q/DQ .onnx to write")
     ptq.set_defaults(func=cmd_ptq)
+
+    engine = sub.add_parser("build-engine", help="build an inference engine from an ONNX model",
+                            description="Settings: the spec's `engine` section (batch profile, workspace, fp16).")
+    _add_model_conversion_args(engine, "the ONNX model", "the engine folder to write")
+    engine.add_argument("--backend", choices=["auto", "tensorrt", "onnxruntime"],
+                        help="default: engine.backend (auto: TensorRT with a GPU, else ONNX Runtime)")
+    engine.set_defaults(func=cmd_build_engine)
+
+    bench = sub.add_parser("bench-engine", help="latency, throughput, size and memory of an engine",
+                           description="Settings: engine.bench (batch sizes, warm-up, iterations).")
+    _add_spec_args(bench)
+    bench.add_argument("-m", "--model", required=True, type=Path, help="the engine folder")
+    bench.add_argument("-o", "--output", type=Path, help="report JSON (default ENGINE/bench.json)")
+    bench.set_defaults(func=cmd_bench_engine)
+
+    validate = sub.add_parser("validate", help="mAP of an engine vs the FP32 baseline, and the gate",
+                              description="Exits 1 when mAP@0.5 drops more than validate.max_map_drop.")
+    _add_spec_args(validate)
+    validate.add_argument("-m", "--model", required=True, type=Path, help="the engine folder")
+    validate.add_argument("--baseline", required=True, type=Path, help="the FP32 model's metrics.json")
+    validate.add_argument("-o", "--output", type=Path, help="report folder (default ENGINE/validate)")
+    validate.add_argument("--variant", default="int8", help="name in the report (e.g. qat, ptq)")
+    validate.set_defaults(func=cmd_validate)
 
     prune = sub.add_parser("prune", help="structured pruning of a trained model (TAO `prune`)",
                            description="Settings: the spec's `prune` section (-e), overridden by the flags.")

@@ -254,8 +254,32 @@ class ExportSpec(_Section):
         "(10.3.0 -> 100300, DeepStream 7.1; 8.6.1 -> 8601)")
 
 
+class EngineBenchSpec(_Section):
+    """The latency harness (`qatpipe bench-engine`): the same for every backend."""
+
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 8], min_length=1)
+    warmup: int = Field(10, ge=0, description="untimed runs first")
+    iterations: int = Field(50, ge=1, description="timed runs, at least")
+    min_seconds: float = Field(2.0, ge=0, description="and at least this long")
+
+
 class EngineSpec(_Section):
+    """Engine build: TensorRT with a GPU, ONNX Runtime anywhere (`auto` picks)."""
+
     backend: Literal["auto", "tensorrt", "onnxruntime"] = "auto"
+    min_batch: int = Field(1, ge=1, description="TensorRT optimisation profile for the dynamic batch")
+    opt_batch: int = Field(8, ge=1)
+    max_batch: int = Field(16, ge=1)
+    workspace_mb: int = Field(2048, ge=64, description="TensorRT builder workspace limit")
+    fp16: bool = Field(True, description="the FP32 model in FP16 on TensorRT 10 (TensorRT 11: TF32)")
+    bench: EngineBenchSpec = Field(default_factory=EngineBenchSpec)
+
+    @model_validator(mode="after")
+    def _check_profile(self) -> "EngineSpec":
+        if not self.min_batch <= self.opt_batch <= self.max_batch:
+            raise ValueError(f"engine: need min_batch <= opt_batch <= max_batch, got {self.min_batch}, "
+                             f"{self.opt_batch}, {self.max_batch}")
+        return self
 
 
 class ValidateSpec(_Section):
@@ -264,6 +288,7 @@ class ValidateSpec(_Section):
 
 class TrackingSpec(_Section):
     experiment: str = "qatpipe"
+    registered_model: str = Field("qatpipe-detectnet-v2", description="MLflow registry name of the validated model")
 
 
 # ------------------------------------------------------------------------------------------------ root
@@ -459,6 +484,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "retrain_qat": ("dataset", "model", "augmentation", "train", "retrain", "qat"),
     "export": ("dataset", "model", "export"),
     "ptq": ("dataset", "model", "evaluate", "ptq"),
+    "engine": ("dataset", "model", "engine"),
+    "validate": ("dataset", "model", "evaluate", "engine", "validate"),
 }
 
 

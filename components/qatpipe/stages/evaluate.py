@@ -6,6 +6,7 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 
 from qatpipe.data.splits import load_split
 from qatpipe.errors import DataError, QatpipeError
@@ -43,13 +44,17 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
     from qatpipe.models.io import load_keras_model
 
     model_path = Path(model_path)
-    output_dir = Path(output_dir) if output_dir else model_path.parent / "evaluate"
+    is_engine = model_path.is_dir()
+    output_dir = Path(output_dir) if output_dir else (model_path if is_engine else model_path.parent) / "evaluate"
     try:  # before the slow part, so a bad output path fails at once
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise QatpipeError(f"{output_dir}: cannot create the output directory: {exc}") from None
     arch = get_architecture(spec)
-    if model_path.suffix.lower() == ".onnx":
+    model_file = model_path
+    if is_engine:  # a folder from `qatpipe build-engine`: run it on the backend that built it
+        forward, model_file = engine_forward(model_path, arch)
+    elif model_path.suffix.lower() == ".onnx":
         forward = onnx_forward(model_path, arch)
     else:
         model = load_keras_model(model_path, arch)
@@ -70,7 +75,7 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
         "model": str(model_path),
         **metrics.to_dict(with_curves=True),
         "images_per_second": round(len(samples) / max(seconds, 1e-9), 2),
-        "model_size_mb": round(model_path.stat().st_size / 2**20, 3),
+        "model_size_mb": round(model_file.stat().st_size / 2**20, 3),
     }
     write_json(output_dir / METRICS_FILE, result)
     plot_pr_curves(metrics, output_dir / PR_CURVE_FILE, title=f"{model_path.name}: PR @ IoU 0.5")
@@ -103,6 +108,19 @@ def onnx_forward(model_path: Path, arch):
         raise ModelFileError(f"{model_path}: input is {model.input_shape[1]}x{model.input_shape[2]}, the spec's "
                              f"dataset.image_size is {arch.height}x{arch.width}")
     return lambda batch: model.run(batch.numpy())
+
+
+def engine_forward(engine_dir: Path, arch):
+    """An engine's forward pass for `predict` and the engine file, after checking its outputs."""
+    from qatpipe.engines import load_engine
+    from qatpipe.errors import ModelFileError
+
+    runner = load_engine(engine_dir)
+    probe = runner.run(np.zeros((1, arch.height, arch.width, 3), np.float32))
+    missing = [name for name in arch.output_names if name not in probe]
+    if missing:
+        raise ModelFileError(f"{engine_dir}: engine outputs {sorted(probe)} lack {missing}")
+    return (lambda batch: runner.run(batch.numpy())), engine_dir / runner.metadata.engine_file
 
 
 def tracked_metrics(result: dict) -> dict[str, float]:

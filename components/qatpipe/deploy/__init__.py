@@ -1,0 +1,1 @@
+"""Hand-off to deployment stacks (DeepStream)."""

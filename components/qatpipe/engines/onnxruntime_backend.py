@@ -1,0 +1,83 @@
+"""The portable engine: ONNX Runtime, CPU by default, CUDA / TensorRT execution providers when present.
+
+Building writes the ONNX the runtime executes: for a Q/DQ model, the CPU form of cpu_qdq.py (activations as
+uint8, the same numbers) so that the CPU provider fuses Q/DQ into integer kernels; the TensorRT artifact
+itself stays symmetric int8.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from pathlib import Path
+
+import numpy as np
+
+from qatpipe.engines.base import (EngineBackend, EngineMetadata, EngineRunner, file_sha256,
+                                  is_explicitly_quantized)
+
+log = logging.getLogger(__name__)
+
+ENGINE_FILE = "model.onnx"
+PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class OnnxRuntimeRunner(EngineRunner):
+    def __init__(self, path: Path, metadata: EngineMetadata, threads: int | None = None):
+        import onnxruntime as ort
+
+        from qatpipe.runtime.onnx_runtime import OnnxModel
+
+        available = ort.get_available_providers()
+        providers = [p for p in PREFERRED_PROVIDERS if p in available]
+        self.model = OnnxModel(path, providers=providers, threads=threads)
+        self.providers = self.model.session.get_providers()
+        self.metadata = metadata
+
+    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        return self.model.run(batch)
+
+
+class OnnxRuntimeBackend(EngineBackend):
+    name = "onnxruntime"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None  # a dependency of qatpipe: always here
+
+    def build(self, onnx_path: Path, folder: Path, settings) -> EngineMetadata:
+        import onnxruntime as ort
+
+        from qatpipe.engines.cpu_qdq import activations_to_uint8
+        from qatpipe.export.onnx_export import save_onnx
+        from qatpipe.runtime.onnx_runtime import load_onnx_proto
+
+        model = load_onnx_proto(onnx_path)
+        quantized = is_explicitly_quantized(onnx_path)
+        shifted = activations_to_uint8(model) if quantized else 0
+        folder.mkdir(parents=True, exist_ok=True)
+        save_onnx(model, folder / ENGINE_FILE)
+        metadata = EngineMetadata(
+            backend=self.name, engine_file=ENGINE_FILE, source_onnx=str(onnx_path),
+            source_sha256=file_sha256(onnx_path),
+            precision="int8 (explicit Q/DQ, uint8 activations on CPU)" if quantized else "fp32",
+            runtime_version=ort.__version__, device=_cpu_name(), input_name=model.graph.input[0].name,
+            batch_profile={"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch},
+            extra={"activation_qdq_shifted_to_uint8": shifted},
+        )
+        metadata.write(folder)
+        log.info("ONNX Runtime engine: %s (%s)", folder / ENGINE_FILE, metadata.precision)
+        return metadata
+
+    def load(self, folder: Path, metadata: EngineMetadata) -> EngineRunner:
+        return OnnxRuntimeRunner(folder / metadata.engine_file, metadata)

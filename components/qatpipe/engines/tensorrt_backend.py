@@ -1,0 +1,137 @@
+"""TensorRT engines (imported lazily: GPU images get TensorRT from NVIDIA's base image, PyPI has only stubs).
+
+Q/DQ models build as strongly typed explicit-quantisation engines: the ONNX's Q/DQ decide what runs in int8,
+which is the only INT8 path TensorRT 11 keeps (it removed calibrators, implicit INT8 and the INT8 / FP16
+builder flags). The FP32 model builds in FP16 on TensorRT 10 (BuilderFlag.FP16) and in TF32 on TensorRT 11.
+Every engine gets an optimisation profile for the dynamic batch, a workspace limit and a timing cache, and
+its metadata records the TensorRT version and GPU: an engine only runs where it was built.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from qatpipe.engines.base import (EngineBackend, EngineMetadata, EngineRunner, file_sha256,
+                                  is_explicitly_quantized)
+from qatpipe.errors import ModelFileError, QatpipeError
+
+log = logging.getLogger(__name__)
+
+ENGINE_FILE = "model.engine"
+TIMING_CACHE_FILE = "timing.cache"
+
+
+def _import_tensorrt():
+    try:
+        import tensorrt
+    except ImportError as exc:
+        raise QatpipeError(f"TensorRT is not installed here ({exc}); use --backend onnxruntime, or the engine "
+                           "image (images/) built on NVIDIA's TensorRT base image") from None
+    return tensorrt
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name (nvidia-smi), None without a GPU or driver."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out else None
+
+
+def major_version(trt) -> int:
+    return int(trt.__version__.split(".")[0])
+
+
+class TensorRTRunner(EngineRunner):
+    """Runs a deserialised engine through Polygraphy's TrtRunner (shipped with TensorRT's images), which
+    owns the CUDA buffers and streams for both the TensorRT 10 and 11 execution APIs."""
+
+    def __init__(self, engine_bytes: bytes, metadata: EngineMetadata):
+        from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+        self.metadata = metadata
+        self._runner = TrtRunner(EngineFromBytes(engine_bytes))
+        self._runner.activate()
+
+    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        outputs = self._runner.infer({self.metadata.input_name: np.ascontiguousarray(batch, np.float32)})
+        return {name: np.asarray(value) for name, value in outputs.items()}
+
+
+class TensorRTBackend(EngineBackend):
+    name = "tensorrt"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            import tensorrt  # noqa: F401
+        except ImportError:
+            return "the tensorrt package is not importable"
+        if gpu_name() is None:
+            return "no NVIDIA GPU visible (nvidia-smi)"
+        return None
+
+    def build(self, onnx_path: Path, folder: Path, settings) -> EngineMetadata:
+        trt = _import_tensorrt()
+        quantized = is_explicitly_quantized(onnx_path)
+        logger = trt.Logger(trt.Logger.WARNING)
+        builder = trt.Builder(logger)
+        flags = 0
+        strongly_typed = quantized or major_version(trt) >= 11
+        if strongly_typed:
+            flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+        network = builder.create_network(flags)
+        parser = trt.OnnxParser(network, logger)
+        if not parser.parse(Path(onnx_path).read_bytes()):
+            errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+            raise QatpipeError(f"{onnx_path}: TensorRT cannot parse the ONNX model: {errors}")
+        config = builder.create_builder_config()
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, settings.workspace_mb << 20)
+        if strongly_typed:
+            precision = "int8 (explicit Q/DQ, strongly typed)" if quantized else "tf32 (strongly typed)"
+        elif settings.fp16 and hasattr(trt.BuilderFlag, "FP16"):  # TensorRT 10
+            config.set_flag(trt.BuilderFlag.FP16)
+            precision = "fp16"
+        else:
+            precision = "tf32"
+        input_tensor = network.get_input(0)
+        _, *chw = input_tensor.shape
+        profile = builder.create_optimization_profile()
+        profile.set_shape(input_tensor.name, (settings.min_batch, *chw), (settings.opt_batch, *chw),
+                          (settings.max_batch, *chw))
+        config.add_optimization_profile(profile)
+        cache_path = folder / TIMING_CACHE_FILE
+        timing_cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
+        config.set_timing_cache(timing_cache, ignore_mismatch=False)
+        log.info("building TensorRT %s engine (%s) for %s", trt.__version__, precision, onnx_path)
+        serialized = builder.build_serialized_network(network, config)
+        if serialized is None:
+            raise QatpipeError(f"{onnx_path}: TensorRT could not build an engine (see the log above)")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ENGINE_FILE).write_bytes(bytes(serialized))
+        cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
+        metadata = EngineMetadata(
+            backend=self.name, engine_file=ENGINE_FILE, source_onnx=str(onnx_path),
+            source_sha256=file_sha256(onnx_path), precision=precision, runtime_version=trt.__version__,
+            device=gpu_name() or "unknown GPU", input_name=input_tensor.name,
+            batch_profile={"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch},
+            extra={"workspace_mb": settings.workspace_mb, "timing_cache": TIMING_CACHE_FILE},
+        )
+        metadata.write(folder)
+        return metadata
+
+    def load(self, folder: Path, metadata: EngineMetadata) -> EngineRunner:
+        trt = _import_tensorrt()
+        device = gpu_name()
+        if metadata.runtime_version != trt.__version__ or metadata.device != device:
+            raise ModelFileError(
+                f"{folder}: engine built with TensorRT {metadata.runtime_version} for {metadata.device}; this "
+                f"machine has TensorRT {trt.__version__} and {device or 'no GPU'}. TensorRT engines only run "
+                "where they were built: rebuild it here with `qatpipe build-engine`")
+        return TensorRTRunner((folder / metadata.engine_file).read_bytes(), metadata)

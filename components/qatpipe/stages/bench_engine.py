@@ -1,0 +1,49 @@
+"""Stage: latency and size of an engine: the same harness for every backend (engines/latency.py)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from qatpipe.fileio import write_json
+from qatpipe.spec import ExperimentSpec
+
+log = logging.getLogger(__name__)
+
+BENCH_FILE = "bench.json"
+
+
+def bench_engine(spec: ExperimentSpec, engine_dir: str | Path, output: str | Path | None = None) -> dict:
+    """p50/p95/p99 latency and throughput at each `engine.bench.batch_sizes`, model and engine size, peak
+    memory; written to `output` (default ENGINE_DIR/bench.json)."""
+    from qatpipe.engines import load_engine
+    from qatpipe.engines.latency import measure_latency, peak_rss_mb
+
+    engine_dir = Path(engine_dir)
+    runner = load_engine(engine_dir)
+    metadata = runner.metadata
+    size = spec.dataset.image_size
+    settings = spec.engine.bench
+    rng = np.random.default_rng(0)
+    results = []
+    for batch_size in settings.batch_sizes:
+        batch = rng.uniform(size=(batch_size, size.height, size.width, 3)).astype(np.float32)
+        result = measure_latency(runner.run, batch, settings.warmup, settings.iterations, settings.min_seconds)
+        log.info("%s batch %d: p50 %.2f ms, p99 %.2f ms, %.1f img/s", engine_dir, batch_size,
+                 result.latency_ms_p50, result.latency_ms_p99, result.throughput)
+        results.append(result.to_dict())
+    source = Path(metadata.source_onnx)
+    report = {
+        "engine": str(engine_dir), "backend": metadata.backend, "precision": metadata.precision,
+        "device": metadata.device, "runtime_version": metadata.runtime_version,
+        "model_size_mb": round(source.stat().st_size / 2**20, 3) if source.is_file() else None,
+        "engine_size_mb": round((engine_dir / metadata.engine_file).stat().st_size / 2**20, 3),
+        "peak_memory_mb": peak_rss_mb(), "batches": results,
+    }
+    write_json(Path(output) if output else engine_dir / BENCH_FILE, report)
+    return report
+
+
+__all__ = ["bench_engine", "BENCH_FILE"]

@@ -1,0 +1,37 @@
+"""Stage: build an inference engine from an ONNX model (TAO `converter` / `trtexec`), on the backend the spec
+or `--backend` names (`auto`: TensorRT with a GPU, else ONNX Runtime)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from qatpipe.spec import ExperimentSpec
+from qatpipe.tracking.records import StageRecord
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(spec: ExperimentSpec, onnx_path: str | Path, output: str | Path, backend: str | None = None,
+                 stage_name: str = "build_engine") -> dict:
+    """Build into the folder `output` (engine file + engine.json + tracking.json); returns the metadata."""
+    from dataclasses import asdict
+
+    from qatpipe.engines import select_backend
+    from qatpipe.runtime.onnx_runtime import load_onnx_proto
+
+    onnx_path, output = Path(onnx_path), Path(output)
+    load_onnx_proto(onnx_path)  # a clear error for a missing or wrong-kind file before any backend starts
+    engine = select_backend(backend or spec.engine.backend)
+    metadata = engine.build(onnx_path, output, spec.engine)
+    size_mb = round((output / metadata.engine_file).stat().st_size / 2**20, 3)
+    StageRecord(
+        stage=stage_name, params={"engine.backend": metadata.backend, "precision": metadata.precision,
+                                  "runtime_version": metadata.runtime_version, "device": metadata.device},
+        metrics={"engine_size_mb": size_mb}, artifacts=["engine.json"],
+    ).write(output)
+    log.info("engine %s: %s, %s, %.2f MB", output, metadata.backend, metadata.precision, size_mb)
+    return {**asdict(metadata), "engine_size_mb": size_mb}
+
+
+__all__ = ["build_engine"]

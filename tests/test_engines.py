@@ -1,0 +1,203 @@
+"""Engine backends, the latency harness, validation and its gate, the DeepStream hand-off.
+
+TensorRT cannot be installed here (PyPI has only stub wheels) and there is no GPU: its tests run only where
+`tensorrt` imports and a GPU is visible, and are skipped with that reason elsewhere, never faked.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from qatpipe.cli import main
+from qatpipe.engines import load_engine, select_backend
+from qatpipe.engines.tensorrt_backend import TensorRTBackend
+from qatpipe.errors import ModelFileError, QatpipeError
+from qatpipe.runtime.onnx_runtime import OnnxModel
+from qatpipe.stages.build_engine import build_engine
+
+TENSORRT_MISSING = TensorRTBackend.unavailable_reason()
+needs_tensorrt = pytest.mark.skipif(TENSORRT_MISSING is not None, reason=f"TensorRT: {TENSORRT_MISSING}")
+
+
+@pytest.fixture(scope="module")
+def engines(trained_tiny, qat_export, tmp_path_factory):
+    """ONNX Runtime engines of the tiny detector's FP32 export and of its QAT export."""
+    from qatpipe.stages.export import export
+
+    spec, model = trained_tiny
+    qat_onnx = qat_export[2]
+    folder = tmp_path_factory.mktemp("engines")
+    export(spec, model, folder / "fp32.onnx")
+    build_engine(spec, folder / "fp32.onnx", folder / "fp32_engine", backend="onnxruntime")
+    build_engine(spec, qat_onnx, folder / "qat_engine", backend="onnxruntime")
+    return spec, {"fp32": (folder / "fp32.onnx", folder / "fp32_engine"), "qat": (qat_onnx, folder / "qat_engine")}
+
+
+def test_auto_picks_onnx_runtime_where_tensorrt_cannot_run(caplog):
+    if TENSORRT_MISSING is None:
+        assert select_backend("auto").name == "tensorrt"
+        return
+    caplog.set_level("INFO")
+    assert select_backend("auto").name == "onnxruntime"
+    assert f"TensorRT not used: {TENSORRT_MISSING}" in caplog.text
+    with pytest.raises(QatpipeError, match=f"engine backend tensorrt is not available here: {TENSORRT_MISSING}"):
+        select_backend("tensorrt")
+    with pytest.raises(QatpipeError, match="unknown engine backend 'openvino'"):
+        select_backend("openvino")
+
+
+def test_cpu_form_of_the_qdq_model_gives_identical_outputs(engines):
+    spec, built = engines
+    qat_onnx, engine_dir = built["qat"]
+    graph = onnx.load(engine_dir / "model.onnx").graph
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    activation_q = [n for n in graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in inits]
+    assert activation_q and all(inits[n.input[2]].dtype == np.uint8 and (inits[n.input[2]] == 128).all()
+                                for n in activation_q)
+    weights = [inits[n.input[0]] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits]
+    assert weights and all(w.dtype == np.int8 for w in weights)  # weights stay symmetric int8
+    images = np.random.default_rng(0).uniform(size=(3, 192, 320, 3)).astype(np.float32)
+    expected, actual = OnnxModel(qat_onnx).run(images), load_engine(engine_dir).run(images)
+    for name in expected:  # the same numbers, not approximately: q_u8 = q_i8 + 128 over the same scale
+        np.testing.assert_array_equal(actual[name], expected[name])
+    metadata = json.loads((engine_dir / "engine.json").read_text())
+    assert metadata["backend"] == "onnxruntime" and metadata["precision"].startswith("int8")
+    assert metadata["extra"]["activation_qdq_shifted_to_uint8"] == len(activation_q)
+
+
+@pytest.mark.parametrize("variant", ["fp32", "qat"])
+def test_engine_reproduces_the_evaluate_numbers(engines, variant, tmp_path):
+    from qatpipe.stages.evaluate import evaluate
+
+    spec, built = engines
+    onnx_path, engine_dir = built[variant]
+    from_onnx = evaluate(spec, onnx_path, tmp_path / "onnx")
+    from_engine = evaluate(spec, engine_dir, tmp_path / "engine")
+    assert from_engine["map50"] == from_onnx["map50"] and from_engine["map"] == from_onnx["map"]
+
+
+def test_latency_harness_and_bench_report_schema(engines, tmp_path):
+    from qatpipe.engines.latency import measure_latency
+    from qatpipe.stages.bench_engine import bench_engine
+
+    result = measure_latency(lambda batch: time.sleep(0.002), np.zeros((4, 2)), warmup=2, iterations=20)
+    assert result.iterations >= 20 and result.batch_size == 4
+    assert 2.0 <= result.latency_ms_p50 <= result.latency_ms_p95 <= result.latency_ms_p99
+    assert result.throughput == pytest.approx(4000 / result.latency_ms_p50, rel=0.01)
+
+    spec, built = engines
+    spec = spec.model_copy(deep=True)
+    spec.engine.bench.batch_sizes, spec.engine.bench.iterations, spec.engine.bench.min_seconds = [1, 2], 3, 0.0
+    report = bench_engine(spec, built["qat"][1], tmp_path / "bench.json")
+    assert json.loads((tmp_path / "bench.json").read_text()) == report
+    assert set(report) == {"engine", "backend", "precision", "device", "runtime_version", "model_size_mb",
+                           "engine_size_mb", "peak_memory_mb", "batches"}
+    assert [row["batch_size"] for row in report["batches"]] == [1, 2]
+    assert set(report["batches"][0]) == {"batch_size", "iterations", "latency_ms_p50", "latency_ms_p95",
+                                         "latency_ms_p99", "latency_ms_mean", "throughput"}
+    assert report["peak_memory_mb"] > 50 and report["engine_size_mb"] > 0
+
+
+def test_gate_passes_and_fails_on_constructed_metrics():
+    from qatpipe.stages.validate import gate
+
+    assert gate(0.80, 0.805, 0.01) == (True, pytest.approx(0.005))
+    assert gate(0.79, 0.80, 0.01)[0] is True  # exactly the allowed drop passes
+    assert gate(0.78, 0.80, 0.01) == (False, pytest.approx(0.02))
+    assert gate(0.85, 0.80, 0.0) == (True, pytest.approx(-0.05))  # better than the baseline
+
+
+def test_validate_writes_reports_and_the_command_exits_1_on_a_failed_gate(engines, tmp_path, caplog):
+    from qatpipe.stages.evaluate import evaluate
+    from qatpipe.stages.validate import validate
+
+    spec, built = engines
+    engine_dir = built["qat"][1]
+    own = evaluate(spec, engine_dir, tmp_path / "own")
+    lenient = tmp_path / "lenient.json"
+    lenient.write_text(json.dumps({"map50": own["map50"] + 0.005, "map": own["map"]}))
+    report = validate(spec, engine_dir, lenient, tmp_path / "pass", variant="qat")
+    assert report["passed"] and report["map50_drop"] == pytest.approx(0.005)
+    markdown = (tmp_path / "pass" / "validation.md").read_text()
+    assert markdown.startswith("# Validation of qat: PASSED") and "+0.50 points" in markdown
+    assert json.loads((tmp_path / "pass" / "validation.json").read_text()) == report
+
+    strict = tmp_path / "strict.json"
+    strict.write_text(json.dumps({"map50": own["map50"] + 0.05, "map": own["map"]}))
+    args = ["validate", "-e", "tiny", "--set", f"dataset.train={spec.dataset.train}",
+            "--set", f"dataset.val={spec.dataset.val}", "-m", str(engine_dir), "--baseline", str(strict),
+            "-o", str(tmp_path / "fail"), "--variant", "qat"]
+    assert main(args) == 1
+    assert "validation gate failed for qat: mAP@0.5" in caplog.text and "5.00 points below" in caplog.text
+    assert json.loads((tmp_path / "fail" / "validation.json").read_text())["passed"] is False
+
+
+def test_bad_engine_folders_and_baselines_are_named(engines, tmp_path):
+    from qatpipe.stages.validate import read_baseline
+
+    with pytest.raises(ModelFileError, match="nowhere: engine folder not found"):
+        load_engine(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelFileError, match="empty: not an engine folder \\(no engine.json"):
+        load_engine(tmp_path / "empty")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "engine.json").write_text("{not json")
+    with pytest.raises(ModelFileError, match="broken/engine.json: unreadable engine metadata"):
+        load_engine(broken)
+    _, built = engines
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "engine.json").write_text((built["qat"][1] / "engine.json").read_text())
+    (corrupt / "model.onnx").write_bytes(b"\x08\x01garbage")
+    with pytest.raises(ModelFileError, match="corrupt/model.onnx: not a loadable ONNX model"):
+        load_engine(corrupt)
+    (tmp_path / "m.json").write_text(json.dumps({"map": 0.5}))
+    with pytest.raises(QatpipeError, match="m.json: not an evaluation metrics.json"):
+        read_baseline(tmp_path / "m.json")
+    with pytest.raises(QatpipeError, match="none.json: cannot read the baseline metrics"):
+        read_baseline(tmp_path / "none.json")
+
+
+def test_deepstream_config_for_the_validated_model(engines, tmp_path):
+    from qatpipe.deploy.deepstream import write_nvinfer_config
+
+    spec, built = engines
+    path = write_nvinfer_config(spec, built["qat"][0], tmp_path / "ds", "qat")
+    assert path.name == "config_infer_primary_qat.txt"
+    text = path.read_text()
+    values = dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
+    assert values["onnx-file"] == str(built["qat"][0].resolve())
+    assert values["network-mode"] == "1"  # INT8
+    assert values["output-blob-names"] == "output_cov;output_bbox"
+    assert values["num-detected-classes"] == "3" and values["infer-dims"] == "3;192;320"
+    assert (tmp_path / "ds" / "labels.txt").read_text().split() == ["car", "pedestrian", "cyclist"]
+
+
+@needs_tensorrt
+def test_tensorrt_builds_a_strongly_typed_int8_engine_that_matches_onnx_runtime(engines, tmp_path):
+    from qatpipe.stages.evaluate import evaluate
+
+    spec, built = engines
+    qat_onnx, ort_engine = built["qat"]
+    info = build_engine(spec, qat_onnx, tmp_path / "trt", backend="tensorrt")
+    assert info["precision"].startswith("int8") and (tmp_path / "trt" / "timing.cache").is_file()
+    ours, reference = evaluate(spec, tmp_path / "trt", tmp_path / "e1"), evaluate(spec, ort_engine, tmp_path / "e2")
+    assert ours["map50"] == pytest.approx(reference["map50"], abs=0.01)
+
+
+@needs_tensorrt
+def test_tensorrt_engine_refuses_another_gpu_or_version(engines, tmp_path):
+    spec, built = engines
+    build_engine(spec, built["fp32"][0], tmp_path / "trt", backend="tensorrt")
+    metadata = json.loads((tmp_path / "trt" / "engine.json").read_text())
+    metadata["runtime_version"] = "9.9.9"
+    (tmp_path / "trt" / "engine.json").write_text(json.dumps(metadata))
+    with pytest.raises(ModelFileError, match="engine built with TensorRT 9.9.9 .* rebuild it here"):
+        load_engine(tmp_path / "trt")
