@@ -12,11 +12,16 @@ from qatpipe.errors import TrackingError
 from qatpipe.tracking.mlflow_runs import PARENT_TAG, STAGE_TAG
 from qatpipe_pipelines.local_run import PipelineFailed, run_local
 
+VARIANTS = ("fp32", "ptq", "qat")
 HEAVY_STAGES = {"prepare-data", "train", "evaluate-unpruned", "prune", "retrain-fp32", "retrain-qat", "export-fp32",
-                "export-qat", "ptq", "evaluate-fp32", "evaluate-ptq", "evaluate-qat"}
+                "export-qat", "ptq", *(f"{stage}-{v}" for v in VARIANTS
+                                       for stage in ("evaluate", "build-engine", "validate"))}
 # nested MLflow runs: one per stage record
 STAGE_RUNS = {"prepare_data", "train", "evaluate_unpruned", "prune", "retrain_fp32", "retrain_qat", "export_fp32",
-              "export_qat", "ptq", "evaluate_fp32", "evaluate_ptq", "evaluate_qat"}
+              "export_qat", "ptq", *(f"{stage}_{v}" for v in VARIANTS
+                                     for stage in ("evaluate", "build_engine", "validate"))}
+# the tiny model's INT8 drop is not what this test is about: a lenient gate, so the registration runs
+OVERRIDES = ["tracking.experiment=pipeline-test", "validate.max_map_drop=1.0"]
 
 
 def _pipeline_runs(client: MlflowClient, experiment: str):
@@ -34,13 +39,17 @@ def _children(client: MlflowClient, parent) -> dict:
 def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_server, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     out = tmp_path / "run"
-    summary = run_local(out, "tiny", ["tracking.experiment=pipeline-test"])
+    summary = run_local(out, "tiny", OVERRIDES)
 
     assert json.loads((out / "summary.json").read_text()) == summary
     assert list(summary["variants"]) == ["fp32", "ptq", "qat"]  # all three scored in ONNX Runtime
     fp32 = summary["variants"]["fp32"]
-    assert set(fp32) == {"map50", "map", "latency_ms_p50", "throughput", "size_mb", "params", "gflops"}
+    assert set(fp32) == {"map50", "map", "latency_ms_p50", "latency_ms_p99", "throughput", "throughput_batch",
+                         "speedup_vs_fp32", "size_mb", "params", "gflops"}
     assert fp32["map50"] > 0.3 and 0 < fp32["map"] < fp32["map50"]
+    # every variant ran as an engine (ONNX Runtime here) and was benchmarked at batch 1 and 4 (tiny spec)
+    assert all(row["latency_ms_p50"] > 0 and row["throughput_batch"] == 4 for row in summary["variants"].values())
+    assert fp32["speedup_vs_fp32"] == 1.0
     for variant in ("ptq", "qat"):  # INT8 models that still detect; the accuracy comparison is bench/'s job
         row = summary["variants"][variant]
         assert row["map50"] > 0.5 * fp32["map50"] and row["size_mb"] < 0.5 * fp32["size_mb"], variant
@@ -48,7 +57,7 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert pruning["flops_after"] < pruning["flops_before"] and pruning["params_after"] == fp32["params"]
     assert pruning["unpruned_map50"] > 0.3
     assert pruning["fp32_map50_change"] == pytest.approx(fp32["map50"] - pruning["unpruned_map50"], abs=1e-4)
-    assert summary["gate_passed"] is None  # no validation gate before the deployment stages land
+    assert summary["validation"] == {"fp32": True, "ptq": True, "qat": True} and summary["gate_passed"] is True
     assert summary["mlflow"]["experiment"] == "pipeline-test"
     assert summary["mlflow"]["tracking_uri"] == mlflow_server
     assert {name for name, o in summary["stages"].items() if o["status"] == "done"} >= HEAVY_STAGES | {"compare"}
@@ -74,6 +83,14 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert len(client.get_metric_history(children["retrain_qat"].info.run_id, "loss")) == 3  # retrain.epochs
     qat_files = {a.path for a in client.list_artifacts(children["export_qat"].info.run_id)}
     assert {"model.onnx", "model.cache", "model_implicit.onnx", "model_scales.json"} <= qat_files
+    assert children["validate_qat"].data.metrics["passed"] == 1.0
+    assert "batch1.latency_ms_p50" in children["build_engine_qat"].data.metrics
+    # the gate passed: the QAT model is in the registry, pointing at the parent run's deployment files
+    (version,) = client.search_model_versions("name = 'qatpipe-detectnet-v2'")
+    assert version.run_id == parent.info.run_id and version.source.endswith("deployment")
+    deployed = {a.path for a in client.list_artifacts(parent.info.run_id, "deployment")}
+    assert {"deployment/model.onnx", "deployment/model.cache", "deployment/engine.json",
+            "deployment/validation.json", "deployment/config_infer_primary_qat.txt"} <= deployed
 
     # `qatpipe compare` reads the same table back from MLflow
     assert main(["compare", "--tracking-uri", mlflow_server, "--experiment", "pipeline-test",
@@ -82,7 +99,7 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert (tmp_path / "chart.png").stat().st_size > 1000
 
     # a re-run into the same folder reuses every finished stage, and is tracked as a new pipeline run
-    again = run_local(out, "tiny", ["tracking.experiment=pipeline-test"])
+    again = run_local(out, "tiny", OVERRIDES)
     assert again["variants"] == summary["variants"]
     assert not HEAVY_STAGES & set(again["stages"])  # served from kfp.local's cache, not executed
     assert again["mlflow"]["run_id"] != summary["mlflow"]["run_id"]

@@ -14,8 +14,10 @@ REPO_YAML = Path(__file__).resolve().parents[1] / "pipelines" / "qat_pipeline.ya
 # tasks by display name
 VARIANTS = ("fp32", "ptq", "qat")
 STAGES = {"prepare-data", "train", "evaluate-unpruned", "prune", "retrain-fp32", "retrain-qat", "export-fp32",
-          "export-qat", "ptq", *(f"evaluate-{v}" for v in VARIANTS)}
-GPU_TASKS = {"train", "retrain-fp32", "retrain-qat", "evaluate-unpruned", *(f"evaluate-{v}" for v in VARIANTS)}
+          "export-qat", "ptq", *(f"{stage}-{v}" for v in VARIANTS for stage in ("evaluate", "build-engine",
+                                                                                "validate"))}
+GPU_TASKS = {"train", "retrain-fp32", "retrain-qat", "evaluate-unpruned",
+             *(f"{stage}-{v}" for v in VARIANTS for stage in ("evaluate", "build-engine", "validate"))}
 CACHED_TASKS = STAGES
 
 
@@ -58,7 +60,7 @@ def test_dag_shape(compiled):
     handler = spec["components"][root["exit-handler-1"]["componentRef"]["name"]]["dag"]["tasks"]
     logged = {f"log-{stage}" for stage in STAGES}
     assert {task["taskInfo"]["name"] for task in handler.values()} == (
-        STAGES | logged | {"resolve-spec", "start-tracking", "compare"})
+        STAGES | logged | {"resolve-spec", "start-tracking", "compare", "gate-passed"})
     tasks = _all_tasks(spec)
 
     def upstream(name):
@@ -76,8 +78,20 @@ def test_dag_shape(compiled):
     assert upstream("evaluate-fp32") == {"prepare-data", "export-fp32"}
     assert upstream("evaluate-ptq") == {"prepare-data", "ptq"}
     assert upstream("evaluate-qat") == {"prepare-data", "export-qat"}
+    # each variant's engine is built from its ONNX and validated against the FP32 evaluation
+    for v in VARIANTS:
+        onnx_task = {"fp32": "export-fp32", "ptq": "ptq", "qat": "export-qat"}[v]
+        assert upstream(f"build-engine-{v}") == {onnx_task}
+        assert upstream(f"validate-{v}") == {"prepare-data", f"build-engine-{v}", onnx_task, "evaluate-fp32"}
     assert upstream("compare") == {"start-tracking", "prune", "evaluate-unpruned",
-                                   *(f"evaluate-{v}" for v in VARIANTS)}
+                                   *(f"validate-{v}" for v in VARIANTS)}
+    # the gate: register runs only when the QAT engine passed validation
+    gate = tasks["gate-passed"]
+    assert gate["triggerPolicy"]["condition"] == (
+        "inputs.parameter_values['pipelinechannel--validate-3-Output'] == true")
+    assert upstream("gate-passed") == {"start-tracking", "export-qat", "build-engine-qat", "validate-qat"}
+    gate_dag = spec["components"][gate["componentRef"]["name"]]["dag"]["tasks"]
+    assert [task["taskInfo"]["name"] for task in gate_dag.values()] == ["register"]
     for stage in STAGES:
         assert upstream(f"log-{stage}") == {stage, "start-tracking"}, stage
     # every stage receives only its spec view; the QAT retrain gets the view with the qat section
@@ -161,7 +175,7 @@ def test_cache_pvc_option(tmp_path):
     mounted = {name for name, executor in executor_of.items() if k8s[executor].get("pvcMount")}
     # the stages that read the data set
     assert mounted == {"prepare-data", "train", "retrain-fp32", "retrain-qat", "ptq", "evaluate-unpruned",
-                       *(f"evaluate-{v}" for v in VARIANTS)}
+                       *(f"{stage}-{v}" for v in VARIANTS for stage in ("evaluate", "validate"))}
     assert k8s[executor_of["train"]]["pvcMount"][0]["mountPath"] == "/var/cache/qatpipe"
 
 

@@ -3,8 +3,8 @@
 prepare data → train (unpruned) → evaluate (unpruned) and prune →
   [retrain FP32 → export → evaluate FP32; export → PTQ calibrate → evaluate PTQ]
   [retrain QAT → export (explicit Q/DQ + calibration cache) → evaluate QAT]
-→ compare (FP32 / PTQ / QAT, all scored in ONNX Runtime, plus the pruning block).
-Still to slot in (marked below): build engine → validate per variant, and register under dsl.If(gate).
+→ per variant: build engine (+ latency benchmark) → validate against the FP32 baseline
+→ compare (FP32 / PTQ / QAT table, pruning block, gate) and, under dsl.If(QAT passed), register.
 
 Adding a stage: a component folder under components/qatpipe_kfp/, its spec sections in
 qatpipe.spec.STAGE_SECTIONS (and an output of resolve-spec), then here one call wrapped in `run.cpu(...)` or
@@ -17,6 +17,7 @@ from typing import List
 
 from kfp import dsl, kubernetes
 
+from qatpipe_kfp.build_engine.component import build_engine
 from qatpipe_kfp.compare.component import compare
 from qatpipe_kfp.evaluate.component import evaluate
 from qatpipe_kfp.export.component import export
@@ -26,10 +27,12 @@ from qatpipe_kfp.prepare_data.component import prepare_data
 from qatpipe_kfp.prune.component import prune
 from qatpipe_kfp.ptq.component import ptq
 from qatpipe_kfp.resolve_spec.component import resolve_spec
+from qatpipe_kfp.register.component import register
 from qatpipe_kfp.retrain.component import retrain
 from qatpipe_kfp.settings import DEFAULT_IMAGE
 from qatpipe_kfp.start_tracking.component import start_tracking
 from qatpipe_kfp.train.component import train
+from qatpipe_kfp.validate.component import validate
 
 PIPELINE_NAME = "qatpipe"
 CACHE_MOUNT_PATH = "/var/cache/qatpipe"
@@ -52,7 +55,7 @@ class _TaskSettings:
     """How the pipeline's tasks run: image, credentials, GPU placement, retries, caching.
 
     Made inside the pipeline function from its parameters; each task then says only what kind it is:
-    `cpu(task, network=..., per_run=..., reads_data=...)` or `gpu(task)` (a GPU stage reads data).
+    `cpu(task, network=..., per_run=..., reads_data=...)` or `gpu(task, reads_data=True)`.
     """
 
     def __init__(self, image, secret, gpus, node_selector, tolerations, *, cache_pvc, network_retries,
@@ -80,8 +83,8 @@ class _TaskSettings:
             task.set_env_variable("QATPIPE_CACHE_DIR", CACHE_MOUNT_PATH)
         return task
 
-    def gpu(self, task: dsl.PipelineTask) -> dsl.PipelineTask:
-        self.cpu(task, reads_data=True)
+    def gpu(self, task: dsl.PipelineTask, reads_data: bool = True) -> dsl.PipelineTask:
+        self.cpu(task, reads_data=reads_data)
         if self.gpu_placement:
             task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(self.gpus)
             kubernetes.add_node_selector_json(task, node_selector_json=self.node_selector)
@@ -187,18 +190,34 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
                                      fp32_onnx=fp32_onnx.outputs["onnx_model"]), reads_data=True)
             run.logged(calibrated.outputs["int8_onnx"], parent_run_id, "log-ptq")
 
-            # later: build engine → validate, per variant
-            evaluations = {
-                "fp32": evaluated("fp32", fp32_onnx.outputs["onnx_model"]),
-                "ptq": evaluated("ptq", calibrated.outputs["int8_onnx"]),
-                "qat": evaluated("qat", qat_onnx.outputs["onnx_model"]),
-            }
+            onnx_models = {"fp32": fp32_onnx.outputs["onnx_model"], "ptq": calibrated.outputs["int8_onnx"],
+                           "qat": qat_onnx.outputs["onnx_model"]}
+            evaluations = {name: evaluated(name, model) for name, model in onnx_models.items()}
 
-            run.cpu(compare(parent_run_id=parent_run_id, fp32=evaluations["fp32"].outputs["results"],
-                            ptq=evaluations["ptq"].outputs["results"], qat=evaluations["qat"].outputs["results"],
+            # deployment: an engine per variant, validated by running it against the FP32 baseline
+            engines, validations = {}, {}
+            for name, model in onnx_models.items():
+                built = run.gpu(build_engine(engine_spec=specs.outputs["engine_spec"], variant=name,
+                                             onnx_model=model), reads_data=False)
+                built.set_display_name(f"build-engine-{name}")
+                run.logged(built.outputs["engine"], parent_run_id, f"log-build-engine-{name}")
+                checked = run.gpu(validate(validate_spec=specs.outputs["validate_spec"], variant=name,
+                                           dataset=data.outputs["dataset"], engine=built.outputs["engine"],
+                                           onnx_model=model, baseline=evaluations["fp32"].outputs["results"]))
+                checked.set_display_name(f"validate-{name}")
+                run.logged(checked.outputs["results"], parent_run_id, f"log-validate-{name}")
+                engines[name], validations[name] = built, checked
+
+            run.cpu(compare(parent_run_id=parent_run_id, fp32=validations["fp32"].outputs["results"],
+                            ptq=validations["ptq"].outputs["results"], qat=validations["qat"].outputs["results"],
                             unpruned=unpruned_eval.outputs["results"], pruned=pruned.outputs["pruned"]),
                     network=True, per_run=True)
-            # later: register the validated model, under dsl.If(gate passed)
+
+            # the gate: the QAT model is registered only when its engine kept the accuracy
+            with dsl.If(validations["qat"].outputs["Output"] == True, name="gate-passed"):  # noqa: E712
+                run.cpu(register(parent_run_id=parent_run_id, model_name=specs.outputs["registry_name"],
+                                 onnx_model=onnx_models["qat"], engine=engines["qat"].outputs["engine"],
+                                 validation=validations["qat"].outputs["results"]), network=True, per_run=True)
 
     return qat_pipeline
 

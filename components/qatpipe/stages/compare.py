@@ -20,33 +20,51 @@ TABLE_FILE = "comparison.md"
 CHART_FILE = "comparison.png"
 HTML_FILE = "comparison.html"
 
-# column -> (header, format); latency/throughput come from the engine benchmark once that stage exists
+# column -> (header, format); latency at batch 1, throughput at the largest benchmarked batch
 VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
     "map50": ("mAP@0.5", "{:.4f}"),
     "map": ("mAP@[.5:.95]", "{:.4f}"),
     "latency_ms_p50": ("p50 latency (ms)", "{:.2f}"),
+    "latency_ms_p99": ("p99 latency (ms)", "{:.2f}"),
     "throughput": ("throughput (img/s)", "{:.1f}"),
+    "speedup_vs_fp32": ("speed-up vs FP32", "{:.2f}x"),
     "size_mb": ("size (MB)", "{:.2f}"),
     "params": ("params", "{:,.0f}"),
     "gflops": ("GFLOPs", "{:.3f}"),
 }
+BENCH_FILE = "bench.json"  # written beside the evaluation by the validate stage (the engine's benchmark)
+VALIDATION_FILE = "validation.json"
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise QatpipeError(f"{path}: cannot read the {what}: {exc}") from None
 
 
 def variant_row(evaluation_dir: str | Path) -> dict[str, Any]:
-    """One variant's figures from its evaluate output (and, when present, its engine benchmark)."""
-    path = Path(evaluation_dir) / METRICS_FILE
-    try:
-        metrics = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise QatpipeError(f"{path}: cannot read the evaluation metrics: {exc}") from None
-    bench = metrics.get("benchmark", {})
+    """One variant's figures from its evaluation (or validation) folder and, when there, its engine benchmark."""
+    folder = Path(evaluation_dir)
+    metrics = _read_json(folder / METRICS_FILE, "evaluation metrics")
+    batches = _read_json(folder / BENCH_FILE, "engine benchmark")["batches"] if (folder / BENCH_FILE).is_file() else []
+    single = min(batches, key=lambda row: row["batch_size"], default={})
+    largest = max(batches, key=lambda row: row["batch_size"], default={})
     return {
         "map50": metrics["map50"],
         "map": metrics["map"],
-        "latency_ms_p50": bench.get("latency_ms_p50"),
-        "throughput": bench.get("throughput"),
+        "latency_ms_p50": single.get("latency_ms_p50"),
+        "latency_ms_p99": single.get("latency_ms_p99"),
+        "throughput": largest.get("throughput"),
+        "throughput_batch": largest.get("batch_size"),
         "size_mb": metrics.get("model_size_mb"),
     }
+
+
+def validation_results(folders: dict[str, str | Path]) -> dict[str, bool]:
+    """variant -> whether it passed the gate, for the folders that hold a validation report."""
+    return {name: bool(_read_json(Path(folder) / VALIDATION_FILE, "validation report")["passed"])
+            for name, folder in folders.items() if (Path(folder) / VALIDATION_FILE).is_file()}
 
 
 def pruning_block(prune_report: dict, unpruned_evaluation: str | Path | None, fp32_row: dict | None) -> dict:
@@ -72,16 +90,26 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path,
         raise QatpipeError("compare: no evaluated variants")
     output_dir = Path(output_dir)
     variants = {name: variant_row(folder) for name, folder in evaluations.items()}
+    fp32_throughput = variants.get("fp32", {}).get("throughput")
+    for row in variants.values():
+        row["speedup_vs_fp32"] = (round(row["throughput"] / fp32_throughput, 3)
+                                  if row["throughput"] and fp32_throughput else None)
     summary: dict[str, Any] = {"variants": variants}
     if prune_report is not None:
         for row in variants.values():
             row.update(params=prune_report["params_after"], gflops=round(prune_report["flops_after"] / 1e9, 4))
         summary["pruning"] = pruning_block(prune_report, unpruned_evaluation, variants.get("fp32"))
-    summary["gate_passed"] = None  # the validation gate fills it
+    validation = validation_results(evaluations)
+    if validation:
+        summary["validation"] = validation
+    # the gate: the QAT model, the deployment candidate, passed its validation (None: not validated)
+    summary["gate_passed"] = validation.get("qat")
     write_json(output_dir / SUMMARY_FILE, summary)
     table = format_table(variants, markdown=True)
     if "pruning" in summary:
         table += "\n\n" + pruning_line(summary["pruning"])
+    if validation:
+        table += "\n\n" + validation_line(validation)
     atomic_write_text(output_dir / TABLE_FILE, "# Variants\n\n" + table + "\n")
     plot_variants(variants, output_dir / CHART_FILE)
     atomic_write_text(output_dir / HTML_FILE, png_page("Variants", output_dir / CHART_FILE, table))
@@ -91,9 +119,17 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path,
                  if value is not None},
         artifacts=[SUMMARY_FILE, TABLE_FILE, CHART_FILE],
     ).write(output_dir)
-    log.info("variants:\n%s%s", format_table(variants),
-             "\n" + pruning_line(summary["pruning"]) if "pruning" in summary else "")
+    log.info("variants:\n%s%s%s", format_table(variants),
+             "\n" + pruning_line(summary["pruning"]) if "pruning" in summary else "",
+             "\n" + validation_line(validation) if validation else "")
     return summary
+
+
+def validation_line(validation: dict[str, bool]) -> str:
+    verdicts = ", ".join(f"{name} {'passed' if ok else 'FAILED'}" for name, ok in validation.items())
+    gate = validation.get("qat")
+    return f"Validation (validate.max_map_drop): {verdicts}" + (
+        "" if gate is None else f"; gate (QAT): {'PASSED' if gate else 'FAILED'}")
 
 
 def pruning_line(block: dict) -> str:

@@ -11,7 +11,8 @@ from qatpipe_kfp.settings import component
 def resolve_spec(spec_uri: str, overrides: List[str]) -> NamedTuple(
         "StageSpecs", [("spec", str), ("data_spec", str), ("train_spec", str), ("evaluate_spec", str),
                        ("prune_spec", str), ("retrain_spec", str), ("retrain_qat_spec", str),
-                       ("export_spec", str), ("ptq_spec", str)]):
+                       ("export_spec", str), ("ptq_spec", str), ("engine_spec", str), ("validate_spec", str),
+                       ("registry_name", str)]):
     from collections import namedtuple
 
     from qatpipe.spec import spec_to_yaml, stage_view
@@ -20,7 +21,9 @@ def resolve_spec(spec_uri: str, overrides: List[str]) -> NamedTuple(
 
     with stage("resolve-spec"):
         spec = load_spec_uri(spec_uri, list(overrides))
-        stages = ("prepare_data", "train", "evaluate", "prune", "retrain", "retrain_qat", "export", "ptq")
+        stages = ("prepare_data", "train", "evaluate", "prune", "retrain", "retrain_qat", "export", "ptq", "engine",
+                  "validate")
         outputs = namedtuple("StageSpecs", "spec data_spec train_spec evaluate_spec prune_spec retrain_spec "
-                                           "retrain_qat_spec export_spec ptq_spec")
-        return outputs(spec_to_yaml(spec), *(stage_view(spec, name) for name in stages))
+                                           "retrain_qat_spec export_spec ptq_spec engine_spec validate_spec registry_name")
+        return outputs(spec_to_yaml(spec), *(stage_view(spec, name) for name in stages),
+                       spec.tracking.registered_model)

@@ -15,6 +15,9 @@ def test_each_stage_gets_only_its_sections():
                                                          "qat"}
     assert set(yaml.safe_load(out.export_spec)) == {"dataset", "model", "export"}
     assert set(yaml.safe_load(out.ptq_spec)) == {"dataset", "model", "evaluate", "ptq"}
+    assert set(yaml.safe_load(out.engine_spec)) == {"dataset", "model", "engine"}
+    assert set(yaml.safe_load(out.validate_spec)) == {"dataset", "model", "evaluate", "engine", "validate"}
+    assert out.registry_name == "qatpipe-detectnet-v2"
 
 
 def test_unrelated_change_keeps_the_training_input_identical():
