@@ -1,0 +1,108 @@
+"""Benchmark: ONNX Runtime engines of the FP32, PTQ INT8 and QAT INT8 models, one harness, one run.
+
+    python bench/engines.py --run DIR [--batch-sizes 1 8] [--iterations 50] [--min-seconds 5]
+
+DIR is a `qatpipe run --local` output folder (for instance bench/pipeline_local.py's WORK/run): the script
+takes the newest run's three ONNX models, builds each into an ONNX Runtime engine (`qatpipe build-engine
+--backend onnxruntime`), and times them with the latency harness of `qatpipe bench-engine` on random inputs of
+the spec's image size, every engine in this one process. Prints p50 / p99 latency and throughput per batch
+size and the INT8 speed-up over FP32; writes DIR/bench_engines.json.
+
+Target (deployment issue): INT8 at least 2x faster than FP32 at batch 8 on this 2-core CPU (the physical limit
+of int8 VNNI over fp32 FMA is 4x).
+"""
+
+import argparse
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("bench")
+
+SOURCES = {"fp32": "export-fp32/onnx_model/model.onnx", "ptq": "ptq/int8_onnx/model.onnx",
+           "qat": "export-qat/onnx_model/model.onnx"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", type=Path, required=True, help="a `qatpipe run --local` output folder")
+    parser.add_argument("--spec", default="default")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--iterations", type=int, default=50)
+    parser.add_argument("--min-seconds", type=float, default=5.0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    import onnxruntime as ort
+
+    from qatpipe.engines import load_engine
+    from qatpipe.engines.latency import measure_latency
+    from qatpipe.spec_sources import load_spec_uri
+    from qatpipe.stages.build_engine import build_engine
+
+    runs = sorted((args.run / "kfp").glob("*/export-qat"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise SystemExit(f"{args.run}: no pipeline run with a QAT export found")
+    run = runs[-1].parent
+    spec = load_spec_uri(args.spec, [])
+    size = spec.dataset.image_size
+    rng = np.random.default_rng(0)
+    results: dict[str, dict] = {}
+    for variant, relative in SOURCES.items():
+        engine_dir = args.run / "bench_engines" / variant
+        info = build_engine(spec, run / relative, engine_dir, backend="onnxruntime", stage_name=f"bench_{variant}")
+        runner = load_engine(engine_dir)
+        rows = {}
+        for batch_size in args.batch_sizes:
+            batch = rng.uniform(size=(batch_size, size.height, size.width, 3)).astype(np.float32)
+            rows[batch_size] = measure_latency(runner.run, batch, warmup=5, iterations=args.iterations,
+                                               min_seconds=args.min_seconds).to_dict()
+            log.info("%s batch %d: p50 %.2f ms", variant, batch_size, rows[batch_size]["latency_ms_p50"])
+        session_file = engine_dir / "model.onnx"
+        results[variant] = {"precision": info["precision"], "engine_size_mb": info["engine_size_mb"],
+                            "fused_ops": _fused_ops(session_file), "batches": rows}
+    largest = max(args.batch_sizes)
+    fp32 = results["fp32"]["batches"][largest]["latency_ms_p50"]
+    report = {
+        "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}, "
+                   f"onnxruntime {ort.__version__}",
+        "run": str(run), "results": results,
+        "speedup_vs_fp32_at_largest_batch": {v: round(fp32 / r["batches"][largest]["latency_ms_p50"], 2)
+                                             for v, r in results.items()},
+    }
+    (args.run / "bench_engines.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\n{report['machine']}; models of {run}\n")
+    header = " | ".join(f"p50 / p99 ms @{b}" for b in args.batch_sizes)
+    print(f"| variant | {header} | img/s @{largest} | speed-up @{largest} | integer convs | engine MB |")
+    print("|---|" + "---|" * (len(args.batch_sizes) + 4))
+    for variant, r in results.items():
+        cells = " | ".join(f"{r['batches'][b]['latency_ms_p50']:.1f} / {r['batches'][b]['latency_ms_p99']:.1f}"
+                           for b in args.batch_sizes)
+        print(f"| {variant} | {cells} | {r['batches'][largest]['throughput']:.1f} | "
+              f"{report['speedup_vs_fp32_at_largest_batch'][variant]:.2f}x | {r['fused_ops']} | "
+              f"{r['engine_size_mb']:.2f} |")
+    print(f"\nfigures: {args.run / 'bench_engines.json'}")
+
+
+def _fused_ops(model_path: Path) -> str:
+    """How many convolutions ONNX Runtime's CPU graph runs as integer kernels (QLinearConv) vs float."""
+    import onnx
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    optimized = model_path.with_name("optimized_for_count.onnx")
+    options.optimized_model_filepath = str(optimized)
+    ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    ops = [node.op_type for node in onnx.load(optimized).graph.node]
+    optimized.unlink()
+    integer = ops.count("QLinearConv")
+    return f"{integer}/{integer + ops.count('Conv') + ops.count('FusedConv')}"
+
+
+if __name__ == "__main__":
+    main()
