@@ -5,8 +5,10 @@
 DIR is a `qatpipe run --local` output folder (for instance bench/pipeline_local.py's WORK/run): the script
 takes the newest run's three ONNX models, builds each into an ONNX Runtime engine (`qatpipe build-engine
 --backend onnxruntime`), and times them with the latency harness of `qatpipe bench-engine` on random inputs of
-the spec's image size, every engine in this one process. Prints p50 / p99 latency and throughput per batch
-size and the INT8 speed-up over FP32; writes DIR/bench_engines.json.
+the spec's image size, every engine in this one process; the INT8 models in both CPU forms (`engine.cpu_form`
+exact and fast). Prints p50 / p99 latency and throughput per batch size, the speed-up over FP32, how many
+convolutions run as integer kernels, and each engine's mAP@0.5 on the run's val set; writes
+DIR/bench_engines.json.
 
 Target (deployment issue): INT8 at least 2x faster than FP32 at batch 8 on this 2-core CPU (the physical limit
 of int8 VNNI over fp32 FMA is 4x).
@@ -23,8 +25,6 @@ import numpy as np
 
 log = logging.getLogger("bench")
 
-SOURCES = {"fp32": "export-fp32/onnx_model/model.onnx", "ptq": "ptq/int8_onnx/model.onnx",
-           "qat": "export-qat/onnx_model/model.onnx"}
 
 
 def main() -> None:
@@ -34,58 +34,83 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--min-seconds", type=float, default=5.0)
+    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: all cores)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     import onnxruntime as ort
 
     from qatpipe.engines import load_engine
+    from qatpipe.data.prepare import spec_with_prepared_dataset
     from qatpipe.engines.latency import measure_latency
+    from qatpipe.stages.evaluate import evaluate
     from qatpipe.spec_sources import load_spec_uri
     from qatpipe.stages.build_engine import build_engine
 
-    runs = sorted((args.run / "kfp").glob("*/export-qat"), key=lambda p: p.stat().st_mtime)
-    if not runs:
-        raise SystemExit(f"{args.run}: no pipeline run with a QAT export found")
-    run = runs[-1].parent
+    sources = _onnx_models(args.run)
     spec = load_spec_uri(args.spec, [])
     size = spec.dataset.image_size
     rng = np.random.default_rng(0)
     results: dict[str, dict] = {}
-    for variant, relative in SOURCES.items():
-        engine_dir = args.run / "bench_engines" / variant
-        info = build_engine(spec, run / relative, engine_dir, backend="onnxruntime", stage_name=f"bench_{variant}")
+    # each INT8 model in both CPU forms: exact (TensorRT's numbers) and fast (BN folded, ReLU absorbed)
+    engines = [("fp32", "fp32", "exact"), ("ptq", "ptq", "exact"), ("ptq fast", "ptq", "fast"),
+               ("qat", "qat", "exact"), ("qat fast", "qat", "fast")]
+    for variant, source, form in engines:
+        engine_dir = args.run / "bench_engines" / variant.replace(" ", "_")
+        spec.engine.cpu_form = form
+        info = build_engine(spec, sources[source], engine_dir, backend="onnxruntime",
+                            stage_name=f"bench_{source}")
         runner = load_engine(engine_dir)
+        if args.threads:
+            from qatpipe.engines.onnxruntime_backend import OnnxRuntimeRunner
+
+            runner = OnnxRuntimeRunner(engine_dir / "model.onnx", runner.metadata, threads=args.threads)
         rows = {}
         for batch_size in args.batch_sizes:
             batch = rng.uniform(size=(batch_size, size.height, size.width, 3)).astype(np.float32)
             rows[batch_size] = measure_latency(runner.run, batch, warmup=5, iterations=args.iterations,
                                                min_seconds=args.min_seconds).to_dict()
             log.info("%s batch %d: p50 %.2f ms", variant, batch_size, rows[batch_size]["latency_ms_p50"])
-        session_file = engine_dir / "model.onnx"
+        dataset = sources["qat"].parents[2] / "prepare-data" / "dataset"
+        scored = evaluate(spec_with_prepared_dataset(spec, dataset), engine_dir, engine_dir / "evaluate")
         results[variant] = {"precision": info["precision"], "engine_size_mb": info["engine_size_mb"],
-                            "fused_ops": _fused_ops(session_file), "batches": rows}
+                            "fused_ops": _fused_ops(engine_dir / "model.onnx"), "batches": rows,
+                            "map50": scored["map50"]}
     largest = max(args.batch_sizes)
     fp32 = results["fp32"]["batches"][largest]["latency_ms_p50"]
     report = {
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}, "
                    f"onnxruntime {ort.__version__}",
-        "run": str(run), "results": results,
+        "models": {name: str(path) for name, path in sources.items()}, "results": results,
         "speedup_vs_fp32_at_largest_batch": {v: round(fp32 / r["batches"][largest]["latency_ms_p50"], 2)
                                              for v, r in results.items()},
     }
     (args.run / "bench_engines.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\n{report['machine']}; models of {run}\n")
+    print(f"\n{report['machine']}; models of {sources['qat'].parents[2]}\n")
     header = " | ".join(f"p50 / p99 ms @{b}" for b in args.batch_sizes)
-    print(f"| variant | {header} | img/s @{largest} | speed-up @{largest} | integer convs | engine MB |")
-    print("|---|" + "---|" * (len(args.batch_sizes) + 4))
+    print(f"| variant | {header} | img/s @{largest} | speed-up @{largest} | integer convs | engine MB | mAP@0.5 |")
+    print("|---|" + "---|" * (len(args.batch_sizes) + 5))
     for variant, r in results.items():
         cells = " | ".join(f"{r['batches'][b]['latency_ms_p50']:.1f} / {r['batches'][b]['latency_ms_p99']:.1f}"
                            for b in args.batch_sizes)
         print(f"| {variant} | {cells} | {r['batches'][largest]['throughput']:.1f} | "
               f"{report['speedup_vs_fp32_at_largest_batch'][variant]:.2f}x | {r['fused_ops']} | "
-              f"{r['engine_size_mb']:.2f} |")
+              f"{r['engine_size_mb']:.2f} | {r['map50']:.4f} |")
     print(f"\nfigures: {args.run / 'bench_engines.json'}")
+
+
+def _onnx_models(run_dir: Path) -> dict[str, Path]:
+    """The FP32, PTQ and QAT ONNX of the newest pipeline run in `run_dir` (kfp.local names task folders by
+    task id, so the exports are told apart by their reports)."""
+    runs = sorted((run_dir / "kfp").glob("*/ptq/int8_onnx/model.onnx"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise SystemExit(f"{run_dir}: no pipeline run with a PTQ model found")
+    run = runs[-1].parents[2]
+    found = {"ptq": runs[-1]}
+    for report in run.glob("export*/onnx_model/model_export.json"):
+        kind = "qat" if "QAT" in json.loads(report.read_text())["quantization"] else "fp32"
+        found[kind] = report.with_name("model.onnx")
+    return found
 
 
 def _fused_ops(model_path: Path) -> str:

@@ -272,6 +272,9 @@ class EngineSpec(_Section):
     max_batch: int = Field(16, ge=1)
     workspace_mb: int = Field(2048, ge=64, description="TensorRT builder workspace limit")
     fp16: bool = Field(True, description="the FP32 model in FP16 on TensorRT 10 (TensorRT 11: TF32)")
+    cpu_form: Literal["exact", "fast"] = Field(
+        "exact", description="ONNX Runtime CPU engine of a Q/DQ model: exact (TensorRT's numbers) or fast "
+        "(BN folded, ReLU absorbed: more integer kernels; engines/cpu_qdq.py)")
     bench: EngineBenchSpec = Field(default_factory=EngineBenchSpec)
 
     @model_validator(mode="after")

@@ -1,56 +1,193 @@
-"""ONNX Runtime CPU form of a TensorRT Q/DQ model: the same numbers, activations as uint8.
+"""ONNX Runtime CPU forms of a TensorRT Q/DQ model (`engine.cpu_form`).
 
-TensorRT wants symmetric int8 activations (zero point 0). ONNX Runtime's CPU provider fuses
-DQ → Conv → (Relu) → Q into QLinearConv only for some of those nodes when the activations are int8, and
-runs the rest as float convolutions between Q/DQ pairs: slower than FP32. Shifting every activation
-Q/DQ pair to uint8 with zero point 128 represents exactly the same values (q_u8 = q_i8 + 128 over the same
-scale, and int8 saturation [-128, 127] becomes [0, 255]), and ORT fuses all of them. Weights stay int8.
+TensorRT wants symmetric int8 activations (zero point 0) and folds BatchNormalization into the convolution
+when it builds the engine. ONNX Runtime's CPU provider turns DQ -> Conv -> Q into an integer QLinearConv only
+when the activations are uint8, all Conv inputs come through DequantizeLinear (an int32 bias included) and
+nothing sits between Conv and Q except a ReLU whose Q has the lowest value as zero point.
+
+- `exact`: every activation Q/DQ pair moves from int8 to uint8 with zero point 128 over the same scale
+  (q_u8 = q_i8 + 128; saturation at [-128, 127] becomes [0, 255]): the graph computes exactly the same
+  numbers, and ORT fuses what that allows (all of a PTQ model's convolutions; few of a QAT model's, whose
+  Q/DQ sit after ReLU, as TensorRT wants them).
+- `fast`: BatchNormalization folded into the Q/DQ convolution before it, as TensorRT does (per channel: the
+  weight scale times |gamma / sqrt(var + eps)|, int8 weights negated where that factor is negative, the new
+  bias quantised to int32 at input scale x weight scale), and zero point 0 for activations that follow a
+  ReLU, so ORT absorbs the ReLU. Not exact: float rounding of the folded scales, the bias step, and values
+  above a range's amax, which int8 saturates at 127 steps and uint8 at 255. Also merges requantisation
+  chains Q(s1) -> DQ -> [ReLU] -> Q(s2), which ONNX Runtime's PTQ writes after every convolution, into one
+  Q(s2): one rounding instead of two.
 """
 
 from __future__ import annotations
+
+
 
 from collections import defaultdict
 
 import numpy as np
 
-LAYOUT_OPS = ("Transpose", "Reshape", "Identity", "MaxPool")  # ops ORT runs on quantised tensors unchanged
+# ops whose output keeps the sign of their input: a ReLU output stays non-negative through them
+SIGN_KEEPING_OPS = ("MaxPool", "Transpose", "Reshape", "Identity", "Flatten")
 
 
-def activations_to_uint8(model) -> int:
-    """Rewrite `model` in place; returns the number of activation Q/DQ chains shifted to uint8."""
-    from onnx import TensorProto, numpy_helper
+def _attribute(node, name, default=None):
+    from onnx import helper
 
-    graph = model.graph
-    inits = {i.name: i for i in graph.initializer}
+    for attr in node.attribute:
+        if attr.name == name:
+            return helper.get_attribute_value(attr)
+    return default
+
+
+def _graph_maps(graph):
+    producers = {out: node for node in graph.node for out in node.output}
     consumers = defaultdict(list)
     for node in graph.node:
         for name in node.input:
             consumers[name].append(node)
-    shifted = 0
-    changed_tensors = set()
+    return producers, consumers
+
+
+def fold_batch_norms(model) -> int:
+    """Fold BatchNormalization into the Q/DQ convolution before it; returns how many."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+
+    def value(name):
+        return numpy_helper.to_array(inits[name])
+
+    producers, consumers = _graph_maps(graph)
+    folded = 0
+    for conv in [node for node in graph.node if node.op_type == "Conv"]:
+        users = consumers[conv.output[0]]
+        x_dq, w_dq = producers.get(conv.input[0]), producers.get(conv.input[1])
+        if (len(users) != 1 or users[0].op_type != "BatchNormalization" or x_dq is None or w_dq is None
+                or x_dq.op_type != "DequantizeLinear" or w_dq.op_type != "DequantizeLinear"
+                or w_dq.input[0] not in inits or (len(conv.input) > 2 and conv.input[2] not in inits)):
+            continue
+        bn = users[0]
+        gamma, beta, mean, var = (value(name).astype(np.float64) for name in bn.input[1:5])
+        factor = gamma / np.sqrt(var + _attribute(bn, "epsilon", 1e-5))
+        weights, scale = value(w_dq.input[0]), value(w_dq.input[1]).astype(np.float64)
+        sign = np.where(factor < 0, -1, 1).reshape(-1, *([1] * (weights.ndim - 1)))
+        bias = value(conv.input[2]).astype(np.float64) if len(conv.input) > 2 and conv.input[2] else 0.0
+        new_scale = (scale * np.abs(factor)).astype(np.float32)
+        new_bias = (bias - mean) * factor + beta
+        bias_scale = (float(value(x_dq.input[1])) * new_scale.astype(np.float64)).astype(np.float32)
+        prefix = f"{conv.name or conv.output[0]}_bnfold"
+        graph.initializer.extend([
+            numpy_helper.from_array(np.clip(weights.astype(np.int16) * sign, -127, 127).astype(np.int8),
+                                    f"{prefix}_w"),
+            numpy_helper.from_array(new_scale, f"{prefix}_w_scale"),
+            numpy_helper.from_array(np.round(new_bias / bias_scale).astype(np.int32), f"{prefix}_b"),
+            numpy_helper.from_array(bias_scale, f"{prefix}_b_scale"),
+            numpy_helper.from_array(np.zeros(bias_scale.shape, np.int32), f"{prefix}_b_zero_point"),
+        ])
+        w_dq.input[0], w_dq.input[1] = f"{prefix}_w", f"{prefix}_w_scale"
+        graph.node.append(helper.make_node("DequantizeLinear", [f"{prefix}_b", f"{prefix}_b_scale",
+                                                                f"{prefix}_b_zero_point"],
+                                           [f"{prefix}_bias"], name=f"{prefix}_bias_dq", axis=0))
+        del conv.input[2:]
+        conv.input.append(f"{prefix}_bias")
+        conv.output[0] = bn.output[0]
+        graph.node.remove(bn)
+        folded += 1
+    _sort_topologically(graph)
+    used = {name for node in graph.node for name in node.input}
+    for init in [i for i in graph.initializer if i.name not in used]:  # BN parameters, replaced weights
+        graph.initializer.remove(init)
+    return folded
+
+
+def _sort_topologically(graph) -> None:
+    """Nodes appended above must come before their consumers (ONNX requires a sorted graph)."""
+    available = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    pending, ordered = list(graph.node), []
+    while pending:
+        ready = [n for n in pending if all(name in available for name in n.input)]
+        if not ready:
+            raise ValueError("graph has a cycle or a dangling input")
+        for node in ready:
+            ordered.append(node)
+            available.update(node.output)
+            pending.remove(node)
+    del graph.node[:]
+    graph.node.extend(ordered)
+
+
+def activations_to_uint8(model, zero_point_0_after_relu: bool = False) -> int:
+    """Every activation Q/DQ chain to uint8 (zero point 128, or 0 after a ReLU when asked); returns how many."""
+    from onnx import numpy_helper
+
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    producers, consumers = _graph_maps(graph)
+    non_negative = set()
+    for node in graph.node:  # sorted: producers first
+        if node.op_type == "Relu" or (node.op_type in SIGN_KEEPING_OPS and node.input[0] in non_negative):
+            non_negative.update(node.output)
+    shifted, changed = 0, set()
     for node in list(graph.node):
         if node.op_type != "QuantizeLinear" or node.input[0] in inits:
             continue  # weights (initializers) stay int8
         zero_point = numpy_helper.to_array(inits[node.input[2]])
         if zero_point.dtype != np.int8 or zero_point.any():
             continue
-        new_zp = f"{node.output[0]}_zero_point_u8"
-        graph.initializer.append(numpy_helper.from_array(np.full(zero_point.shape, 128, np.uint8), new_zp))
-        node.input[2] = new_zp
-        # follow the quantised tensor through layout ops to every DequantizeLinear that reads it
+        offset = 0 if zero_point_0_after_relu and node.input[0] in non_negative else 128
+        name = f"{node.output[0]}_zero_point_u8"
+        graph.initializer.append(numpy_helper.from_array(np.full(zero_point.shape, offset, np.uint8), name))
+        node.input[2] = name
         frontier = [node.output[0]]
-        while frontier:
+        while frontier:  # the quantised tensor, through layout ops, to every DequantizeLinear reading it
             tensor = frontier.pop()
-            changed_tensors.add(tensor)
+            changed.add(tensor)
             for consumer in consumers[tensor]:
                 if consumer.op_type == "DequantizeLinear":
-                    consumer.input[2] = new_zp
-                elif consumer.op_type in LAYOUT_OPS:
+                    consumer.input[2] = name
+                elif consumer.op_type in SIGN_KEEPING_OPS:
                     frontier.extend(consumer.output)
                 else:
                     raise ValueError(f"{consumer.name}: reads the int8 tensor {tensor} directly; cannot shift it")
         shifted += 1
-    for info in list(graph.value_info):  # stale int8 type annotations; ORT re-infers them
-        if info.name in changed_tensors:
+    for info in list(graph.value_info):  # stale int8 type annotations; ORT infers them again
+        if info.name in changed:
             graph.value_info.remove(info)
     return shifted
+
+
+def merge_requantization(model) -> int:
+    """Q(s1) -> DQ -> [Relu] -> Q(s2) on activations becomes Q(s2) (the ReLU only where Q(s2)'s zero point
+    is its lowest value, so the clip at 0 stays); returns how many chains were merged. Not exact."""
+    from onnx import numpy_helper
+
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    producers, consumers = _graph_maps(graph)
+    merged = 0
+    for q1 in [n for n in graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in inits]:
+        chain = consumers[q1.output[0]]
+        if len(chain) != 1 or chain[0].op_type != "DequantizeLinear":
+            continue
+        dq, relu = chain[0], None
+        following = consumers[dq.output[0]]
+        if len(following) == 1 and following[0].op_type == "Relu":
+            relu = following[0]
+            following = consumers[relu.output[0]]
+        if len(following) != 1 or following[0].op_type != "QuantizeLinear":
+            continue
+        q2 = following[0]
+        zero_point = numpy_helper.to_array(inits[q2.input[2]])
+        if relu is not None and (zero_point.dtype != np.uint8 or zero_point.any()):
+            continue  # the ReLU's clip at 0 must survive in the zero point
+        q1.input[1], q1.input[2] = q2.input[1], q2.input[2]
+        for consumer in consumers[q2.output[0]]:
+            for i, name in enumerate(consumer.input):
+                if name == q2.output[0]:
+                    consumer.input[i] = q1.output[0]
+        for node in (dq, relu, q2):
+            if node is not None:
+                graph.node.remove(node)
+        merged += 1
+    return merged

@@ -1,8 +1,9 @@
 """The portable engine: ONNX Runtime, CPU by default, CUDA / TensorRT execution providers when present.
 
-Building writes the ONNX the runtime executes: for a Q/DQ model, the CPU form of cpu_qdq.py (activations as
-uint8, the same numbers) so that the CPU provider fuses Q/DQ into integer kernels; the TensorRT artifact
-itself stays symmetric int8.
+Building writes the ONNX the runtime executes: for a Q/DQ model, the CPU form `engine.cpu_form` of
+cpu_qdq.py (`exact`: the same numbers with uint8 activations; `fast`: BatchNormalization folded and ReLU
+absorbed, for integer kernels), so that the CPU provider runs integer kernels where it can; the TensorRT
+artifact itself stays symmetric int8.
 """
 
 from __future__ import annotations
@@ -58,22 +59,26 @@ class OnnxRuntimeBackend(EngineBackend):
     def build(self, onnx_path: Path, folder: Path, settings) -> EngineMetadata:
         import onnxruntime as ort
 
-        from qatpipe.engines.cpu_qdq import activations_to_uint8
+        from qatpipe.engines.cpu_qdq import activations_to_uint8, fold_batch_norms, merge_requantization
         from qatpipe.export.onnx_export import save_onnx
         from qatpipe.runtime.onnx_runtime import load_onnx_proto
 
         model = load_onnx_proto(onnx_path)
         quantized = is_explicitly_quantized(onnx_path)
-        shifted = activations_to_uint8(model) if quantized else 0
+        fast = settings.cpu_form == "fast"
+        folded = fold_batch_norms(model) if quantized and fast else 0
+        shifted = activations_to_uint8(model, zero_point_0_after_relu=fast) if quantized else 0
+        requantizations = merge_requantization(model) if quantized and fast else 0
         folder.mkdir(parents=True, exist_ok=True)
         save_onnx(model, folder / ENGINE_FILE)
         metadata = EngineMetadata(
             backend=self.name, engine_file=ENGINE_FILE, source_onnx=str(onnx_path),
             source_sha256=file_sha256(onnx_path),
-            precision="int8 (explicit Q/DQ, uint8 activations on CPU)" if quantized else "fp32",
+            precision=f"int8 (explicit Q/DQ, CPU form {settings.cpu_form})" if quantized else "fp32",
             runtime_version=ort.__version__, device=_cpu_name(), input_name=model.graph.input[0].name,
             batch_profile={"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch},
-            extra={"activation_qdq_shifted_to_uint8": shifted},
+            extra={"batch_norms_folded": folded, "activation_qdq_shifted_to_uint8": shifted,
+                   "requantizations_merged": requantizations},
         )
         metadata.write(folder)
         log.info("ONNX Runtime engine: %s (%s)", folder / ENGINE_FILE, metadata.precision)
