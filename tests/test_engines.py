@@ -77,7 +77,8 @@ def test_exact_cpu_form_computes_the_same_numbers_with_uint8_activations(engines
     weights = [inits[n.input[0]] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits]
     assert weights and all(w.dtype == np.int8 for w in weights)  # weights stay symmetric int8
     assert json.loads((engine_dir / "engine.json").read_text())["extra"] == {
-        "batch_norms_folded": 0, "activation_qdq_shifted_to_uint8": len(activation_q), "requantizations_merged": 0}
+        "batch_norms_folded": 0, "activation_qdq_shifted_to_uint8": len(activation_q), "requantizations_merged": 0,
+        "biases_quantized": 0}
     images = np.random.default_rng(0).uniform(size=(3, 192, 320, 3)).astype(np.float32)
     # the graph as written (no kernel fusion): identical numbers, not approximately
     expected, actual = _unoptimised(qat_onnx)(images), _unoptimised(engine_dir / "model.onnx")(images)
@@ -219,7 +220,8 @@ def test_deepstream_config_for_the_validated_model(engines, tmp_path):
     assert path.name == "config_infer_primary_qat.txt"
     text = path.read_text()
     values = dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
-    assert values["onnx-file"] == str(built["qat"][0].resolve())
+    assert values["onnx-file"] == built["qat"][0].name  # relative: registered beside the model
+    assert "parse-bbox-func-name" in text  # the layout gap is stated in the file
     assert values["network-mode"] == "1"  # INT8
     assert values["output-blob-names"] == "output_cov;output_bbox"
     assert values["num-detected-classes"] == "3" and values["infer-dims"] == "3;192;320"
@@ -247,3 +249,61 @@ def test_tensorrt_engine_refuses_another_gpu_or_version(engines, tmp_path):
     (tmp_path / "trt" / "engine.json").write_text(json.dumps(metadata))
     with pytest.raises(ModelFileError, match="engine built with TensorRT 9.9.9 .* rebuild it here"):
         load_engine(tmp_path / "trt")
+
+
+def _qdq_graph(nodes, initializers, outputs=("y",)):
+    """A small hand-built ONNX model (input x: 1x2x4x4 float)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 2, 4, 4]) for name in outputs],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in initializers.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_merge_requantization_on_a_chain_of_three_and_keeps_relu_clips(tmp_path):
+    from onnx import helper
+
+    from qatpipe.engines.cpu_qdq import activations_to_uint8, merge_requantization
+
+    scale = {f"s{i}": np.float32(0.05 * i) for i in (1, 2, 3)}
+    zero = {"z": np.int8(0)}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s1", "z"], ["q1"]),
+             helper.make_node("DequantizeLinear", ["q1", "s1", "z"], ["d1"]),
+             helper.make_node("Relu", ["d1"], ["r1"]),
+             helper.make_node("QuantizeLinear", ["r1", "s2", "z"], ["q2"]),
+             helper.make_node("DequantizeLinear", ["q2", "s2", "z"], ["d2"]),
+             helper.make_node("QuantizeLinear", ["d2", "s3", "z"], ["q3"]),
+             helper.make_node("DequantizeLinear", ["q3", "s3", "z"], ["y"])]
+    model = _qdq_graph(nodes, {**scale, **zero})
+    activations_to_uint8(model, zero_point_0_after_relu=True)
+    merged = merge_requantization(model)
+    onnx.checker.check_model(model)
+    ops = [n.op_type for n in model.graph.node]
+    # the ReLU chain merges (Q(s2) has zero point 0, so the clip at 0 survives); Q(s3) has zero point 128
+    # (its input is no ReLU output), so merging it would lose that clip: it stays
+    assert merged == 1 and ops == ["QuantizeLinear", "DequantizeLinear", "QuantizeLinear", "DequantizeLinear"]
+    import onnxruntime as ort
+
+    x = np.random.default_rng(0).normal(size=(1, 2, 4, 4)).astype(np.float32)
+    y = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    assert (y >= 0).all()  # the ReLU's clip is kept by the zero point
+
+
+def test_fold_batch_norm_skips_what_it_cannot_fold_exactly():
+    from onnx import helper
+
+    from qatpipe.engines.cpu_qdq import fold_batch_norms
+
+    w = np.ones((2, 2, 1, 1), np.int8)
+    inits = {"xs": np.float32(0.1), "xz": np.int8(0), "w": w, "ws": np.float32(0.2), "wz": np.int8(0),
+             "g": np.array([1.0, 0.0], np.float32), "b": np.zeros(2, np.float32), "m": np.zeros(2, np.float32),
+             "v": np.ones(2, np.float32)}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"]),
+             helper.make_node("Conv", ["xd", "wd"], ["c"]),
+             helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["y"])]
+    # a per-tensor weight scale (TensorRT wants per channel) and a dead channel (gamma 0): left as they are
+    assert fold_batch_norms(_qdq_graph(nodes, inits)) == 0

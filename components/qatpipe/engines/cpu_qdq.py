@@ -12,7 +12,9 @@ nothing sits between Conv and Q except a ReLU whose Q has the lowest value as ze
 - `fast`: BatchNormalization folded into the Q/DQ convolution before it, as TensorRT does (per channel: the
   weight scale times |gamma / sqrt(var + eps)|, int8 weights negated where that factor is negative, the new
   bias quantised to int32 at input scale x weight scale), and zero point 0 for activations that follow a
-  ReLU, so ORT absorbs the ReLU. Not exact: float rounding of the folded scales, the bias step, and values
+  ReLU, so ORT absorbs the ReLU, and float biases of Q/DQ convolutions quantised to int32 (ORT's integer
+  convolution needs them so; TensorRT's parser wants them float, so the exported models keep them float).
+  Not exact: float rounding of the folded scales, the bias step, and values
   above a range's amax, which int8 saturates at 127 steps and uint8 at 255. Also merges requantisation
   chains Q(s1) -> DQ -> [ReLU] -> Q(s2), which ONNX Runtime's PTQ writes after every convolution, into one
   Q(s2): one rounding instead of two.
@@ -48,9 +50,21 @@ def _graph_maps(graph):
     return producers, consumers
 
 
+def _is_qdq_conv(conv, producers, inits) -> bool:
+    """A Conv whose input and weights come through DequantizeLinear, with constant per-channel weight
+    scales and a constant per-tensor input scale (what the rewrites below rely on)."""
+    x_dq, w_dq = producers.get(conv.input[0]), producers.get(conv.input[1])
+    if x_dq is None or w_dq is None or x_dq.op_type != "DequantizeLinear" or w_dq.op_type != "DequantizeLinear":
+        return False
+    if w_dq.input[0] not in inits or w_dq.input[1] not in inits or x_dq.input[1] not in inits:
+        return False
+    out_channels = inits[w_dq.input[0]].dims[0]
+    return list(inits[w_dq.input[1]].dims) == [out_channels] and len(inits[x_dq.input[1]].dims) == 0
+
+
 def fold_batch_norms(model) -> int:
-    """Fold BatchNormalization into the Q/DQ convolution before it; returns how many."""
-    from onnx import helper, numpy_helper
+    """Fold BatchNormalization into the Q/DQ convolution before it (float bias); returns how many."""
+    from onnx import numpy_helper
 
     graph = model.graph
     inits = {init.name: init for init in graph.initializer}
@@ -62,43 +76,77 @@ def fold_batch_norms(model) -> int:
     folded = 0
     for conv in [node for node in graph.node if node.op_type == "Conv"]:
         users = consumers[conv.output[0]]
-        x_dq, w_dq = producers.get(conv.input[0]), producers.get(conv.input[1])
-        if (len(users) != 1 or users[0].op_type != "BatchNormalization" or x_dq is None or w_dq is None
-                or x_dq.op_type != "DequantizeLinear" or w_dq.op_type != "DequantizeLinear"
-                or w_dq.input[0] not in inits or (len(conv.input) > 2 and conv.input[2] not in inits)):
+        if len(users) != 1 or users[0].op_type != "BatchNormalization" or not _is_qdq_conv(conv, producers, inits):
             continue
+        w_dq = producers[conv.input[1]]
+        if len(consumers[w_dq.output[0]]) != 1 or (len(conv.input) > 2 and conv.input[2] not in inits):
+            continue  # a shared weight, or a bias computed at run time: leave it
         bn = users[0]
         gamma, beta, mean, var = (value(name).astype(np.float64) for name in bn.input[1:5])
         factor = gamma / np.sqrt(var + _attribute(bn, "epsilon", 1e-5))
         weights, scale = value(w_dq.input[0]), value(w_dq.input[1]).astype(np.float64)
+        if not np.all(factor != 0) or not np.all(scale > 0):
+            continue  # a dead channel would give a zero scale
         sign = np.where(factor < 0, -1, 1).reshape(-1, *([1] * (weights.ndim - 1)))
         bias = value(conv.input[2]).astype(np.float64) if len(conv.input) > 2 and conv.input[2] else 0.0
-        new_scale = (scale * np.abs(factor)).astype(np.float32)
-        new_bias = (bias - mean) * factor + beta
-        bias_scale = (float(value(x_dq.input[1])) * new_scale.astype(np.float64)).astype(np.float32)
         prefix = f"{conv.name or conv.output[0]}_bnfold"
         graph.initializer.extend([
             numpy_helper.from_array(np.clip(weights.astype(np.int16) * sign, -127, 127).astype(np.int8),
                                     f"{prefix}_w"),
-            numpy_helper.from_array(new_scale, f"{prefix}_w_scale"),
-            numpy_helper.from_array(np.round(new_bias / bias_scale).astype(np.int32), f"{prefix}_b"),
-            numpy_helper.from_array(bias_scale, f"{prefix}_b_scale"),
-            numpy_helper.from_array(np.zeros(bias_scale.shape, np.int32), f"{prefix}_b_zero_point"),
+            numpy_helper.from_array((scale * np.abs(factor)).astype(np.float32), f"{prefix}_w_scale"),
+            numpy_helper.from_array(((bias - mean) * factor + beta).astype(np.float32), f"{prefix}_bias"),
         ])
         w_dq.input[0], w_dq.input[1] = f"{prefix}_w", f"{prefix}_w_scale"
-        graph.node.append(helper.make_node("DequantizeLinear", [f"{prefix}_b", f"{prefix}_b_scale",
-                                                                f"{prefix}_b_zero_point"],
-                                           [f"{prefix}_bias"], name=f"{prefix}_bias_dq", axis=0))
         del conv.input[2:]
         conv.input.append(f"{prefix}_bias")
         conv.output[0] = bn.output[0]
         graph.node.remove(bn)
         folded += 1
-    _sort_topologically(graph)
-    used = {name for node in graph.node for name in node.input}
-    for init in [i for i in graph.initializer if i.name not in used]:  # BN parameters, replaced weights
-        graph.initializer.remove(init)
+    _drop_unused_initializers(graph)
     return folded
+
+
+def quantize_conv_biases(model) -> int:
+    """A Q/DQ convolution's float bias becomes int32 behind DequantizeLinear (scale: input scale x weight
+    scale per channel), which ONNX Runtime needs to run the convolution as QLinearConv; returns how many.
+    The bias then moves by at most half that step, a fraction of the input's own quantisation step."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+    producers, _ = _graph_maps(graph)
+    quantized = 0
+    for conv in [node for node in graph.node if node.op_type == "Conv"]:
+        if len(conv.input) < 3 or conv.input[2] not in inits or not _is_qdq_conv(conv, producers, inits):
+            continue
+        x_scale = float(numpy_helper.to_array(inits[producers[conv.input[0]].input[1]]))
+        w_scale = numpy_helper.to_array(inits[producers[conv.input[1]].input[1]]).astype(np.float64)
+        bias_scale = (x_scale * w_scale).astype(np.float32)
+        if not np.all(bias_scale > 0):
+            continue
+        bias = numpy_helper.to_array(inits[conv.input[2]]).astype(np.float64)
+        limit = np.iinfo(np.int32)
+        prefix = f"{conv.name or conv.output[0]}_bias_q"
+        graph.initializer.extend([
+            numpy_helper.from_array(np.clip(np.round(bias / bias_scale), limit.min, limit.max).astype(np.int32),
+                                    f"{prefix}_int32"),
+            numpy_helper.from_array(bias_scale, f"{prefix}_scale"),
+            numpy_helper.from_array(np.zeros(bias_scale.shape, np.int32), f"{prefix}_zero_point"),
+        ])
+        graph.node.append(helper.make_node("DequantizeLinear", [f"{prefix}_int32", f"{prefix}_scale",
+                                                                f"{prefix}_zero_point"], [prefix], name=prefix,
+                                           axis=0))
+        conv.input[2] = prefix
+        quantized += 1
+    _sort_topologically(graph)
+    _drop_unused_initializers(graph)
+    return quantized
+
+
+def _drop_unused_initializers(graph) -> None:
+    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    for init in [i for i in graph.initializer if i.name not in used]:
+        graph.initializer.remove(init)
 
 
 def _sort_topologically(graph) -> None:
@@ -132,6 +180,8 @@ def activations_to_uint8(model, zero_point_0_after_relu: bool = False) -> int:
     for node in list(graph.node):
         if node.op_type != "QuantizeLinear" or node.input[0] in inits:
             continue  # weights (initializers) stay int8
+        if len(node.input) < 3 or node.input[2] not in inits:
+            continue  # no zero point (uint8 by default) or a computed one: not a TensorRT int8 Q
         zero_point = numpy_helper.to_array(inits[node.input[2]])
         if zero_point.dtype != np.int8 or zero_point.any():
             continue
@@ -160,13 +210,25 @@ def activations_to_uint8(model, zero_point_0_after_relu: bool = False) -> int:
 def merge_requantization(model) -> int:
     """Q(s1) -> DQ -> [Relu] -> Q(s2) on activations becomes Q(s2) (the ReLU only where Q(s2)'s zero point
     is its lowest value, so the clip at 0 stays); returns how many chains were merged. Not exact."""
+    merged = 0
+    while _merge_one_requantization(model.graph):  # one at a time: each merge changes the chains around it
+        merged += 1
+    return merged
+
+
+def _is_lowest(zero_point: np.ndarray) -> bool:
+    """A uint8 zero point of 0: the quantised range starts at 0, so it clips like a ReLU."""
+    return zero_point.dtype == np.uint8 and not zero_point.any()
+
+
+def _merge_one_requantization(graph) -> bool:
     from onnx import numpy_helper
 
-    graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    producers, consumers = _graph_maps(graph)
-    merged = 0
-    for q1 in [n for n in graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in inits]:
+    _, consumers = _graph_maps(graph)
+    for q1 in graph.node:
+        if q1.op_type != "QuantizeLinear" or q1.input[0] in inits:
+            continue
         chain = consumers[q1.output[0]]
         if len(chain) != 1 or chain[0].op_type != "DequantizeLinear":
             continue
@@ -175,12 +237,15 @@ def merge_requantization(model) -> int:
         if len(following) == 1 and following[0].op_type == "Relu":
             relu = following[0]
             following = consumers[relu.output[0]]
-        if len(following) != 1 or following[0].op_type != "QuantizeLinear":
+        if len(following) != 1 or following[0].op_type != "QuantizeLinear" or len(following[0].input) < 3:
             continue
         q2 = following[0]
+        if q2.input[2] not in inits or q2.output[0] in {output.name for output in graph.output}:
+            continue
         zero_point = numpy_helper.to_array(inits[q2.input[2]])
-        if relu is not None and (zero_point.dtype != np.uint8 or zero_point.any()):
-            continue  # the ReLU's clip at 0 must survive in the zero point
+        clips_at_0 = relu is not None or (q1.input[2] in inits and _is_lowest(numpy_helper.to_array(inits[q1.input[2]])))
+        if clips_at_0 and not _is_lowest(zero_point):
+            continue  # a clip at 0 (a ReLU, or one merged before) must survive in the zero point
         q1.input[1], q1.input[2] = q2.input[1], q2.input[2]
         for consumer in consumers[q2.output[0]]:
             for i, name in enumerate(consumer.input):
@@ -189,5 +254,5 @@ def merge_requantization(model) -> int:
         for node in (dq, relu, q2):
             if node is not None:
                 graph.node.remove(node)
-        merged += 1
-    return merged
+        return True
+    return False

@@ -56,12 +56,25 @@ class TensorRTRunner(EngineRunner):
         from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
         self.metadata = metadata
+        self.max_batch = int(metadata.batch_profile["max"])
         self._runner = TrtRunner(EngineFromBytes(engine_bytes))
         self._runner.activate()
 
     def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        """Batches larger than the profile's max run in chunks (evaluation batches need not fit it)."""
+        parts = [self._infer(batch[i:i + self.max_batch]) for i in range(0, len(batch), self.max_batch)]
+        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+
+    def _infer(self, batch: np.ndarray) -> dict[str, np.ndarray]:
         outputs = self._runner.infer({self.metadata.input_name: np.ascontiguousarray(batch, np.float32)})
-        return {name: np.asarray(value) for name, value in outputs.items()}
+        return {name: np.array(value) for name, value in outputs.items()}  # a copy: buffers are reused
+
+    def close(self) -> None:
+        if getattr(self, "_runner", None) is not None and self._runner.is_active:
+            self._runner.deactivate()
+
+    def __del__(self):
+        self.close()
 
 
 class TensorRTBackend(EngineBackend):

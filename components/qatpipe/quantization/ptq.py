@@ -58,7 +58,9 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
             op_types_to_quantize=["Conv", "Gemm", "MatMul", "Add"],
             calibrate_method=getattr(CalibrationMethod, METHODS[method]),
-            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "CalibPercentile": percentile},
+            # float bias: TensorRT's ONNX parser rejects an int32 bias behind DequantizeLinear
+            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "CalibPercentile": percentile,
+                           "QuantizeBias": False},
         )
         os.replace(tmp, output)
     except QatpipeError:
