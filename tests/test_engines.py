@@ -78,7 +78,7 @@ def test_exact_cpu_form_computes_the_same_numbers_with_uint8_activations(engines
     assert weights and all(w.dtype == np.int8 for w in weights)  # weights stay symmetric int8
     assert json.loads((engine_dir / "engine.json").read_text())["extra"] == {
         "batch_norms_folded": 0, "activation_qdq_shifted_to_uint8": len(activation_q), "requantizations_merged": 0,
-        "biases_quantized": 0}
+        "biases_quantized": 0, "residual_conv_outputs_quantized": 0}
     images = np.random.default_rng(0).uniform(size=(3, 192, 320, 3)).astype(np.float32)
     # the graph as written (no kernel fusion): identical numbers, not approximately
     expected, actual = _unoptimised(qat_onnx)(images), _unoptimised(engine_dir / "model.onnx")(images)
@@ -103,9 +103,10 @@ def test_fast_cpu_form_folds_batch_norm_and_runs_integer_convolutions(engines, t
     options.optimized_model_filepath = str(tmp_path / "optimised.onnx")
     ort.InferenceSession(str(engine_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
     ops = [n.op_type for n in onnx.load(tmp_path / "optimised.onnx").graph.node]
-    # every conv whose output is quantised again runs as an integer kernel; the 4 feeding a residual Add
-    # and the 2 heads produce float outputs (as in TensorRT) and stay float convolutions here
-    assert ops.count("QLinearConv") == 9
+    # every conv runs as an integer kernel but the two heads, whose outputs stay float; the 4 feeding a
+    # residual Add had their outputs quantised with the Add's other input's scale, so the Adds are integer too
+    assert ops.count("QLinearConv") == 13 and ops.count("QLinearAdd") == 4
+    assert metadata["extra"]["residual_conv_outputs_quantized"] == 4
     # not exact (folded scales round differently, uint8 saturates later than int8): the detections agree
     from qatpipe.stages.evaluate import evaluate
 

@@ -12,7 +12,9 @@ nothing sits between Conv and Q except a ReLU whose Q has the lowest value as ze
 - `fast`: BatchNormalization folded into the Q/DQ convolution before it, as TensorRT does (per channel: the
   weight scale times |gamma / sqrt(var + eps)|, int8 weights negated where that factor is negative, the new
   bias quantised to int32 at input scale x weight scale), and zero point 0 for activations that follow a
-  ReLU, so ORT absorbs the ReLU, and float biases of Q/DQ convolutions quantised to int32 (ORT's integer
+  ReLU, so ORT absorbs the ReLU, the output of a convolution that feeds a residual Add quantised with the
+  scale of the Add's other (quantised) input (TensorRT keeps it float: it fuses Conv+Add; ORT cannot, and
+  runs conv and Add as integer kernels this way), and float biases of Q/DQ convolutions quantised to int32 (ORT's integer
   convolution needs them so; TensorRT's parser wants them float, so the exported models keep them float).
   Not exact: float rounding of the folded scales, the bias step, and values
   above a range's amax, which int8 saturates at 127 steps and uint8 at 255. Also merges requantisation
@@ -256,3 +258,32 @@ def _merge_one_requantization(graph) -> bool:
                 graph.node.remove(node)
         return True
     return False
+
+
+def quantize_residual_conv_outputs(model) -> int:
+    """Fast form only: a convolution feeding a residual Add whose other input is quantised gets its output
+    quantised with that input's scale and zero point, so ORT runs the conv as QLinearConv and the Add as
+    QLinearAdd. Not exact: TensorRT keeps this output in float (it fuses Conv+Add)."""
+    from onnx import helper
+
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    count = 0
+    for add in [n for n in graph.node if n.op_type == "Add" and len(n.input) == 2]:
+        sources = [producers.get(name) for name in add.input]
+        dq_side = [i for i, p in enumerate(sources) if p is not None and p.op_type == "DequantizeLinear"
+                   and p.input[1] in inits and len(p.input) > 2 and p.input[2] in inits]
+        conv_side = [i for i, p in enumerate(sources) if p is not None and p.op_type == "Conv"]
+        if len(dq_side) != 1 or len(conv_side) != 1:
+            continue
+        dq, conv_out = sources[dq_side[0]], add.input[conv_side[0]]
+        q_name, dq_name = f"{conv_out}_q_for_add", f"{conv_out}_dq_for_add"
+        graph.node.extend([helper.make_node("QuantizeLinear", [conv_out, dq.input[1], dq.input[2]], [q_name],
+                                            name=q_name),
+                           helper.make_node("DequantizeLinear", [q_name, dq.input[1], dq.input[2]], [dq_name],
+                                            name=dq_name)])
+        add.input[conv_side[0]] = dq_name
+        count += 1
+    _sort_topologically(graph)
+    return count

@@ -60,7 +60,7 @@ class OnnxRuntimeBackend(EngineBackend):
         import onnxruntime as ort
 
         from qatpipe.engines.cpu_qdq import (activations_to_uint8, fold_batch_norms, merge_requantization,
-                                             quantize_conv_biases)
+                                             quantize_conv_biases, quantize_residual_conv_outputs)
         from qatpipe.export.onnx_export import save_onnx
         from qatpipe.runtime.onnx_runtime import load_onnx_proto
 
@@ -70,6 +70,7 @@ class OnnxRuntimeBackend(EngineBackend):
         quantized = is_explicitly_quantized(onnx_path) and providers[0] == "CPUExecutionProvider"
         fast = settings.cpu_form == "fast"
         folded = fold_batch_norms(model) if quantized and fast else 0
+        residual = quantize_residual_conv_outputs(model) if quantized and fast else 0
         shifted = activations_to_uint8(model, zero_point_0_after_relu=fast) if quantized else 0
         requantizations = merge_requantization(model) if quantized and fast else 0
         biases = quantize_conv_biases(model) if quantized and fast else 0
@@ -84,7 +85,8 @@ class OnnxRuntimeBackend(EngineBackend):
             else providers[0], input_name=model.graph.input[0].name,
             batch_profile={"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch},
             extra={"batch_norms_folded": folded, "activation_qdq_shifted_to_uint8": shifted,
-                   "requantizations_merged": requantizations, "biases_quantized": biases},
+                   "requantizations_merged": requantizations, "biases_quantized": biases,
+                   "residual_conv_outputs_quantized": residual},
         )
         metadata.write(folder)
         log.info("ONNX Runtime engine: %s (%s)", folder / ENGINE_FILE, metadata.precision)
