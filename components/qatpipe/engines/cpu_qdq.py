@@ -26,30 +26,16 @@ from __future__ import annotations
 
 
 
-from collections import defaultdict
-
 import numpy as np
+
+from qatpipe.export.onnx_graph import attribute, drop_unused_initializers, graph_maps, sort_topologically
 
 # ops whose output keeps the sign of their input: a ReLU output stays non-negative through them
 SIGN_KEEPING_OPS = ("MaxPool", "Transpose", "Reshape", "Identity", "Flatten")
 
 
-def _attribute(node, name, default=None):
-    from onnx import helper
-
-    for attr in node.attribute:
-        if attr.name == name:
-            return helper.get_attribute_value(attr)
-    return default
 
 
-def _graph_maps(graph):
-    producers = {out: node for node in graph.node for out in node.output}
-    consumers = defaultdict(list)
-    for node in graph.node:
-        for name in node.input:
-            consumers[name].append(node)
-    return producers, consumers
 
 
 def _is_qdq_conv(conv, producers, inits) -> bool:
@@ -74,7 +60,7 @@ def fold_batch_norms(model) -> int:
     def value(name):
         return numpy_helper.to_array(inits[name])
 
-    producers, consumers = _graph_maps(graph)
+    producers, consumers = graph_maps(graph)
     folded = 0
     for conv in [node for node in graph.node if node.op_type == "Conv"]:
         users = consumers[conv.output[0]]
@@ -85,7 +71,7 @@ def fold_batch_norms(model) -> int:
             continue  # a shared weight, or a bias computed at run time: leave it
         bn = users[0]
         gamma, beta, mean, var = (value(name).astype(np.float64) for name in bn.input[1:5])
-        factor = gamma / np.sqrt(var + _attribute(bn, "epsilon", 1e-5))
+        factor = gamma / np.sqrt(var + attribute(bn, "epsilon", 1e-5))
         weights, scale = value(w_dq.input[0]), value(w_dq.input[1]).astype(np.float64)
         if not np.all(factor != 0) or not np.all(scale > 0):
             continue  # a dead channel would give a zero scale
@@ -104,7 +90,7 @@ def fold_batch_norms(model) -> int:
         conv.output[0] = bn.output[0]
         graph.node.remove(bn)
         folded += 1
-    _drop_unused_initializers(graph)
+    drop_unused_initializers(graph)
     return folded
 
 
@@ -116,7 +102,7 @@ def quantize_conv_biases(model) -> int:
 
     graph = model.graph
     inits = {init.name: init for init in graph.initializer}
-    producers, _ = _graph_maps(graph)
+    producers, _ = graph_maps(graph)
     quantized = 0
     for conv in [node for node in graph.node if node.op_type == "Conv"]:
         if len(conv.input) < 3 or conv.input[2] not in inits or not _is_qdq_conv(conv, producers, inits):
@@ -140,31 +126,13 @@ def quantize_conv_biases(model) -> int:
                                            axis=0))
         conv.input[2] = prefix
         quantized += 1
-    _sort_topologically(graph)
-    _drop_unused_initializers(graph)
+    sort_topologically(graph)
+    drop_unused_initializers(graph)
     return quantized
 
 
-def _drop_unused_initializers(graph) -> None:
-    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    for init in [i for i in graph.initializer if i.name not in used]:
-        graph.initializer.remove(init)
 
 
-def _sort_topologically(graph) -> None:
-    """Nodes appended above must come before their consumers (ONNX requires a sorted graph)."""
-    available = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
-    pending, ordered = list(graph.node), []
-    while pending:
-        ready = [n for n in pending if all(name in available for name in n.input)]
-        if not ready:
-            raise ValueError("graph has a cycle or a dangling input")
-        for node in ready:
-            ordered.append(node)
-            available.update(node.output)
-            pending.remove(node)
-    del graph.node[:]
-    graph.node.extend(ordered)
 
 
 def activations_to_uint8(model, zero_point_0_after_relu: bool = False) -> int:
@@ -173,7 +141,7 @@ def activations_to_uint8(model, zero_point_0_after_relu: bool = False) -> int:
 
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    producers, consumers = _graph_maps(graph)
+    producers, consumers = graph_maps(graph)
     non_negative = set()
     for node in graph.node:  # sorted: producers first
         if node.op_type == "Relu" or (node.op_type in SIGN_KEEPING_OPS and node.input[0] in non_negative):
@@ -227,7 +195,7 @@ def _merge_one_requantization(graph) -> bool:
     from onnx import numpy_helper
 
     inits = {i.name: i for i in graph.initializer}
-    _, consumers = _graph_maps(graph)
+    _, consumers = graph_maps(graph)
     for q1 in graph.node:
         if q1.op_type != "QuantizeLinear" or q1.input[0] in inits:
             continue
@@ -285,5 +253,5 @@ def quantize_residual_conv_outputs(model) -> int:
                                             name=dq_name)])
         add.input[conv_side[0]] = dq_name
         count += 1
-    _sort_topologically(graph)
+    sort_topologically(graph)
     return count

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import struct
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from qatpipe.export.onnx_graph import attribute, drop_unused_initializers, graph_maps
 
 QUANTIZED_OPS = ("Conv", "Gemm", "MatMul")
 # ops that move or pick values without changing their range: a tensor they produce from a quantised one
@@ -30,13 +31,6 @@ def _initializers(graph) -> dict:
     return {init.name: numpy_helper.to_array(init) for init in graph.initializer}
 
 
-def _attribute(node, name, default=None):
-    from onnx import helper
-
-    for attr in node.attribute:
-        if attr.name == name:
-            return helper.get_attribute_value(attr)
-    return default
 
 
 def _quantize(values: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int) -> np.ndarray:
@@ -55,10 +49,7 @@ def fold_weight_quantizers(model) -> int:
 
     graph = model.graph
     inits = _initializers(graph)
-    consumers = defaultdict(list)
-    for node in graph.node:
-        for name in node.input:
-            consumers[name].append(node)
+    _, consumers = graph_maps(graph)
     folded, removed = 0, []
     for node in graph.node:
         if node.op_type != "QuantizeLinear" or node.input[0] not in inits:
@@ -69,7 +60,7 @@ def fold_weight_quantizers(model) -> int:
             continue
         q_name = f"{node.input[0].split(':')[0]}_int8_{folded}"  # unique even if two Q nodes read one weight
         graph.initializer.append(numpy_helper.from_array(_quantize(weight, scale, zero_point,
-                                                                   _attribute(node, "axis", 1)), q_name))
+                                                                   attribute(node, "axis", 1)), q_name))
         for consumer in consumers[node.output[0]]:
             for i, name in enumerate(consumer.input):
                 if name == node.output[0]:
@@ -78,14 +69,10 @@ def fold_weight_quantizers(model) -> int:
         folded += 1
     for node in removed:
         graph.node.remove(node)
-    _drop_unused_initializers(graph)
+    drop_unused_initializers(graph)
     return folded
 
 
-def _drop_unused_initializers(graph) -> None:
-    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    for init in [i for i in graph.initializer if i.name not in used]:
-        graph.initializer.remove(init)
 
 
 @dataclass
@@ -141,9 +128,9 @@ def check_explicit_quantization(model) -> QdqCheck:
             result.problems.append(f"{label}: weights are not an int8 initializer")
         else:
             # the output-channel axis: O of OIHW (Conv), N of a (K, N) MatMul / Gemm weight, K x N transposed
-            transposed = node.op_type == "Gemm" and _attribute(node, "transB", 0)
+            transposed = node.op_type == "Gemm" and attribute(node, "transB", 0)
             axis = 0 if node.op_type == "Conv" or transposed else weights.ndim - 1
-            if scale is None or scale.shape != (weights.shape[axis],) or _attribute(weight_dq, "axis", 1) != axis:
+            if scale is None or scale.shape != (weights.shape[axis],) or attribute(weight_dq, "axis", 1) != axis:
                 result.problems.append(f"{label}: weight scales are not per output channel (axis {axis})")
         activation_scale = inits.get(input_dq.input[1])
         if activation_scale is None or activation_scale.size != 1:
@@ -169,7 +156,7 @@ def strip_qdq(model) -> dict[str, float]:
             weight, scale = inits[node.input[0]].astype(np.float32), inits[node.input[1]].astype(np.float32)
             shape = [1] * weight.ndim
             if scale.size > 1:
-                shape[_attribute(node, "axis", 1)] = scale.size
+                shape[attribute(node, "axis", 1)] = scale.size
             graph.initializer.append(numpy_helper.from_array(weight * scale.reshape(shape), node.output[0]))
             removed.append(node)
         elif node.op_type in ("QuantizeLinear", "DequantizeLinear"):
@@ -197,7 +184,7 @@ def strip_qdq(model) -> dict[str, float]:
         if node.op_type in RANGE_KEEPING_OPS and node.input and node.input[0] in scales:
             for out in node.output:
                 scales.setdefault(out, scales[node.input[0]])
-    _drop_unused_initializers(graph)
+    drop_unused_initializers(graph)
     return scales
 
 

@@ -1,0 +1,47 @@
+"""Small helpers for editing ONNX graphs in place (the Q/DQ passes of export/qdq.py and engines/cpu_qdq.py)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+def attribute(node, name: str, default=None):
+    """The value of a node attribute, or `default`."""
+    from onnx import helper
+
+    for attr in node.attribute:
+        if attr.name == name:
+            return helper.get_attribute_value(attr)
+    return default
+
+
+def graph_maps(graph) -> tuple[dict, dict]:
+    """(tensor -> producing node, tensor -> consuming nodes)."""
+    producers = {out: node for node in graph.node for out in node.output}
+    consumers = defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            consumers[name].append(node)
+    return producers, consumers
+
+
+def drop_unused_initializers(graph) -> None:
+    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    for init in [i for i in graph.initializer if i.name not in used]:
+        graph.initializer.remove(init)
+
+
+def sort_topologically(graph) -> None:
+    """Nodes appended by a pass must come before their consumers (ONNX requires a sorted graph)."""
+    available = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    pending, ordered = list(graph.node), []
+    while pending:
+        ready = [n for n in pending if all(name in available for name in n.input)]
+        if not ready:
+            raise ValueError("graph has a cycle or a dangling input")
+        for node in ready:
+            ordered.append(node)
+            available.update(node.output)
+            pending.remove(node)
+    del graph.node[:]
+    graph.node.extend(ordered)
