@@ -98,8 +98,14 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert f"{fp32['map50']:.4f}" in capsys.readouterr().out
     assert (tmp_path / "chart.png").stat().st_size > 1000
 
-    # a re-run into the same folder reuses every finished stage, and is tracked as a new pipeline run
-    again = run_local(out, "tiny", OVERRIDES)
+    # a re-run into the same folder, from the command line, reuses every finished stage, prints the table
+    # with the pruning and validation lines, and is tracked as a new pipeline run
+    capsys.readouterr()
+    sets = [arg for override in OVERRIDES for arg in ("--set", override)]
+    assert main(["run", "--local", "--spec", "tiny", "--output", str(out), *sets]) == 0
+    printed = capsys.readouterr().out
+    assert "Pruning: " in printed and "gate (QAT): PASSED" in printed and f"{fp32['map50']:.4f}" in printed
+    again = json.loads((out / "summary.json").read_text())
     assert again["variants"] == summary["variants"]
     assert not HEAVY_STAGES & set(again["stages"])  # served from kfp.local's cache, not executed
     assert again["mlflow"]["run_id"] != summary["mlflow"]["run_id"]

@@ -156,7 +156,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from qatpipe.stages.compare import format_table, pruning_line
+    from qatpipe.stages.compare import format_table, pruning_line, validation_line
     from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
 
     summary = run_local(args.output, args.spec, args.overrides, run_name=args.run_name or "")
@@ -167,6 +167,8 @@ def cmd_run(args) -> int:
     print(format_table(summary["variants"]))  # the answer, for people and scripts
     if "pruning" in summary:
         print(pruning_line(summary["pruning"]))
+    if summary.get("validation"):
+        print(validation_line(summary["validation"]))
     return 0
 
 
