@@ -86,7 +86,6 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def is_explicitly_quantized(onnx_path: Path) -> bool:
-    from qatpipe.runtime.onnx_runtime import load_onnx_proto
-
-    return any(node.op_type == "QuantizeLinear" for node in load_onnx_proto(onnx_path).graph.node)
+def is_explicitly_quantized(model) -> bool:
+    """Whether an ONNX model (a loaded ModelProto) carries Q/DQ."""
+    return any(node.op_type == "QuantizeLinear" for node in model.graph.node)

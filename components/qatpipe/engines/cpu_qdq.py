@@ -255,3 +255,23 @@ def quantize_residual_conv_outputs(model) -> int:
         count += 1
     sort_topologically(graph)
     return count
+
+
+def to_cpu_form(model, form: str) -> dict[str, int]:
+    """Rewrite a Q/DQ model in place into the CPU form `form` ("exact" or "fast", see the module docstring);
+    returns how many of each rewrite it made."""
+    fast = form == "fast"
+    counts = dict.fromkeys(CPU_FORM_REWRITES, 0)
+    if fast:  # the order matters: BN must be folded before conv outputs and biases are quantised
+        counts["batch_norms_folded"] = fold_batch_norms(model)
+        counts["residual_conv_outputs_quantized"] = quantize_residual_conv_outputs(model)
+    counts["activation_qdq_shifted_to_uint8"] = activations_to_uint8(model, zero_point_0_after_relu=fast)
+    if fast:
+        counts["requantizations_merged"] = merge_requantization(model)
+        counts["biases_quantized"] = quantize_conv_biases(model)
+    return counts
+
+
+# the rewrites `to_cpu_form` reports, in engine.json's `extra`
+CPU_FORM_REWRITES = ("batch_norms_folded", "activation_qdq_shifted_to_uint8", "requantizations_merged",
+                     "biases_quantized", "residual_conv_outputs_quantized")

@@ -59,34 +59,28 @@ class OnnxRuntimeBackend(EngineBackend):
     def build(self, onnx_path: Path, folder: Path, settings) -> EngineMetadata:
         import onnxruntime as ort
 
-        from qatpipe.engines.cpu_qdq import (activations_to_uint8, fold_batch_norms, merge_requantization,
-                                             quantize_conv_biases, quantize_residual_conv_outputs)
+        from qatpipe.engines.cpu_qdq import CPU_FORM_REWRITES, to_cpu_form
         from qatpipe.export.onnx_export import save_onnx
         from qatpipe.runtime.onnx_runtime import load_onnx_proto
 
         model = load_onnx_proto(onnx_path)
         providers = [p for p in PREFERRED_PROVIDERS if p in ort.get_available_providers()]
+        on_cpu = providers[0] == "CPUExecutionProvider"
+        explicit = is_explicitly_quantized(model)
         # the CPU forms suit the CPU provider; TensorRT / CUDA providers take TensorRT's symmetric int8 as is
-        quantized = is_explicitly_quantized(onnx_path) and providers[0] == "CPUExecutionProvider"
-        fast = settings.cpu_form == "fast"
-        folded = fold_batch_norms(model) if quantized and fast else 0
-        residual = quantize_residual_conv_outputs(model) if quantized and fast else 0
-        shifted = activations_to_uint8(model, zero_point_0_after_relu=fast) if quantized else 0
-        requantizations = merge_requantization(model) if quantized and fast else 0
-        biases = quantize_conv_biases(model) if quantized and fast else 0
+        rewrites = (to_cpu_form(model, settings.cpu_form) if explicit and on_cpu
+                    else dict.fromkeys(CPU_FORM_REWRITES, 0))
         folder.mkdir(parents=True, exist_ok=True)
         save_onnx(model, folder / ENGINE_FILE)
         metadata = EngineMetadata(
             backend=self.name, engine_file=ENGINE_FILE, source_onnx=str(onnx_path),
             source_sha256=file_sha256(onnx_path),
-            precision=(f"int8 (explicit Q/DQ, CPU form {settings.cpu_form})" if quantized else
-                       "int8 (explicit Q/DQ)" if is_explicitly_quantized(onnx_path) else "fp32"),
-            runtime_version=ort.__version__, device=_cpu_name() if providers[0] == "CPUExecutionProvider"
-            else providers[0], input_name=model.graph.input[0].name,
+            precision=(f"int8 (explicit Q/DQ, CPU form {settings.cpu_form})" if explicit and on_cpu else
+                       "int8 (explicit Q/DQ)" if explicit else "fp32"),
+            runtime_version=ort.__version__, device=_cpu_name() if on_cpu else providers[0],
+            input_name=model.graph.input[0].name,
             batch_profile={"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch},
-            extra={"batch_norms_folded": folded, "activation_qdq_shifted_to_uint8": shifted,
-                   "requantizations_merged": requantizations, "biases_quantized": biases,
-                   "residual_conv_outputs_quantized": residual},
+            extra=rewrites,
         )
         metadata.write(folder)
         log.info("ONNX Runtime engine: %s (%s)", folder / ENGINE_FILE, metadata.precision)

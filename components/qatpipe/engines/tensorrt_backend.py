@@ -92,7 +92,9 @@ class TensorRTBackend(EngineBackend):
 
     def build(self, onnx_path: Path, folder: Path, settings) -> EngineMetadata:
         trt = _import_tensorrt()
-        quantized = is_explicitly_quantized(onnx_path)
+        from qatpipe.runtime.onnx_runtime import load_onnx_proto
+
+        quantized = is_explicitly_quantized(load_onnx_proto(onnx_path))
         logger = trt.Logger(trt.Logger.WARNING)
         builder = trt.Builder(logger)
         flags = 0
