@@ -9,10 +9,12 @@ RESULTS ?= results/pipeline
 
 .PHONY: install main test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml images/horovod/build-wheel.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# Horovod, built against the installed TensorFlow with the TF 2.21 fix; the wheel is kept in .cache/wheels
+	$(BIN)/pip install --quiet --no-deps "$$(PYTHON=$(BIN)/python images/horovod/build-wheel.sh .cache/wheels)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -48,9 +48,31 @@ def cmd_data_synth(args) -> int:
     return 0
 
 
+def _add_horovod_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", type=int, default=1, metavar="N",
+                        help="data-parallel Horovod processes on this host, one per GPU (TAO's --gpus); "
+                             "without GPUs, N CPU processes")
+    parser.add_argument("--horovod-controller", choices=("gloo", "mpi"), default="gloo",
+                        help="how horovodrun starts and connects the processes (default gloo)")
+
+
+def _horovod_launch(args) -> int | None:
+    """With --gpus N > 1, run this command as N Horovod processes and return their exit code; None when this
+    process should train itself (a single process, or one of the N)."""
+    from qatpipe.training.distributed import launch, launched_by_horovod
+
+    if args.gpus < 1:
+        raise QatpipeError(f"--gpus {args.gpus}: need at least 1")
+    if args.gpus == 1 or launched_by_horovod():
+        return None
+    return launch(args.gpus, args.argv, args.horovod_controller)
+
+
 def cmd_train(args) -> int:
     from qatpipe.stages.train import train
 
+    if (code := _horovod_launch(args)) is not None:
+        return code
     summary = train(_load(args), args.results_dir, use_amp=True if args.use_amp else None)
     log.info("training done: %s", json.dumps({k: summary[k] for k in ("model", "images_per_second", "wall_seconds")}))
     return 0
@@ -93,6 +115,8 @@ def cmd_prune(args) -> int:
 def cmd_retrain(args) -> int:
     from qatpipe.stages.retrain import retrain
 
+    if (code := _horovod_launch(args)) is not None:
+        return code
     spec = _load(args)
     if args.qat:
         spec.qat.enabled = True
@@ -241,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(train)
     train.add_argument("-r", "--results-dir", required=True, type=Path)
     train.add_argument("--use-amp", action="store_true", help="mixed precision (GPU only; FP32 on CPU)")
+    _add_horovod_args(train)
     train.set_defaults(func=cmd_train)
 
     evaluate = sub.add_parser("evaluate", help="mAP of a model (.keras in TensorFlow, .onnx in ONNX Runtime)")
@@ -255,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     retrain.add_argument("-m", "--model", required=True, type=Path, help="the pruned model (.keras)")
     retrain.add_argument("-r", "--results-dir", required=True, type=Path)
     retrain.add_argument("--use-amp", action="store_true", help="mixed precision (GPU only; FP32 on CPU)")
+    _add_horovod_args(retrain)
     retrain.add_argument("--qat", action="store_true",
                          help="quantisation-aware training for TensorRT INT8 (sets qat.enabled)")
     retrain.set_defaults(func=cmd_retrain)
@@ -350,7 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # `--gpus N` re-runs this command line under horovodrun
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",

@@ -35,14 +35,16 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
     from qatpipe.stages.train import train
+    from qatpipe.training.distributed import init_world
 
+    world = init_world()  # before TensorFlow starts: under Horovod it pins this process's GPU
     spec = retrain_spec(spec)
     qat = spec.qat.enabled
     stage_name = stage_name or ("retrain_qat" if qat else "retrain_fp32")
     pruned_model_path = Path(pruned_model_path)
     results_dir = Path(results_dir)
     model = load_keras_model(pruned_model_path, get_architecture(spec))
-    _claim(results_dir, pruned_model_path)
+    _claim(results_dir, pruned_model_path, write=world.is_chief)
     if qat:
         if use_amp or (use_amp is None and spec.train.use_amp):
             log.warning("QAT trains in FP32: fake quantisation under float16 would not match TensorRT's int8")
@@ -51,6 +53,8 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
     log.info("retraining %s (%d params, %s)", pruned_model_path, model.count_params(), "QAT" if qat else "FP32")
     summary = train(spec, results_dir, use_amp=use_amp, model=model, stage_name=stage_name)
     summary["source_model"] = str(pruned_model_path)
+    if not world.is_chief:  # under Horovod, rank 0 writes the results
+        return summary
     if qat:
         from qatpipe.quantization.transform import activation_ranges
 
@@ -78,7 +82,7 @@ def _prepare_qat(spec: ExperimentSpec, model, results_dir: Path):
     return model
 
 
-def _claim(results_dir: Path, source: Path) -> None:
+def _claim(results_dir: Path, source: Path, write: bool = True) -> None:
     """Checkpoints in `results_dir` belong to one pruned model: refuse to resume them onto another."""
     digest = hashlib.sha256(source.read_bytes()).hexdigest()
     marker = results_dir / SOURCE_FILE
@@ -89,6 +93,8 @@ def _claim(results_dir: Path, source: Path) -> None:
                 f"{results_dir}: holds a retraining of another pruned model ({previous.get('path')}); use a new "
                 f"results directory for {source}"
             )
+        return
+    if not write:
         return
     results_dir.mkdir(parents=True, exist_ok=True)
     write_json(marker, {"path": str(source), "sha256": digest})

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 MODEL_FILE = "model.keras"
 SPEC_FILE = "spec.yaml"
 SUMMARY_FILE = "train_summary.json"
+WORLD_FILE = "world.json"  # how many data-parallel processes wrote the checkpoints
 
 
 def _configure_precision(use_amp: bool) -> bool:
@@ -51,8 +52,16 @@ def _dotted(data: dict, key: str):
     return data
 
 
-def _check_resume_compatible(results_dir: Path, spec: ExperimentSpec) -> None:
-    """Refuse to resume a checkpoint written under a spec that differs where it matters."""
+def _check_resume_compatible(results_dir: Path, spec: ExperimentSpec, processes: int = 1) -> None:
+    """Refuse to resume a checkpoint written under a spec that differs where it matters, or by another number
+    of processes (the learning rate, steps per epoch and the schedule's position depend on it)."""
+    world_path = results_dir / WORLD_FILE
+    previous_processes = json.loads(world_path.read_text())["processes"] if world_path.is_file() else 1
+    if previous_processes != processes:
+        raise QatpipeError(
+            f"{results_dir}: holds checkpoints of a run on {previous_processes} process(es); resume it with "
+            f"--gpus {previous_processes}, or use a new results directory for {processes}"
+        )
     previous_path = results_dir / SPEC_FILE
     if not previous_path.is_file():
         return
@@ -78,13 +87,16 @@ def _drop_redone_epochs(csv_path: Path, initial_epoch: int) -> None:
         atomic_write_text(csv_path, "".join(kept))
 
 
-def _build_optimizer(spec: ExperimentSpec, total_steps: int):
+def _build_optimizer(spec: ExperimentSpec, total_steps: int, lr_scale: float = 1.0):
+    """The spec's optimizer; `lr_scale` multiplies the learning rates (the data-parallel world size: N
+    processes take one step on N batches, so the step may be N times larger, as in TAO and Horovod)."""
     import tf_keras as keras
 
     from qatpipe.training.schedules import SoftStartAnnealingSchedule
 
     lr = spec.train.learning_rate
-    schedule = SoftStartAnnealingSchedule(total_steps, lr.min_lr, lr.max_lr, lr.soft_start, lr.annealing_point)
+    schedule = SoftStartAnnealingSchedule(total_steps, lr.min_lr * lr_scale, lr.max_lr * lr_scale, lr.soft_start,
+                                          lr.annealing_point)
     if spec.train.optimizer == "sgd":
         return keras.optimizers.SGD(schedule, momentum=spec.train.momentum, nesterov=True)
     return keras.optimizers.Adam(schedule, beta_1=spec.train.momentum)
@@ -98,6 +110,9 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     `extra_callbacks` run after the checkpoint callback (experiment tracking hooks in here).
     Returns the training summary (also written to results_dir/train_summary.json); `stage_name` names the
     stage in its tracking record (results_dir/tracking.json).
+
+    Under horovodrun / mpirun (`qatpipe train --gpus N`, MPIJobs) every process trains on its shard of each
+    epoch with gradients averaged across processes; only rank 0 writes checkpoints, logs and the model.
     """
     import tensorflow as tf
     import tf_keras as keras
@@ -105,7 +120,9 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     from qatpipe.data.pipeline import steps_per_epoch, train_dataset
     from qatpipe.models import get_architecture
     from qatpipe.training.callbacks import CheckpointEveryN, ProgressLogger
+    from qatpipe.training.distributed import init_world
 
+    world = init_world()
     results_dir = Path(results_dir)
     try:
         results_dir.mkdir(parents=True, exist_ok=True)
@@ -118,18 +135,18 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     arch = get_architecture(spec)
     model = model if model is not None else arch.build_model()
 
-    steps = steps_per_epoch(len(samples), spec.train.batch_size)
-    optimizer = _build_optimizer(spec, total_steps=steps * spec.train.epochs)
-    model.compile(optimizer=optimizer, loss=arch.losses())
+    steps = steps_per_epoch(len(samples), spec.train.batch_size, world.size)
+    optimizer = _build_optimizer(spec, total_steps=steps * spec.train.epochs, lr_scale=world.size)
+    model.compile(optimizer=world.wrap_optimizer(optimizer), loss=arch.losses())
 
     epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch_var)
     manager = tf.train.CheckpointManager(checkpoint, results_dir / "checkpoints", max_to_keep=spec.train.keep_checkpoints)
     if manager.latest_checkpoint:
-        _check_resume_compatible(results_dir, spec)
+        _check_resume_compatible(results_dir, spec, world.size)
         checkpoint.restore(manager.latest_checkpoint).expect_partial()
         log.info("resuming from %s at epoch %d/%d", manager.latest_checkpoint, int(epoch_var), spec.train.epochs)
-    initial_epoch = int(epoch_var.numpy())
+    initial_epoch = world.broadcast(int(epoch_var.numpy()), "initial_epoch")
     if initial_epoch > spec.train.epochs:
         raise QatpipeError(
             f"{results_dir}: the checkpoint is at epoch {initial_epoch}, beyond train.epochs={spec.train.epochs}"
@@ -143,25 +160,27 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     progress = ProgressLogger(steps, spec.train.epochs, spec.train.batch_size, spec.train.log_every_n_steps)
     started = time.perf_counter()
     if initial_epoch < spec.train.epochs:
-        dump_spec(spec, results_dir / SPEC_FILE)  # from here on, checkpoints belong to this spec
-        _drop_redone_epochs(results_dir / "training_log.csv", initial_epoch)
-        dataset, _ = train_dataset(samples, spec, arch, initial_epoch=initial_epoch)
+        if world.is_chief:
+            dump_spec(spec, results_dir / SPEC_FILE)  # from here on, checkpoints belong to this spec
+            write_json(results_dir / WORLD_FILE, {"processes": world.size})
+            _drop_redone_epochs(results_dir / "training_log.csv", initial_epoch)
+        dataset, _ = train_dataset(samples, spec, arch, initial_epoch=initial_epoch, shard=world.shard)
         log.info(
-            "training %s on %d images: epochs %d..%d, %d steps/epoch, batch %d, %s",
+            "training %s on %d images: epochs %d..%d, %d steps/epoch, batch %d%s, %s",
             model.name, len(samples), initial_epoch + 1, spec.train.epochs, steps, spec.train.batch_size,
+            f" x {world.size} processes (learning rate x {world.size})" if world.distributed else "",
             "mixed_float16" if amp else "float32",
         )
+        chief_callbacks = [
+            progress,
+            CheckpointEveryN(manager, epoch_var, spec.train.checkpoint_interval, spec.train.epochs),
+            keras.callbacks.TensorBoard(str(results_dir / "tensorboard"), update_freq="epoch", profile_batch=0),
+            keras.callbacks.CSVLogger(str(results_dir / "training_log.csv"), append=True),
+            *(extra_callbacks or []),
+        ]
         history = model.fit(
             dataset, epochs=spec.train.epochs, initial_epoch=initial_epoch, steps_per_epoch=steps,
-            verbose=0,
-            callbacks=[
-                progress,
-                CheckpointEveryN(manager, epoch_var, spec.train.checkpoint_interval, spec.train.epochs),
-                keras.callbacks.TensorBoard(str(results_dir / "tensorboard"), update_freq="epoch",
-                                            profile_batch=0),
-                keras.callbacks.CSVLogger(str(results_dir / "training_log.csv"), append=True),
-                *(extra_callbacks or []),
-            ],
+            verbose=0, callbacks=[*world.callbacks(), *(chief_callbacks if world.is_chief else [])],
         )
         final_losses = {k: float(v[-1]) for k, v in history.history.items()}
     else:  # finished, but stopped before the model was exported
@@ -170,7 +189,9 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
 
     # Save an uncompiled twin: no optimizer state or custom losses, so later stages load it plainly.
     export = keras.Model(model.inputs, model.outputs, name=model.name)
-    model_path = save_keras_model(export, results_dir / MODEL_FILE)
+    model_path = results_dir / MODEL_FILE
+    if world.is_chief:
+        model_path = save_keras_model(export, model_path)
     summary = {
         "model": str(model_path),
         "epochs": spec.train.epochs,
@@ -178,12 +199,16 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         "epochs_run": spec.train.epochs - initial_epoch,
         "train_images": len(samples),
         "steps_per_epoch": steps,
-        "images_per_second": round(progress.images_per_second, 2),
+        "images_per_second": round(progress.images_per_second * world.size, 2),  # the whole job's
+        "processes": world.size,
+        "epoch_seconds": progress.epoch_seconds,
         "wall_seconds": round(time.perf_counter() - started, 2),
         "params": int(model.count_params()),
         "final_losses": final_losses,
         "mixed_precision": amp,
     }
+    if not world.is_chief:
+        return summary
     write_json(summary_path, summary)
     _write_tracking_record(spec, results_dir, summary, stage_name)
     log.info("model saved: %s (%d params)", model_path, summary["params"])

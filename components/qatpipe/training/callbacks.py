@@ -20,6 +20,7 @@ class ProgressLogger(keras.callbacks.Callback):
         self.batch_size, self.every = batch_size, every_n_steps
         self.images = 0
         self.train_seconds = 0.0
+        self.epoch_seconds: list[float] = []  # the first includes tracing: benchmarks skip it
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch, self.epoch_start, self.window_start = epoch, time.perf_counter(), time.perf_counter()
@@ -36,6 +37,7 @@ class ProgressLogger(keras.callbacks.Callback):
         seconds = time.perf_counter() - self.epoch_start
         self.images += self.steps_per_epoch * self.batch_size
         self.train_seconds += seconds
+        self.epoch_seconds.append(round(seconds, 3))
         lr = self.model.optimizer.learning_rate
         lr = float(lr(self.model.optimizer.iterations)) if callable(lr) else float(lr)
         parts = "  ".join(f"{k} {v:.4f}" for k, v in logs.items() if k != "lr")
