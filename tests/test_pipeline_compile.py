@@ -108,8 +108,14 @@ def test_parameters(compiled):
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert {name: p["parameterType"] for name, p in params.items()} == {
         "spec_uri": "STRING", "spec_overrides": "LIST", "run_name": "STRING", "gpus": "NUMBER_INTEGER",
-        "image": "STRING", "node_selector": "STRUCT", "tolerations": "LIST", "credentials_secret": "STRING",
+        "workers": "NUMBER_INTEGER", "mpijob_api_version": "STRING", "training_image": "STRING",
+        "engine_image": "STRING", "node_selector": "STRUCT", "tolerations": "LIST", "credentials_secret": "STRING",
     }
+    # the image defaults are the names images/build.sh builds
+    from qatpipe_kfp.settings import IMAGES
+
+    assert params["training_image"]["defaultValue"] == IMAGES["training"]
+    assert params["engine_image"]["defaultValue"] == IMAGES["engine"]
     assert params["spec_uri"]["defaultValue"] == "default"
 
 
@@ -123,8 +129,9 @@ def test_gpu_requests_and_placement(compiled):
         if executor is None:
             continue
         container = executors[executor]["container"]
-        # every task runs on the image parameter
-        assert container["image"] == "{{$.inputs.parameters['pipelinechannel--image']}}", name
+        # TensorRT stages run on the engine image, every other task on the training image
+        image = "engine_image" if name.startswith(("build-engine", "validate-")) else "training_image"
+        assert container["image"] == f"{{{{$.inputs.parameters['pipelinechannel--{image}']}}}}", name
         accelerator = container.get("resources", {}).get("accelerator")
         if name in GPU_TASKS:
             assert accelerator["resourceType"] == "nvidia.com/gpu"
@@ -183,3 +190,23 @@ def test_repo_yaml_is_in_sync_with_the_code(compiled):
     path, _, _ = compiled
     assert REPO_YAML.read_text() == path.read_text(), (
         "pipelines/qat_pipeline.yaml is stale: run `qatpipe compile -o pipelines/qat_pipeline.yaml`")
+
+
+def test_train_and_retrain_get_the_scale_out_parameters(compiled):
+    _, spec, _ = compiled
+    tasks = _all_tasks(spec)
+    for name in ("train", "retrain-fp32", "retrain-qat"):
+        params = tasks[name]["inputs"]["parameters"]
+        for key in ("gpus", "workers", "mpijob_api_version", "training_image", "credentials_secret",
+                    "node_selector", "tolerations"):
+            assert params[key]["componentInputParameter"] == f"pipelinechannel--{key}", (name, key)
+
+
+def test_cache_pvc_tells_training_tasks_its_claim_for_mpijobs(tmp_path):
+    path = compile_pipeline(tmp_path / "p.yaml", cache_pvc="qatpipe-cache")
+    pipeline_spec, _ = yaml.safe_load_all(path.read_text())
+    executors = pipeline_spec["deploymentSpec"]["executors"]
+    tasks = _all_tasks(pipeline_spec)
+    executor = pipeline_spec["components"][tasks["train"]["componentRef"]["name"]]["executorLabel"]
+    env = {item["name"]: item["value"] for item in executors[executor]["container"].get("env", [])}
+    assert env["QATPIPE_CACHE_PVC"] == "qatpipe-cache" and env["QATPIPE_CACHE_DIR"] == "/var/cache/qatpipe"

@@ -12,6 +12,11 @@ from pathlib import Path
 
 STAGE_LOG_ENV = "QATPIPE_STAGE_LOG"  # set by `qatpipe run --local`: JSON lines of stage outcomes
 CACHE_DIR_ENV = "QATPIPE_CACHE_DIR"  # set by the pipeline when a PVC holds the dataset cache
+CACHE_PVC_ENV = "QATPIPE_CACHE_PVC"  # ... and that PVC's claim name, which MPIJobs mount as their shared volume
+# the credentials Secret's keys (the pipeline's SECRET_KEYS_TO_ENV), forwarded by name to MPIJob processes
+CREDENTIAL_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "MLFLOW_TRACKING_URI",
+                   "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+                   "MLFLOW_S3_ENDPOINT_URL")
 
 log = logging.getLogger("qatpipe")
 
@@ -63,6 +68,20 @@ def load_stage_spec(text: str):
     if cache_dir:
         spec.dataset.cache_dir = cache_dir
     return spec
+
+
+def cluster_settings(training_image: str, credentials_secret: str, node_selector: dict, tolerations: list,
+                     mpijob_api_version: str):
+    """Where a train / retrain MPIJob runs: this pod's image, Secret, placement, and its dataset-cache PVC as
+    the job's shared volume."""
+    from qatpipe.stages.scale_out import ClusterSettings
+
+    return ClusterSettings(
+        image=training_image, shared_pvc=os.environ.get(CACHE_PVC_ENV, ""),
+        shared_mount=os.environ.get(CACHE_DIR_ENV, ""), api_version=mpijob_api_version,
+        secret_env=credentials_secret or None, secret_env_keys=list(CREDENTIAL_KEYS),
+        node_selector=dict(node_selector or {}), tolerations=list(tolerations or []),
+    )
 
 
 def write_metrics(metrics_artifact, values: dict[str, float]) -> None:

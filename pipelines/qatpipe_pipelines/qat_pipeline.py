@@ -29,7 +29,8 @@ from qatpipe_kfp.ptq.component import ptq
 from qatpipe_kfp.resolve_spec.component import resolve_spec
 from qatpipe_kfp.register.component import register
 from qatpipe_kfp.retrain.component import retrain
-from qatpipe_kfp.settings import DEFAULT_IMAGE
+from qatpipe_kfp.runtime import CREDENTIAL_KEYS
+from qatpipe_kfp.settings import ENGINE_IMAGE, TRAINING_IMAGE
 from qatpipe_kfp.start_tracking.component import start_tracking
 from qatpipe_kfp.train.component import train
 from qatpipe_kfp.validate.component import validate
@@ -38,16 +39,7 @@ PIPELINE_NAME = "qatpipe"
 CACHE_MOUNT_PATH = "/var/cache/qatpipe"
 # env var -> key in the credentials Secret (manifests/ has its template). Every key is optional: an unused
 # service simply has no keys. Values never pass through pipeline parameters or logs.
-SECRET_KEYS_TO_ENV = {
-    "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
-    "AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL",
-    "MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI",
-    "MLFLOW_TRACKING_USERNAME": "MLFLOW_TRACKING_USERNAME",
-    "MLFLOW_TRACKING_PASSWORD": "MLFLOW_TRACKING_PASSWORD",
-    "MLFLOW_TRACKING_TOKEN": "MLFLOW_TRACKING_TOKEN",
-    "MLFLOW_S3_ENDPOINT_URL": "MLFLOW_S3_ENDPOINT_URL",
-}
+SECRET_KEYS_TO_ENV = {key: key for key in CREDENTIAL_KEYS}
 NETWORK_RETRIES = 3
 
 
@@ -58,18 +50,19 @@ class _TaskSettings:
     `cpu(task, network=..., per_run=..., reads_data=...)` or `gpu(task, reads_data=True)`.
     """
 
-    def __init__(self, image, secret, gpus, node_selector, tolerations, *, cache_pvc, network_retries,
-                 gpu_placement, code_version):
-        self.image, self.secret = image, secret
+    def __init__(self, image, engine_image, secret, gpus, node_selector, tolerations, *, cache_pvc,
+                 network_retries, gpu_placement, code_version):
+        self.image, self.engine_image, self.secret = image, engine_image, secret
         self.gpus, self.node_selector, self.tolerations = gpus, node_selector, tolerations
         self.cache_pvc, self.network_retries, self.gpu_placement = cache_pvc, network_retries, gpu_placement
         self.code_version = code_version
 
     def cpu(self, task: dsl.PipelineTask, *, network: bool = False, per_run: bool = False,
-            reads_data: bool = False) -> dsl.PipelineTask:
+            reads_data: bool = False, engine: bool = False) -> dsl.PipelineTask:
         """network: talks to S3 / MLflow, so retried; per_run: its result belongs to this run (MLflow ids,
-        a URI's current content), so never served from cache; reads_data: gets the dataset cache PVC."""
-        task.set_container_image(self.image)
+        a URI's current content), so never served from cache; reads_data: gets the dataset cache PVC;
+        engine: runs on the engine image (TensorRT) instead of the training image."""
+        task.set_container_image(self.engine_image if engine else self.image)
         if self.code_version:
             task.set_env_variable("QATPIPE_CODE_VERSION", self.code_version)
         kubernetes.use_secret_as_env(task, secret_name=self.secret, secret_key_to_env=SECRET_KEYS_TO_ENV,
@@ -81,10 +74,11 @@ class _TaskSettings:
         if reads_data and self.cache_pvc:
             kubernetes.mount_pvc(task, pvc_name=self.cache_pvc, mount_path=CACHE_MOUNT_PATH)
             task.set_env_variable("QATPIPE_CACHE_DIR", CACHE_MOUNT_PATH)
+            task.set_env_variable("QATPIPE_CACHE_PVC", self.cache_pvc)  # MPIJobs mount it too
         return task
 
-    def gpu(self, task: dsl.PipelineTask, reads_data: bool = True) -> dsl.PipelineTask:
-        self.cpu(task, reads_data=reads_data)
+    def gpu(self, task: dsl.PipelineTask, reads_data: bool = True, engine: bool = False) -> dsl.PipelineTask:
+        self.cpu(task, reads_data=reads_data, engine=engine)
         if self.gpu_placement:
             task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(self.gpus)
             kubernetes.add_node_selector_json(task, node_selector_json=self.node_selector)
@@ -121,7 +115,10 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         spec_overrides: List[str] = [],
         run_name: str = "",
         gpus: int = 1,
-        image: str = DEFAULT_IMAGE,
+        workers: int = 1,
+        mpijob_api_version: str = "v2beta1",
+        training_image: str = TRAINING_IMAGE,
+        engine_image: str = ENGINE_IMAGE,
         node_selector: dict = {},
         tolerations: list = [],
         credentials_secret: str = "qatpipe-credentials",
@@ -130,15 +127,20 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         spec_uri: bundled spec name (default, tiny), a path inside the image, or s3://bucket/key.
         spec_overrides: KEY=VALUE spec overrides, e.g. ["train.epochs=20"].
         run_name: name of the MLflow parent run (default "qatpipe").
-        gpus: GPUs per training / engine stage (nvidia.com/gpu).
-        image: the project image every stage runs on.
+        gpus: GPUs per training / engine stage (nvidia.com/gpu); train and retrain run one Horovod process
+            per GPU.
+        workers: nodes for train and retrain: above 1, each runs as an MPIJob of `workers` x `gpus` Horovod
+            processes (needs the mpi-operator, and the pipeline compiled with --cache-pvc for a shared volume).
+        mpijob_api_version: v2beta1 (mpi-operator) or v1 (Kubeflow Training Operator).
+        training_image: the image of every stage but build-engine and validate (images/build.sh).
+        engine_image: the image of build-engine and validate: TensorRT (images/build.sh).
         node_selector: node labels for GPU stages, e.g. {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}.
         tolerations: Kubernetes tolerations for GPU stages, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists",
             "effect": "NoSchedule"}].
         credentials_secret: Kubernetes Secret with the S3 / MLflow credentials (keys: SECRET_KEYS_TO_ENV).
         """
-        run = _TaskSettings(image, credentials_secret, gpus, node_selector, tolerations, cache_pvc=cache_pvc,
-                            network_retries=network_retries, gpu_placement=gpu_placement,
+        run = _TaskSettings(training_image, engine_image, credentials_secret, gpus, node_selector, tolerations,
+                            cache_pvc=cache_pvc, network_retries=network_retries, gpu_placement=gpu_placement,
                             code_version=code_version)
 
         # an exit task may not depend on other tasks: it finds the MLflow run by the KFP run id
@@ -155,7 +157,11 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             data = run.cpu(prepare_data(data_spec=specs.outputs["data_spec"]), network=True, reads_data=True)
             run.logged(data.outputs["dataset"], parent_run_id, "log-prepare-data")
 
-            trained = run.gpu(train(train_spec=specs.outputs["train_spec"], dataset=data.outputs["dataset"]))
+            scale_out = dict(gpus=gpus, workers=workers, mpijob_api_version=mpijob_api_version,
+                             training_image=training_image, credentials_secret=credentials_secret,
+                             node_selector=node_selector, tolerations=tolerations)
+            trained = run.gpu(train(train_spec=specs.outputs["train_spec"], dataset=data.outputs["dataset"],
+                                    **scale_out))
             run.logged(trained.outputs["model"], parent_run_id, "log-train")
 
             def evaluated(name: str, model) -> dsl.PipelineTask:
@@ -179,7 +185,7 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             retrained = {}
             for name, qat, view in (("fp32", False, "retrain_spec"), ("qat", True, "retrain_qat_spec")):
                 task = run.gpu(retrain(retrain_spec=specs.outputs[view], qat=qat, dataset=data.outputs["dataset"],
-                                       pruned=pruned.outputs["pruned"]))
+                                       pruned=pruned.outputs["pruned"], **scale_out))
                 task.set_display_name(f"retrain-{name}")
                 run.logged(task.outputs["model"], parent_run_id, f"log-retrain-{name}")
                 retrained[name] = task
@@ -198,12 +204,13 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             engines, validations = {}, {}
             for name, model in onnx_models.items():
                 built = run.gpu(build_engine(engine_spec=specs.outputs["engine_spec"], variant=name,
-                                             onnx_model=model), reads_data=False)
+                                             onnx_model=model), reads_data=False, engine=True)
                 built.set_display_name(f"build-engine-{name}")
                 run.logged(built.outputs["engine"], parent_run_id, f"log-build-engine-{name}")
                 checked = run.gpu(validate(validate_spec=specs.outputs["validate_spec"], variant=name,
                                            dataset=data.outputs["dataset"], engine=built.outputs["engine"],
-                                           onnx_model=model, baseline=evaluations["fp32"].outputs["results"]))
+                                           onnx_model=model, baseline=evaluations["fp32"].outputs["results"]),
+                              engine=True)
                 checked.set_display_name(f"validate-{name}")
                 run.logged(checked.outputs["results"], parent_run_id, f"log-validate-{name}")
                 engines[name], validations[name] = built, checked

@@ -1,4 +1,5 @@
-"""retrain: fine-tune the pruned detector, in FP32 or quantisation-aware (`qat`), like TAO's retrain."""
+"""retrain: fine-tune the pruned detector, in FP32 or quantisation-aware (`qat`), like TAO's retrain; one
+Horovod process per GPU, and with `workers` > 1 an MPIJob across nodes."""
 
 from kfp.dsl import Dataset, Input, Metrics, Model, Output
 
@@ -7,21 +8,26 @@ from qatpipe_kfp.settings import component
 
 @component
 def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input[Model], model: Output[Model],
-            metrics: Output[Metrics]):
+            metrics: Output[Metrics], gpus: int = 1, workers: int = 1, mpijob_api_version: str = "v2beta1",
+            training_image: str = "", credentials_secret: str = "", node_selector: dict = {},
+            tolerations: list = []):
     from pathlib import Path
 
     from qatpipe.data.prepare import spec_with_prepared_dataset
-    from qatpipe.stages.retrain import retrain as retrain_stage
+    from qatpipe.stages.scale_out import run_training_stage
     from qatpipe.tracking.records import numeric_leaves
-    from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics
+    from qatpipe_kfp.runtime import cluster_settings, load_stage_spec, stage, write_metrics
 
     variant = "qat" if qat else "fp32"
     with stage(f"retrain-{variant}"):
         spec = spec_with_prepared_dataset(load_stage_spec(retrain_spec), dataset.path)
         spec.qat.enabled = qat
         source = Path(pruned.path) / pruned.metadata.get("file", "model.keras")
-        summary = retrain_stage(spec, source, model.path)
+        cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
+                                   mpijob_api_version)
+        summary = run_training_stage("retrain", spec, model.path, pruned_model=source, processes_per_node=gpus,
+                                     nodes=workers, cluster=cluster)
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],
-                               "variant": variant})
+                               "variant": variant, "processes": summary.get("processes", 1)})
         write_metrics(metrics, numeric_leaves({key: summary[key] for key in (
             "params", "images_per_second", "wall_seconds", "final_losses")}))

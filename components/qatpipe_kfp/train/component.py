@@ -1,4 +1,5 @@
-"""train: train the unpruned detector (TAO `train`) on the prepared data set."""
+"""train: train the unpruned detector (TAO `train`) on the prepared data set; one Horovod process per GPU,
+and with `workers` > 1 an MPIJob across nodes."""
 
 from kfp.dsl import Dataset, Input, Metrics, Model, Output
 
@@ -6,15 +7,21 @@ from qatpipe_kfp.settings import component
 
 
 @component
-def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metrics: Output[Metrics]):
+def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metrics: Output[Metrics],
+          gpus: int = 1, workers: int = 1, mpijob_api_version: str = "v2beta1", training_image: str = "",
+          credentials_secret: str = "", node_selector: dict = {}, tolerations: list = []):
     from qatpipe.data.prepare import spec_with_prepared_dataset
-    from qatpipe.stages.train import train as train_stage
+    from qatpipe.stages.scale_out import run_training_stage
     from qatpipe.tracking.records import numeric_leaves
-    from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics
+    from qatpipe_kfp.runtime import cluster_settings, load_stage_spec, stage, write_metrics
 
     with stage("train"):
         spec = spec_with_prepared_dataset(load_stage_spec(train_spec), dataset.path)
-        summary = train_stage(spec, model.path)
-        model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"]})
+        cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
+                                   mpijob_api_version)
+        summary = run_training_stage("train", spec, model.path, processes_per_node=gpus, nodes=workers,
+                                     cluster=cluster)
+        model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],
+                               "processes": summary.get("processes", 1)})
         write_metrics(metrics, numeric_leaves({key: summary[key] for key in (
             "params", "images_per_second", "wall_seconds", "final_losses")}))

@@ -1,0 +1,12 @@
+"""Multi-node training on Kubernetes: MPIJob manifests for Horovod (mpijob.py) and running them (launcher.py)."""
+
+from qatpipe.cluster.mpijob import (
+    MpiJobRequest,
+    PvcMount,
+    Resources,
+    job_name,
+    mpijob_manifest,
+    validate_manifest,
+)
+
+__all__ = ["MpiJobRequest", "PvcMount", "Resources", "job_name", "mpijob_manifest", "validate_manifest"]

@@ -1,0 +1,379 @@
+"""Run an MPIJob to its end: create it, follow its conditions and its launcher's log, delete it.
+
+The MPIJob's status is read with a plain `get` every `poll_seconds` (no watch: simple, and it survives API
+server restarts without resourceVersion bookkeeping). The launcher pod is found by the `qatpipe.io/mpijob`
+and `qatpipe.io/mpijob-role` labels that mpijob.py puts on the pod templates (both operators copy template
+labels onto their pods); its log is re-read each poll and only lines not yet shown are logged.
+
+The RBAC the caller needs in the job's namespace: mpijobs (kubeflow.org) create, get, delete; pods list;
+pods/log get. Without the last two the job still runs, only its log is not shown.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from qatpipe.cluster.mpijob import API_VERSIONS, GROUP, JOB_LABEL, OPERATORS, PLURAL, ROLE_LABEL
+from qatpipe.errors import QatpipeError
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
+    from kubernetes.client.exceptions import ApiException
+
+log = logging.getLogger(__name__)
+
+TAIL_LINES = 20  # launcher log lines quoted when the job fails
+REQUEST_TIMEOUT = 60  # seconds for any single API call, so a stalled connection cannot hang the run
+_TRANSIENT = {0, 429, 500, 502, 503, 504}
+
+
+def load_api_client() -> ApiClient:
+    """A client for this pod's cluster (its ServiceAccount), else for the kube config's current context."""
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=configuration)
+        source = "in-cluster ServiceAccount"
+    except config.ConfigException as in_cluster:
+        try:
+            # KUBECONFIG read now: the client reads it once, when it is first imported
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None,
+                                    client_configuration=configuration)
+            source = "kube config"
+        except Exception as exc:  # ConfigException, or a missing / unreadable file
+            raise QatpipeError(
+                "no Kubernetes credentials: not running in a pod with a ServiceAccount "
+                f"({in_cluster}), and no usable kube config (KUBECONFIG or ~/.kube/config: {exc})") from exc
+    log.debug("Kubernetes API at %s (%s)", _safe_host(configuration.host), source)
+    return client.ApiClient(configuration)
+
+
+def _safe_host(url: str) -> str:
+    parts = urlsplit(url or "")
+    return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}" if parts.hostname else "?"
+
+
+def _server_message(exc: ApiException) -> str:
+    """The API server's own explanation (a Status object's message), short."""
+    body = exc.body.decode("utf-8", "replace") if isinstance(exc.body, bytes) else str(exc.body or "")
+    try:
+        message = json.loads(body).get("message") or ""
+    except (ValueError, AttributeError):
+        message = body.strip()
+    message = message or str(exc.reason or "")
+    return message if len(message) <= 300 else message[:297] + "..."
+
+
+def _rbac_error(verb: str, resource: str, group: str, namespace: str, exc: ApiException) -> QatpipeError:
+    api_group = group or '"" (core)'
+    return QatpipeError(
+        f"permission denied: the Kubernetes identity in use may not {verb} {resource} in namespace "
+        f"{namespace!r}. Grant it an RBAC Role with verbs [{verb}] on resources [{resource}] (apiGroups "
+        f"[{api_group}]) in {namespace!r} and bind it (server said: {_server_message(exc)})")
+
+
+class MpiJobLauncher:
+    """Create an MPIJob, follow it to Succeeded or Failed, and delete it."""
+
+    def __init__(self, api_client: ApiClient | None = None, namespace: str | None = None,
+                 api_version: str = "v2beta1", poll_seconds: float = 5.0):
+        from kubernetes import client
+
+        if api_version not in API_VERSIONS:
+            raise QatpipeError(f"api_version must be one of {', '.join(API_VERSIONS)}, got {api_version!r}")
+        self.api_client = api_client if api_client is not None else load_api_client()
+        self.namespace = namespace  # None: the manifest's metadata.namespace
+        self.api_version = api_version
+        self.poll_seconds = poll_seconds
+        self.custom = client.CustomObjectsApi(self.api_client)
+        self.core = client.CoreV1Api(self.api_client)
+
+    # --- public ---------------------------------------------------------------------------------------------
+
+    def run(self, manifest: dict[str, Any], timeout_seconds: float, keep: bool = False) -> dict[str, Any]:
+        """Create `manifest`, stream its launcher's log, and return the MPIJob's final status once it has
+        Succeeded. Raises QatpipeError when it fails, when `timeout_seconds` pass, or on API errors. The
+        MPIJob (and so its pods) is deleted at the end whatever happened, unless `keep` (for debugging)."""
+        name, namespace = self._target(manifest)
+        container = _launcher_container(manifest)
+        self._create(manifest, name, namespace)
+        try:
+            return self._follow(name, namespace, container, timeout_seconds)
+        finally:
+            if keep:
+                log.info("Keeping MPIJob %s/%s (keep=True): delete it with `kubectl delete mpijob %s -n %s`",
+                         namespace, name, name, namespace)
+            else:
+                self._delete(name, namespace)
+
+    # --- steps ----------------------------------------------------------------------------------------------
+
+    def _target(self, manifest: dict[str, Any]) -> tuple[str, str]:
+        want = f"{GROUP}/{self.api_version}"
+        if manifest.get("apiVersion") != want or manifest.get("kind") != "MPIJob":
+            raise QatpipeError(f"this launcher runs {want} MPIJobs, got {manifest.get('apiVersion')} "
+                               f"{manifest.get('kind')} (set api_version to match the manifest)")
+        metadata = manifest.get("metadata") or {}
+        name, namespace = metadata.get("name"), metadata.get("namespace")
+        if not name:
+            raise QatpipeError("the MPIJob manifest has no metadata.name")
+        if self.namespace and namespace and namespace != self.namespace:
+            raise QatpipeError(f"MPIJob {name}: manifest namespace {namespace!r} differs from the launcher's "
+                               f"{self.namespace!r}")
+        namespace = self.namespace or namespace
+        if not namespace:
+            raise QatpipeError(f"MPIJob {name}: no namespace (set metadata.namespace or the launcher's)")
+        return name, namespace
+
+    def _api(self, call, *args, **kwargs):
+        """One API call with a bounded time; an unreachable server becomes a QatpipeError."""
+        import urllib3
+
+        try:
+            return call(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+        except urllib3.exceptions.HTTPError as exc:
+            host = _safe_host(self.api_client.configuration.host)
+            raise QatpipeError(f"cannot reach the Kubernetes API at {host}: {type(exc).__name__}") from exc
+
+    def _create(self, manifest: dict[str, Any], name: str, namespace: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        spec = manifest.get("spec") or {}
+        replicas = spec.get("mpiReplicaSpecs") or {}
+        workers = (replicas.get("Worker") or {}).get("replicas")
+        log.info("Creating MPIJob %s/%s (%s/%s): %s worker(s) x %s slot(s)", namespace, name, GROUP,
+                 self.api_version, workers, spec.get("slotsPerWorker", 1))
+        try:
+            self._api(self.custom.create_namespaced_custom_object, GROUP, self.api_version, namespace, PLURAL,
+                      manifest)
+        except ApiException as exc:
+            if exc.status == 403:
+                raise _rbac_error("create", PLURAL, GROUP, namespace, exc) from None
+            if exc.status == 404:
+                message = _server_message(exc)
+                if 'namespaces "' in message:
+                    raise QatpipeError(f"MPIJob {name}: namespace {namespace!r} does not exist") from None
+                raise QatpipeError(
+                    f"MPIJob {name}: the API server does not know {PLURAL}.{GROUP}/{self.api_version}: the "
+                    f"MPIJob CRD of that version is not installed. Install {OPERATORS[self.api_version]}, or "
+                    f"pick the api_version the cluster has (kubectl get crd mpijobs.{GROUP} -o "
+                    f"jsonpath='{{.spec.versions[*].name}}')") from None
+            if exc.status == 409:
+                raise QatpipeError(
+                    f"an MPIJob named {name!r} already exists in namespace {namespace!r}: use another name "
+                    f"(job_name() adds a unique part) or delete it (kubectl delete mpijob {name} -n "
+                    f"{namespace})") from None
+            raise QatpipeError(f"MPIJob {namespace}/{name}: the API server refused it (HTTP {exc.status}): "
+                               f"{_server_message(exc)}") from None
+        log.info("Created MPIJob %s/%s", namespace, name)
+
+    def _get(self, name: str, namespace: str) -> dict[str, Any] | None:
+        """The MPIJob, or None after a transient error (the next poll tries again)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self._api(self.custom.get_namespaced_custom_object, GROUP, self.api_version, namespace,
+                             PLURAL, name)
+        except ApiException as exc:
+            if exc.status == 403:
+                raise _rbac_error("get", PLURAL, GROUP, namespace, exc) from None
+            if exc.status == 404:
+                raise QatpipeError(f"MPIJob {namespace}/{name} disappeared while running (deleted by someone "
+                                   "else?)") from None
+            if exc.status in _TRANSIENT:
+                log.warning("MPIJob %s/%s: reading its status failed (HTTP %s), retrying", namespace, name,
+                            exc.status)
+                return None
+            raise QatpipeError(f"MPIJob {namespace}/{name}: reading its status failed (HTTP {exc.status}): "
+                               f"{_server_message(exc)}") from None
+        except QatpipeError as exc:  # unreachable for a moment: the deadline still bounds the wait
+            log.warning("MPIJob %s/%s: %s, retrying", namespace, name, exc)
+            return None
+
+    def _follow(self, name: str, namespace: str, container: str, timeout_seconds: float) -> dict[str, Any]:
+        launcher_log = _LauncherLog(self, name, namespace, container)
+        progress = _Progress(name, namespace)
+        start = time.monotonic()
+        while True:
+            job = self._get(name, namespace)
+            elapsed = time.monotonic() - start
+            status = (job or {}).get("status") or {}
+            progress.update(status, elapsed)
+            finished = _true_condition(status, "Succeeded") or _true_condition(status, "Failed")
+            launcher_log.poll(final=finished is not None)
+            if finished is not None and finished["type"] == "Succeeded":
+                log.info("MPIJob %s/%s succeeded after %.0f s", namespace, name, elapsed)
+                return status
+            if finished is not None:
+                why = ": ".join(str(finished[k]) for k in ("reason", "message") if finished.get(k))
+                raise QatpipeError(f"MPIJob {namespace}/{name} failed after {elapsed:.0f} s: "
+                                   f"{why or 'no reason given'}" + launcher_log.tail_text())
+            if elapsed >= timeout_seconds:
+                launcher_log.poll(final=True)
+                raise QatpipeError(f"MPIJob {namespace}/{name} timed out after {timeout_seconds:g} s "
+                                   f"(last state: {progress.state or 'not started'})" + launcher_log.tail_text())
+            time.sleep(max(0.0, min(self.poll_seconds, timeout_seconds - elapsed)))
+
+    def _delete(self, name: str, namespace: str) -> None:
+        """Best effort, never raises: it runs in `finally`, where an error would hide the real one."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            # Background: the MPIJob goes at once (its name is free again); the GC removes its pods after
+            self._api(self.custom.delete_namespaced_custom_object, GROUP, self.api_version, namespace, PLURAL,
+                      name, propagation_policy="Background")
+            log.info("Deleted MPIJob %s/%s", namespace, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                log.info("MPIJob %s/%s was already deleted", namespace, name)
+            elif exc.status == 403:
+                log.warning("Could not delete MPIJob %s/%s: %s. Delete it by hand: kubectl delete mpijob %s "
+                            "-n %s", namespace, name, _rbac_error("delete", PLURAL, GROUP, namespace, exc), name,
+                            namespace)
+            else:
+                log.warning("Could not delete MPIJob %s/%s (HTTP %s: %s): kubectl delete mpijob %s -n %s",
+                            namespace, name, exc.status, _server_message(exc), name, namespace)
+        except QatpipeError as exc:
+            log.warning("Could not delete MPIJob %s/%s (%s): kubectl delete mpijob %s -n %s", namespace, name,
+                        exc, name, namespace)
+
+
+def _launcher_container(manifest: dict[str, Any]) -> str:
+    """The name of the launcher's main container (the one running mpirun), whose log is followed."""
+    try:
+        return manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["name"]
+    except (KeyError, IndexError, TypeError):
+        raise QatpipeError("the MPIJob manifest has no launcher container (spec.mpiReplicaSpecs.Launcher."
+                           "template.spec.containers[0].name); build it with mpijob_manifest()") from None
+
+
+def _true_condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == kind and str(condition.get("status")) == "True":
+            return condition
+    return None
+
+
+class _Progress:
+    """Logs each condition that becomes true (Created, Running, Restarting, ...) and replica counts."""
+
+    def __init__(self, name: str, namespace: str):
+        self.job = f"{namespace}/{name}"
+        self.seen: dict[str, tuple[str, str]] = {}
+        self.replicas = ""
+        self.state = ""
+
+    def update(self, status: dict[str, Any], elapsed: float) -> None:
+        for condition in status.get("conditions") or []:
+            kind, value = condition.get("type", "?"), str(condition.get("status"))
+            key = (value, condition.get("reason", ""))
+            if self.seen.get(kind) == key:
+                continue
+            self.seen[kind] = key
+            if value == "True":
+                self.state = kind
+                level = logging.WARNING if kind in ("Failed", "Restarting") else logging.INFO
+                log.log(level, "MPIJob %s: %s%s after %.0f s", self.job, kind,
+                        f" ({condition['reason']})" if condition.get("reason") else "", elapsed)
+        replicas = ", ".join(
+            f"{role}: " + " ".join(f"{n} {k}" for k, n in sorted(counts.items()) if isinstance(n, int) and n)
+            for role, counts in sorted((status.get("replicaStatuses") or {}).items()) if isinstance(counts, dict))
+        if replicas and replicas != self.replicas:
+            self.replicas = replicas
+            log.info("MPIJob %s: pods %s", self.job, replicas)
+
+
+class _LauncherLog:
+    """Follows the launcher pod's log: logs each complete line once, keeps the last TAIL_LINES."""
+
+    def __init__(self, launcher: MpiJobLauncher, name: str, namespace: str, container: str):
+        self.core = launcher.core
+        self.api = launcher._api
+        self.name, self.namespace, self.container = name, namespace, container
+        self.selector = f"{JOB_LABEL}={name},{ROLE_LABEL}=launcher"
+        self.source: tuple[str, int] | None = None  # (pod, restarts) whose log is being followed
+        self.shown = 0  # lines of that log already logged
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.warned: set[str] = set()
+
+    def poll(self, final: bool = False) -> None:
+        pod = self._launcher_pod()
+        if pod is None:
+            return
+        statuses = (pod.status.container_statuses if pod.status else None) or []
+        restarts = sum(s.restart_count or 0 for s in statuses if s.name == self.container)
+        source = (pod.metadata.name, restarts)  # a restarted container starts a new log
+        if source != self.source:
+            if self.source is not None:
+                log.info("[%s] launcher %s (restarts: %d): following the new log", self.name, *source)
+            self.source, self.shown = source, 0
+        text = self._read(source[0])
+        if text is None:
+            return
+        lines = text.split("\n")
+        # the last piece is a line still being written (or "" after a final newline): wait for its end
+        complete = lines if final and lines[-1] else lines[:-1]
+        for line in complete[self.shown:]:
+            line = line.rstrip("\r")
+            log.info("[%s] %s", self.name, line)
+            self.tail.append(line)
+        self.shown = max(self.shown, len(complete))
+
+    def tail_text(self) -> str:
+        if not self.tail:
+            return ""
+        return f"\nLast {len(self.tail)} launcher log line(s):\n  " + "\n  ".join(self.tail)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            log.warning("MPIJob %s/%s: %s", self.namespace, self.name, message)
+
+    def _launcher_pod(self):
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            pods = self.api(self.core.list_namespaced_pod, self.namespace, label_selector=self.selector).items
+        except ApiException as exc:
+            if exc.status == 403:
+                self._warn_once("list", "launcher log not shown: "
+                                + str(_rbac_error("list", "pods", "", self.namespace, exc)))
+            else:
+                log.debug("listing the launcher pod failed (HTTP %s)", exc.status)
+            return None
+        except QatpipeError as exc:
+            log.debug("listing the launcher pod failed: %s", exc)
+            return None
+
+        def age_order(pod):
+            created = pod.metadata.creation_timestamp
+            return (created is not None, created or 0, pod.metadata.name)
+
+        # a Job (v2beta1) may replace a failed launcher pod: follow the newest
+        return max(pods, key=age_order, default=None)
+
+    def _read(self, pod: str) -> str | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            # raw bytes: the client would otherwise json-decode a log that happens to be valid JSON
+            response = self.api(self.core.read_namespaced_pod_log, pod, self.namespace,
+                                container=self.container, _preload_content=False)
+            return response.data.decode("utf-8", "replace")
+        except ApiException as exc:
+            if exc.status == 403:
+                self._warn_once("log", "launcher log not shown: "
+                                + str(_rbac_error("get", "pods/log", "", self.namespace, exc)))
+            else:  # 400: container not started yet; 404: pod just replaced
+                log.debug("reading the launcher log failed (HTTP %s)", exc.status)
+            return None
+        except QatpipeError as exc:
+            log.debug("reading the launcher log failed: %s", exc)
+            return None

@@ -1,0 +1,162 @@
+"""Run the train / retrain stage at the scale asked for: one process, N Horovod processes on this host, or an
+MPIJob across nodes (what the KFP train and retrain components call).
+
+- 1 node, 1 process: the stage function, in this process.
+- 1 node, N processes: `qatpipe train|retrain ... --gpus N` (horovodrun in this pod).
+- W nodes (W > 1): an MPIJob of W workers with N processes each (mpi-operator, `kubeflow.org/v2beta1`, or the
+  Training Operator's `v1`). Its pods cannot see this pod's files, so the job works in a folder of the shared
+  dataset-cache volume (ReadWriteMany): the spec, the data set when it is a local folder, the pruned model and
+  the results go there, and the results come back to `results_dir` when the job succeeded. The folder is named
+  after the job's inputs: a retried pipeline task resumes from the checkpoints the failed job left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qatpipe.errors import QatpipeError
+from qatpipe.spec import ExperimentSpec, spec_to_yaml
+
+log = logging.getLogger(__name__)
+
+NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+@dataclass
+class ClusterSettings:
+    """Where and how an MPIJob runs (pipeline parameters, not experiment settings)."""
+
+    image: str
+    shared_pvc: str  # claim name of the ReadWriteMany volume mounted at shared_mount in this pod too
+    shared_mount: str
+    api_version: str = "v2beta1"
+    namespace: str | None = None  # None: this pod's namespace
+    secret_env: str | None = None  # the credentials Secret, given to the job's containers
+    secret_env_keys: list = field(default_factory=list)  # its keys: mpirun forwards them by name
+    node_selector: dict = field(default_factory=dict)
+    tolerations: list = field(default_factory=list)
+    timeout_seconds: int = 24 * 3600
+
+
+def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path, *, pruned_model: Path | None = None,
+                       processes_per_node: int = 1, nodes: int = 1,
+                       cluster: ClusterSettings | None = None) -> dict:
+    """Train (`stage` "train") or retrain (`stage` "retrain", from `pruned_model`) into `results_dir`;
+    returns the training summary."""
+    if stage not in ("train", "retrain"):
+        raise ValueError(stage)
+    if processes_per_node < 1 or nodes < 1:
+        raise QatpipeError(f"need at least 1 process and 1 node, got {processes_per_node} and {nodes}")
+    results_dir = Path(results_dir)
+    if nodes == 1 and processes_per_node == 1:
+        return _in_process(stage, spec, results_dir, pruned_model)
+    if nodes == 1:
+        return _on_this_host(stage, spec, results_dir, pruned_model, processes_per_node)
+    if cluster is None or not cluster.shared_pvc:
+        raise QatpipeError(f"{nodes} nodes: an MPIJob needs a shared ReadWriteMany volume for its data and "
+                           "results; compile the pipeline with --cache-pvc NAME (manifests/ makes qatpipe-cache)")
+    return _on_mpijob(stage, spec, results_dir, pruned_model, processes_per_node, nodes, cluster)
+
+
+def _in_process(stage, spec, results_dir, pruned_model) -> dict:
+    if stage == "train":
+        from qatpipe.stages.train import train
+
+        return train(spec, results_dir)
+    from qatpipe.stages.retrain import retrain
+
+    return retrain(spec, pruned_model, results_dir)
+
+
+def _command(stage: str, spec_path: Path, results_dir: Path, pruned_model: Path | None) -> list[str]:
+    args = [stage, "-e", str(spec_path), "-r", str(results_dir)]
+    return args + ["-m", str(pruned_model)] if stage == "retrain" else args
+
+
+def _summary(results_dir: Path) -> dict:
+    path = results_dir / "train_summary.json"
+    if not path.is_file():
+        raise QatpipeError(f"{results_dir}: the training processes ended without writing train_summary.json")
+    return json.loads(path.read_text())
+
+
+def _on_this_host(stage, spec, results_dir, pruned_model, processes) -> dict:
+    from qatpipe.training.distributed import launch
+
+    results_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="qatpipe-spec-") as folder:
+        spec_path = Path(folder) / "spec.yaml"  # qat.enabled and the resolved data paths travel in it
+        spec_path.write_text(spec_to_yaml(spec))
+        code = launch(processes, _command(stage, spec_path, results_dir, pruned_model) + ["--gpus", str(processes)])
+    if code != 0:
+        raise QatpipeError(f"{stage} on {processes} Horovod processes failed (exit code {code}); the log above "
+                           "shows each process's output")
+    return _summary(results_dir)
+
+
+def _job_folder_name(stage: str, spec: ExperimentSpec, pruned_model: Path | None, layout: str) -> str:
+    digest = hashlib.sha256(spec_to_yaml(spec).encode() + layout.encode())
+    if pruned_model is not None:
+        digest.update(Path(pruned_model).read_bytes())
+    return f"qatpipe-{stage}-{'qat-' if spec.qat.enabled else ''}{digest.hexdigest()[:10]}"
+
+
+def _stage_local_data(spec: ExperimentSpec, shared: Path) -> ExperimentSpec:
+    """Local train/val folders are copied next to the job (its pods mount only the shared volume); s3://
+    data stays where it is and the job's pods cache it on the shared volume."""
+    spec = spec.model_copy(deep=True)
+    for split in ("train", "val"):
+        where = getattr(spec.dataset, split)
+        if where is None or "://" in where:
+            continue
+        target = shared / "dataset" / split
+        if not target.is_dir():
+            shutil.copytree(where, target.with_name(f".{split}.partial"), dirs_exist_ok=True)
+            target.with_name(f".{split}.partial").rename(target)
+        setattr(spec.dataset, split, str(target))
+    spec.dataset.cache_dir = str(shared.parent / "dataset-cache")
+    return spec
+
+
+def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster: ClusterSettings) -> dict:
+    from qatpipe.cluster.launcher import MpiJobLauncher
+    from qatpipe.cluster.mpijob import MpiJobRequest, PvcMount, job_name, mpijob_manifest
+
+    name = _job_folder_name(stage, spec, pruned_model, f"{nodes}x{processes}")
+    shared = Path(cluster.shared_mount) / "jobs" / name
+    shared.mkdir(parents=True, exist_ok=True)
+    job_spec = _stage_local_data(spec, shared)
+    (shared / "spec.yaml").write_text(spec_to_yaml(job_spec))
+    job_model = None
+    if pruned_model is not None:
+        job_model = shared / "pruned.keras"
+        shutil.copyfile(pruned_model, job_model)
+    job_results = shared / "results"
+    namespace = cluster.namespace or (NAMESPACE_FILE.read_text().strip() if NAMESPACE_FILE.is_file() else None)
+    if not namespace:
+        raise QatpipeError("MPIJob: no namespace given and this pod's service account namespace is unreadable")
+    request = MpiJobRequest(
+        name=job_name(name, ""), namespace=namespace, image=cluster.image,
+        command=["qatpipe", *_command(stage, shared / "spec.yaml", job_results, job_model)],
+        workers=nodes, gpus_per_worker=processes, api_version=cluster.api_version,
+        secret_env=cluster.secret_env, secret_env_keys=list(cluster.secret_env_keys), pvc=PvcMount(cluster.shared_pvc, cluster.shared_mount),
+        node_selector=dict(cluster.node_selector), tolerations=list(cluster.tolerations),
+        timeout_seconds=cluster.timeout_seconds, env={"TF_USE_LEGACY_KERAS": "1"},
+    )
+    log.info("%s: MPIJob %s/%s, %d workers x %d processes, working in %s", stage, namespace, request.name, nodes,
+             processes, shared)
+    MpiJobLauncher(namespace=namespace, api_version=cluster.api_version).run(
+        mpijob_manifest(request), timeout_seconds=cluster.timeout_seconds)
+    summary = _summary(job_results)
+    shutil.copytree(job_results, results_dir, dirs_exist_ok=True)
+    log.info("%s: results of MPIJob %s copied to %s", stage, request.name, results_dir)
+    return summary
+
+
+__all__ = ["ClusterSettings", "run_training_stage"]

@@ -1,0 +1,109 @@
+"""The train / retrain stage at scale (qatpipe.stages.scale_out): the MPIJob path end to end.
+
+No Kubernetes cluster or MPI operator can run on this machine. The Kubernetes API is played by the HTTP server
+of played_kubernetes.py (reached through a real kube config file, as on a workstation); when the MPIJob is
+created, the test plays its pods: it runs the job's training command for real, as one process on this host
+instead of `mpirun` across nodes, then marks the job Succeeded. Everything else — staging the spec, data and
+results on the shared volume, the manifest, the launcher's polling and clean-up, copying the results back —
+is the product's code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from played_kubernetes import RUNNING, SUCCEEDED, FAILED, PlayedKubernetes, make_handler
+from qatpipe.errors import QatpipeError
+from qatpipe.stages.scale_out import ClusterSettings, run_training_stage
+
+SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "schemas"
+
+
+@pytest.fixture
+def played_cluster(tmp_path, monkeypatch):
+    """A played Kubernetes API that a kube config file points at; yields the PlayedKubernetes."""
+    kube = PlayedKubernetes([RUNNING], log="")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(kube))
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    config = {"apiVersion": "v1", "kind": "Config", "current-context": "played",
+              "clusters": [{"name": "played", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
+              "users": [{"name": "tester", "user": {"token": "not-a-secret"}}],
+              "contexts": [{"name": "played", "context": {"cluster": "played", "user": "tester"}}]}
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "")  # not in a pod: the launcher falls back to the kube config
+    yield kube
+    server.shutdown()
+    server.server_close()
+
+
+def _play_the_pods(kube: PlayedKubernetes, succeed: bool = True):
+    """on_create: run the launcher's training command (what follows mpirun's flags) as one local process."""
+
+    def run(job: dict) -> None:
+        container = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+        command = container.get("command", []) + container.get("args", [])
+        training = command[command.index("qatpipe") + 1:]
+        kube.ran = training
+        done = subprocess.run([sys.executable, "-m", "qatpipe.cli", *training], capture_output=True, text=True,
+                              env={**os.environ, "TF_USE_LEGACY_KERAS": "1"}) if succeed else None
+        with kube.lock:
+            kube.log = (done.stderr if done else "") + "training process exited\n"
+            kube.script = [SUCCEEDED if succeed and done.returncode == 0 else FAILED]
+
+    kube.on_create = run
+
+
+@pytest.mark.slow
+def test_train_on_an_mpijob_stages_data_on_the_shared_volume_and_brings_the_results_back(
+        played_cluster, tiny_spec, tmp_path):
+    from qatpipe.cluster import validate_manifest
+
+    _play_the_pods(played_cluster)
+    spec = tiny_spec("train.epochs=1")
+    shared = tmp_path / "shared"
+    cluster = ClusterSettings(image="registry.local/qatpipe-training:test", shared_pvc="qatpipe-cache",
+                              shared_mount=str(shared), namespace="ml", secret_env="qatpipe-credentials",
+                              secret_env_keys=["AWS_ACCESS_KEY_ID"], timeout_seconds=300)
+    results = tmp_path / "results"
+    summary = run_training_stage("train", spec, results, processes_per_node=2, nodes=3, cluster=cluster)
+
+    assert (results / "model.keras").is_file() and summary["epochs"] == 1
+    [job] = played_cluster.created
+    assert job["apiVersion"] == "kubeflow.org/v2beta1" and job["metadata"]["namespace"] == "ml"
+    assert job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 3 and job["spec"]["slotsPerWorker"] == 2
+    if SCHEMAS.is_dir():
+        validate_manifest(job, SCHEMAS / "mpi-operator-v0.8.2" / "kubeflow.org_mpijobs.yaml")
+    assert played_cluster.deleted and played_cluster.deleted[0][0] == job["metadata"]["name"]
+    # the job worked on the shared volume only: its spec names the copied data there
+    [folder] = (shared / "jobs").iterdir()
+    job_spec = yaml.safe_load((folder / "spec.yaml").read_text())
+    assert job_spec["dataset"]["train"] == str(folder / "dataset" / "train")
+    assert len(list((folder / "dataset" / "train" / "labels").iterdir())) == len(
+        list((Path(spec.dataset.train) / "labels").iterdir()))
+    assert played_cluster.ran[:4] == ["train", "-e", str(folder / "spec.yaml"), "-r"]
+    assert json.loads((results / "train_summary.json").read_text())["model"].startswith(str(folder))
+
+
+def test_a_failed_mpijob_is_an_error_and_leaves_no_results(played_cluster, tiny_spec, tmp_path):
+    _play_the_pods(played_cluster, succeed=False)
+    cluster = ClusterSettings(image="x:1", shared_pvc="qatpipe-cache", shared_mount=str(tmp_path / "shared"),
+                              namespace="ml", api_version="v1", timeout_seconds=60)
+    with pytest.raises(QatpipeError, match="BackoffLimitExceeded"):
+        run_training_stage("train", tiny_spec(), tmp_path / "results", nodes=2, cluster=cluster)
+    assert not (tmp_path / "results").exists()
+    assert played_cluster.created[0]["apiVersion"] == "kubeflow.org/v1" and played_cluster.deleted
+
+
+def test_several_nodes_without_a_shared_volume_is_a_clear_error(tiny_spec, tmp_path):
+    with pytest.raises(QatpipeError, match="--cache-pvc"):
+        run_training_stage("train", tiny_spec(), tmp_path, nodes=2, cluster=None)
