@@ -157,7 +157,9 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         log.info("%s: already trained for %d epochs; nothing to do", results_dir, initial_epoch)
         return json.loads(summary_path.read_text())
 
-    progress = ProgressLogger(steps, spec.train.epochs, spec.train.batch_size, spec.train.log_every_n_steps)
+    # the job's images per step: every process takes a batch (rank 0 logs the whole job's throughput)
+    progress = ProgressLogger(steps, spec.train.epochs, spec.train.batch_size * world.size,
+                              spec.train.log_every_n_steps)
     started = time.perf_counter()
     if initial_epoch < spec.train.epochs:
         if world.is_chief:
@@ -199,7 +201,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         "epochs_run": spec.train.epochs - initial_epoch,
         "train_images": len(samples),
         "steps_per_epoch": steps,
-        "images_per_second": round(progress.images_per_second * world.size, 2),  # the whole job's
+        "images_per_second": round(progress.images_per_second, 2),  # the whole job's
         "processes": world.size,
         "epoch_seconds": progress.epoch_seconds,
         "wall_seconds": round(time.perf_counter() - started, 2),
