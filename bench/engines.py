@@ -1,6 +1,6 @@
 """Benchmark: ONNX Runtime engines of the FP32, PTQ INT8 and QAT INT8 models, one harness, one run.
 
-    python bench/engines.py --run DIR [--batch-sizes 1 8] [--iterations 50] [--min-seconds 5]
+    python bench/engines.py --run DIR [--batch-sizes 1 8] [--iterations 50] [--min-seconds 5] [--profile]
 
 DIR is a `qatpipe run --local` output folder (for instance bench/pipeline_local.py's WORK/run): the script
 takes the newest run's three ONNX models, builds each into an ONNX Runtime engine (`qatpipe build-engine
@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--min-seconds", type=float, default=5.0)
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: all cores)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print where each engine spends its time at the largest batch (ORT profiler)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -76,6 +78,9 @@ def main() -> None:
         results[variant] = {"precision": info["precision"], "engine_size_mb": info["engine_size_mb"],
                             "fused_ops": _fused_ops(engine_dir / "model.onnx"), "batches": rows,
                             "map50": scored["map50"]}
+        if args.profile:
+            batch = rng.uniform(size=(max(args.batch_sizes), size.height, size.width, 3)).astype(np.float32)
+            results[variant]["profile"] = _profile(engine_dir / "model.onnx", batch, args.threads)
     largest = max(args.batch_sizes)
     fp32 = results["fp32"]["batches"][largest]["latency_ms_p50"]
     report = {
@@ -96,6 +101,13 @@ def main() -> None:
         print(f"| {variant} | {cells} | {r['batches'][largest]['throughput']:.1f} | "
               f"{report['speedup_vs_fp32_at_largest_batch'][variant]:.2f}x | {r['fused_ops']} | "
               f"{r['engine_size_mb']:.2f} | {r['map50']:.4f} |")
+    if args.profile:
+        print(f"\nwhere the time goes at batch {largest} (ORT profiler, kernel time per node, top 4):")
+        for variant, r in results.items():
+            total = r["profile"]["total_ms"]
+            top = "; ".join(f"{n['op']} {n['shape']} {n['ms']:.2f} ms ({n['ms'] / total:.0%})"
+                            for n in r["profile"]["nodes"][:4])
+            print(f"- {variant} ({total:.1f} ms in kernels): {top}")
     print(f"\nfigures: {args.run / 'bench_engines.json'}")
 
 
@@ -111,6 +123,36 @@ def _onnx_models(run_dir: Path) -> dict[str, Path]:
         kind = "qat" if "QAT" in json.loads(report.read_text())["quantization"] else "fp32"
         found[kind] = report.with_name("model.onnx")
     return found
+
+
+def _profile(model_path: Path, batch: np.ndarray, threads: int, warmup: int = 3, runs: int = 20) -> dict:
+    """Mean kernel time per node over `runs` runs after `warmup`, from ONNX Runtime's own profiler."""
+    import collections
+    import tempfile
+
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    if threads:
+        options.intra_op_num_threads = threads
+    with tempfile.TemporaryDirectory() as folder:
+        options.profile_file_prefix = str(Path(folder) / "profile")
+        session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        name = session.get_inputs()[0].name
+        for _ in range(warmup + runs):
+            session.run(None, {name: batch})
+        events = json.loads(Path(session.end_profiling()).read_text())
+    durations: dict[tuple, list[float]] = collections.defaultdict(list)  # one entry per run, in run order
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            shape = next(iter(event["args"].get("output_type_shape", [{}])[0].values()), [])
+            key = (event["name"], event["args"]["op_name"], "x".join(map(str, shape)))
+            durations[key].append(event["dur"] / 1000)
+    per_node = {key: float(np.mean(times[warmup:])) for key, times in durations.items()}
+    nodes = [{"op": op, "shape": shape, "ms": round(ms, 3)}
+             for (_, op, shape), ms in sorted(per_node.items(), key=lambda item: -item[1])]
+    return {"total_ms": round(sum(per_node.values()), 3), "nodes": nodes}
 
 
 def _fused_ops(model_path: Path) -> str:
