@@ -61,8 +61,9 @@ def test_missing_arguments_exit_with_usage(argv):
 
 
 @pytest.mark.parametrize("command", [["train", "-r", "x"], ["retrain", "-m", "pruned.keras", "-r", "x"]])
-def test_gpus_below_one_is_refused_before_anything_runs(command, caplog, tmp_path):
+def test_gpus_below_one_is_refused_before_anything_runs(command, capsys):
     argv = [command[0], "-e", "tiny", *command[1:], "--gpus", "0"]
-    with caplog.at_level(logging.ERROR):
-        assert main(argv) == 2
-    assert "--gpus 0: need at least 1" in caplog.text
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "argument --gpus: 0: need at least 1" in capsys.readouterr().err

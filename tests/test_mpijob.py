@@ -317,6 +317,17 @@ def test_existing_job_is_reported_and_left_alone(played_api):
     assert kube.deleted == [] and manifest["metadata"]["name"] in kube.jobs
 
 
+def test_replace_existing_deletes_an_earlier_attempts_job_and_creates_it_again(played_api, caplog):
+    kube, client = played_api()
+    manifest = mpijob_manifest(request())
+    name = manifest["metadata"]["name"]
+    kube.jobs[name] = copy.deepcopy(manifest)  # left running by a killed attempt of the same work
+    with caplog.at_level(logging.WARNING):
+        launcher_for(client).run(manifest, timeout_seconds=10, replace_existing=True)
+    assert [deleted for deleted, _ in kube.deleted] == [name, name]  # the stale one, then ours when done
+    assert len(kube.created) == 1 and "exists (an earlier attempt): deleting it" in caplog.text
+
+
 def test_manifest_of_another_version_is_refused(played_api):
     _, client = played_api()
     with pytest.raises(QatpipeError, match="runs kubeflow.org/v1 MPIJobs"):

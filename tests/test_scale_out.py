@@ -54,6 +54,9 @@ def _play_the_pods(kube: PlayedKubernetes, succeed: bool = True):
         command = container.get("command", []) + container.get("args", [])
         training = command[command.index("qatpipe") + 1:]
         kube.ran = training
+        spec_path = Path(training[training.index("-e") + 1])  # what the job finds on the shared volume
+        kube.staged_spec = yaml.safe_load(spec_path.read_text())
+        kube.staged_labels = len(list((spec_path.parent / "dataset" / "train" / "labels").iterdir()))
         done = subprocess.run([sys.executable, "-m", "qatpipe.cli", *training], capture_output=True, text=True,
                               env={**os.environ, "TF_USE_LEGACY_KERAS": "1"}) if succeed else None
         with kube.lock:
@@ -84,14 +87,13 @@ def test_train_on_an_mpijob_stages_data_on_the_shared_volume_and_brings_the_resu
     if SCHEMAS.is_dir():
         validate_manifest(job, SCHEMAS / "mpi-operator-v0.8.2" / "kubeflow.org_mpijobs.yaml")
     assert played_cluster.deleted and played_cluster.deleted[0][0] == job["metadata"]["name"]
-    # the job worked on the shared volume only: its spec names the copied data there
-    [folder] = (shared / "jobs").iterdir()
-    job_spec = yaml.safe_load((folder / "spec.yaml").read_text())
-    assert job_spec["dataset"]["train"] == str(folder / "dataset" / "train")
-    assert len(list((folder / "dataset" / "train" / "labels").iterdir())) == len(
-        list((Path(spec.dataset.train) / "labels").iterdir()))
-    assert played_cluster.ran[:4] == ["train", "-e", str(folder / "spec.yaml"), "-r"]
+    # the job worked on the shared volume only: its spec names the data copied there
+    folder = Path(played_cluster.ran[2]).parent
+    assert folder.parent == shared / "jobs" and played_cluster.ran[:2] == ["train", "-e"]
+    assert played_cluster.staged_spec["dataset"]["train"] == str(folder / "dataset" / "train")
+    assert played_cluster.staged_labels == len(list((Path(spec.dataset.train) / "labels").iterdir()))
     assert json.loads((results / "train_summary.json").read_text())["model"].startswith(str(folder))
+    assert not folder.exists()  # succeeded: the results came back and the job's folder is gone
 
 
 def test_a_failed_mpijob_is_an_error_and_leaves_no_results(played_cluster, tiny_spec, tmp_path):
@@ -102,6 +104,7 @@ def test_a_failed_mpijob_is_an_error_and_leaves_no_results(played_cluster, tiny_
         run_training_stage("train", tiny_spec(), tmp_path / "results", nodes=2, cluster=cluster)
     assert not (tmp_path / "results").exists()
     assert played_cluster.created[0]["apiVersion"] == "kubeflow.org/v1" and played_cluster.deleted
+    assert len(list((tmp_path / "shared" / "jobs").iterdir())) == 1  # kept: a retry resumes from it
 
 
 def test_several_nodes_without_a_shared_volume_is_a_clear_error(tiny_spec, tmp_path):

@@ -48,8 +48,15 @@ def cmd_data_synth(args) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: need at least 1")
+    return value
+
+
 def _add_horovod_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpus", type=int, default=1, metavar="N",
+    parser.add_argument("--gpus", type=_at_least_one, default=1, metavar="N",
                         help="data-parallel Horovod processes on this host, one per GPU (TAO's --gpus); "
                              "without GPUs, N CPU processes")
     parser.add_argument("--horovod-controller", choices=("gloo", "mpi"), default="gloo",
@@ -61,8 +68,6 @@ def _horovod_launch(args) -> int | None:
     process should train itself (a single process, or one of the N)."""
     from qatpipe.training.distributed import launch, launched_by_horovod
 
-    if args.gpus < 1:
-        raise QatpipeError(f"--gpus {args.gpus}: need at least 1")
     if args.gpus == 1 or launched_by_horovod():
         return None
     return launch(args.gpus, args.argv, args.horovod_controller)
@@ -71,9 +76,10 @@ def _horovod_launch(args) -> int | None:
 def cmd_train(args) -> int:
     from qatpipe.stages.train import train
 
+    spec = _load(args)  # once, before any Horovod processes: they find the data set it may generate
     if (code := _horovod_launch(args)) is not None:
         return code
-    summary = train(_load(args), args.results_dir, use_amp=True if args.use_amp else None)
+    summary = train(spec, args.results_dir, use_amp=True if args.use_amp else None)
     log.info("training done: %s", json.dumps({k: summary[k] for k in ("model", "images_per_second", "wall_seconds")}))
     return 0
 
@@ -115,9 +121,9 @@ def cmd_prune(args) -> int:
 def cmd_retrain(args) -> int:
     from qatpipe.stages.retrain import retrain
 
+    spec = _load(args)  # once, before any Horovod processes: they find the data set it may generate
     if (code := _horovod_launch(args)) is not None:
         return code
-    spec = _load(args)
     if args.qat:
         spec.qat.enabled = True
     summary = retrain(spec, args.model, args.results_dir, use_amp=True if args.use_amp else None)

@@ -79,6 +79,13 @@ def _rbac_error(verb: str, resource: str, group: str, namespace: str, exc: ApiEx
         f"[{api_group}]) in {namespace!r} and bind it (server said: {_server_message(exc)})")
 
 
+class MpiJobExists(QatpipeError):
+    """An MPIJob of that name is already there."""
+
+
+GONE_TIMEOUT = 300.0  # seconds to wait for a replaced job's deletion
+
+
 class MpiJobLauncher:
     """Create an MPIJob, follow it to Succeeded or Failed, and delete it."""
 
@@ -97,13 +104,24 @@ class MpiJobLauncher:
 
     # --- public ---------------------------------------------------------------------------------------------
 
-    def run(self, manifest: dict[str, Any], timeout_seconds: float, keep: bool = False) -> dict[str, Any]:
+    def run(self, manifest: dict[str, Any], timeout_seconds: float, keep: bool = False,
+            replace_existing: bool = False) -> dict[str, Any]:
         """Create `manifest`, stream its launcher's log, and return the MPIJob's final status once it has
         Succeeded. Raises QatpipeError when it fails, when `timeout_seconds` pass, or on API errors. The
-        MPIJob (and so its pods) is deleted at the end whatever happened, unless `keep` (for debugging)."""
+        MPIJob (and so its pods) is deleted at the end whatever happened, unless `keep` (for debugging).
+        `replace_existing`: a job of the same name (left by an earlier attempt of the same work) is deleted
+        first instead of being an error."""
         name, namespace = self._target(manifest)
         container = _launcher_container(manifest)
-        self._create(manifest, name, namespace)
+        try:
+            self._create(manifest, name, namespace)
+        except MpiJobExists:
+            if not replace_existing:
+                raise
+            log.warning("MPIJob %s/%s exists (an earlier attempt): deleting it and starting again", namespace, name)
+            self._delete(name, namespace)
+            self._wait_gone(name, namespace, timeout_seconds=min(timeout_seconds, GONE_TIMEOUT))
+            self._create(manifest, name, namespace)
         try:
             return self._follow(name, namespace, container, timeout_seconds)
         finally:
@@ -142,6 +160,22 @@ class MpiJobLauncher:
             host = _safe_host(self.api_client.configuration.host)
             raise QatpipeError(f"cannot reach the Kubernetes API at {host}: {type(exc).__name__}") from exc
 
+    def _wait_gone(self, name: str, namespace: str, timeout_seconds: float) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            try:
+                self._api(self.custom.get_namespaced_custom_object, GROUP, self.api_version, namespace, PLURAL,
+                          name)
+            except ApiException as exc:
+                if exc.status == 404:
+                    return
+            if time.monotonic() > deadline:
+                raise QatpipeError(f"MPIJob {namespace}/{name}: still there {timeout_seconds:.0f} s after its "
+                                   "deletion; delete it by hand (kubectl delete mpijob) and retry")
+            time.sleep(self.poll_seconds)
+
     def _create(self, manifest: dict[str, Any], name: str, namespace: str) -> None:
         from kubernetes.client.exceptions import ApiException
 
@@ -166,7 +200,7 @@ class MpiJobLauncher:
                     f"pick the api_version the cluster has (kubectl get crd mpijobs.{GROUP} -o "
                     f"jsonpath='{{.spec.versions[*].name}}')") from None
             if exc.status == 409:
-                raise QatpipeError(
+                raise MpiJobExists(
                     f"an MPIJob named {name!r} already exists in namespace {namespace!r}: use another name "
                     f"(job_name() adds a unique part) or delete it (kubectl delete mpijob {name} -n "
                     f"{namespace})") from None
@@ -320,6 +354,9 @@ class _LauncherLog:
         lines = text.split("\n")
         # the last piece is a line still being written (or "" after a final newline): wait for its end
         complete = lines if final and lines[-1] else lines[:-1]
+        if len(complete) < self.shown:  # the kubelet rotated the log: what is there now is all new
+            log.info("[%s] launcher log rotated: following it from its new start", self.name)
+            self.shown = 0
         for line in complete[self.shown:]:
             line = line.rstrip("\r")
             log.info("[%s] %s", self.name, line)

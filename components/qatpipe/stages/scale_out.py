@@ -12,10 +12,12 @@ MPIJob across nodes (what the KFP train and retrain components call).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import shutil
+import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,12 +153,33 @@ def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster
     )
     log.info("%s: MPIJob %s/%s, %d workers x %d processes, working in %s", stage, namespace, request.name, nodes,
              processes, shared)
-    MpiJobLauncher(namespace=namespace, api_version=cluster.api_version).run(
-        mpijob_manifest(request), timeout_seconds=cluster.timeout_seconds)
+    launcher = MpiJobLauncher(namespace=namespace, api_version=cluster.api_version)
+    with _sigterm_as_exit():  # a cancelled or evicted task still deletes its job (the launcher's `finally`)
+        # the job's name is its folder's: a job left by an earlier attempt of this work is replaced, and the
+        # new one resumes from the checkpoints in the folder
+        launcher.run(mpijob_manifest(request), timeout_seconds=cluster.timeout_seconds, replace_existing=True)
     summary = _summary(job_results)
     shutil.copytree(job_results, results_dir, dirs_exist_ok=True)
+    shutil.rmtree(shared, ignore_errors=True)  # done: only a failed job's folder stays, for the retry
     log.info("%s: results of MPIJob %s copied to %s", stage, request.name, results_dir)
     return summary
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """Kubernetes stops a pod with SIGTERM: turn it into SystemExit so `finally` blocks run."""
+    def stop(signum, frame):
+        raise SystemExit(f"stopped by signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 __all__ = ["ClusterSettings", "run_training_stage"]

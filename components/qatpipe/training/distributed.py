@@ -28,8 +28,6 @@ log = logging.getLogger(__name__)
 # set by the launchers in every process they start: horovodrun (Gloo) and mpirun (Open MPI, in MPIJobs)
 _RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 _SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-# marks the processes `launch` started, so they do not launch again
-CHILD_MARKER = "QATPIPE_HOROVOD_CHILD"
 
 
 def launched_by_horovod() -> bool:
@@ -68,7 +66,7 @@ def launch(processes: int, argv: list[str], controller: str = "gloo") -> int:
                     processes, processes)
     command = horovodrun_command(processes, argv, controller)
     log.info("starting %d Horovod processes (%s): %s", processes, controller, " ".join(command[:6]))
-    env = {**os.environ, CHILD_MARKER: "1", "TF_USE_LEGACY_KERAS": "1"}
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1"}  # the processes know they are children: HOROVOD_SIZE
     return subprocess.run(command, env=env, check=False).returncode
 
 
@@ -178,4 +176,4 @@ def init_world() -> World:
     return world
 
 
-__all__ = ["World", "init_world", "launch", "launched_by_horovod", "horovodrun_command", "CHILD_MARKER"]
+__all__ = ["World", "init_world", "launch", "launched_by_horovod", "horovodrun_command"]
