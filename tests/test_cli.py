@@ -67,3 +67,9 @@ def test_gpus_below_one_is_refused_before_anything_runs(command, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert "argument --gpus: 0: need at least 1" in capsys.readouterr().err
+
+
+def test_compile_mpijob_needs_the_shared_volume(tmp_path, caplog):
+    with caplog.at_level(logging.ERROR):
+        assert main(["compile", "-o", str(tmp_path / "p.yaml"), "--mpijob"]) == 2
+    assert "--mpijob needs --cache-pvc" in caplog.text and not (tmp_path / "p.yaml").exists()

@@ -87,12 +87,18 @@ def test_gpus_on_one_host_runs_horovod_processes_and_a_resume_must_use_the_same_
 
     # extending the run on one process would change the learning rate and the schedule under it
     data = Path(spec.dataset.train).parent
-    again = subprocess.run(
-        [sys.executable, "-m", "qatpipe.cli", "train", "-e", "tiny", "--set", f"dataset.train={data / 'train'}",
-         "--set", f"dataset.val={data / 'val'}", "--set", "train.epochs=2", "-r", str(tmp_path / "run")],
-        env=_env(), capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-m", "qatpipe.cli", "train", "-e", "tiny", "--set", f"dataset.train={data / 'train'}",
+               "--set", f"dataset.val={data / 'val'}", "-r", str(tmp_path / "run")]
+    again = subprocess.run(command + ["--set", "train.epochs=2"], env=_env(), capture_output=True, text=True,
+                           timeout=300)
     assert again.returncode == 2
     assert "run on 2 process(es); resume it with --gpus 2" in again.stderr
+
+    # a finished run is only read back: one process may do that
+    read_back = subprocess.run(command + ["--set", "train.epochs=1"], env=_env(), capture_output=True, text=True,
+                               timeout=300)
+    assert read_back.returncode == 0, read_back.stderr[-2000:]
+    assert "already trained for 1 epochs; nothing to do" in read_back.stderr
 
 
 def test_single_process_world_is_rank_zero_and_changes_nothing():

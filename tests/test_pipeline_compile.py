@@ -210,3 +210,17 @@ def test_cache_pvc_tells_training_tasks_its_claim_for_mpijobs(tmp_path):
     executor = pipeline_spec["components"][tasks["train"]["componentRef"]["name"]]["executorLabel"]
     env = {item["name"]: item["value"] for item in executors[executor]["container"].get("env", [])}
     assert env["QATPIPE_CACHE_PVC"] == "qatpipe-cache" and env["QATPIPE_CACHE_DIR"] == "/var/cache/qatpipe"
+
+
+def test_mpijob_option_runs_training_as_mpijobs_from_tasks_without_gpus(tmp_path):
+    path = compile_pipeline(tmp_path / "p.yaml", cache_pvc="qatpipe-cache", mpijob=True)
+    pipeline_spec, _ = yaml.safe_load_all(path.read_text())
+    executors = pipeline_spec["deploymentSpec"]["executors"]
+    tasks = _all_tasks(pipeline_spec)
+    for name in ("train", "retrain-fp32", "retrain-qat"):
+        assert tasks[name]["inputs"]["parameters"]["mpijob"]["runtimeValue"]["constant"] is True
+        executor = pipeline_spec["components"][tasks[name]["componentRef"]["name"]]["executorLabel"]
+        assert "accelerator" not in executors[executor]["container"].get("resources", {}), name
+    # the other GPU stages keep their GPUs
+    executor = pipeline_spec["components"][tasks["evaluate-qat"]["componentRef"]["name"]]["executorLabel"]
+    assert executors[executor]["container"]["resources"]["accelerator"]["resourceType"] == "nvidia.com/gpu"

@@ -84,6 +84,9 @@ def test_train_on_an_mpijob_stages_data_on_the_shared_volume_and_brings_the_resu
     [job] = played_cluster.created
     assert job["apiVersion"] == "kubeflow.org/v2beta1" and job["metadata"]["namespace"] == "ml"
     assert job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 3 and job["spec"]["slotsPerWorker"] == 2
+    worker = job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert worker["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
+                                   "limits": {"memory": "32Gi", "nvidia.com/gpu": "2"}}
     if SCHEMAS.is_dir():
         validate_manifest(job, SCHEMAS / "mpi-operator-v0.8.2" / "kubeflow.org_mpijobs.yaml")
     assert played_cluster.deleted and played_cluster.deleted[0][0] == job["metadata"]["name"]
@@ -101,9 +104,12 @@ def test_a_failed_mpijob_is_an_error_and_leaves_no_results(played_cluster, tiny_
     cluster = ClusterSettings(image="x:1", shared_pvc="qatpipe-cache", shared_mount=str(tmp_path / "shared"),
                               namespace="ml", api_version="v1", timeout_seconds=60)
     with pytest.raises(QatpipeError, match="BackoffLimitExceeded"):
-        run_training_stage("train", tiny_spec(), tmp_path / "results", nodes=2, cluster=cluster)
+        # one node, but as an MPIJob (the pipeline compiled with --mpijob)
+        run_training_stage("train", tiny_spec(), tmp_path / "results", nodes=1, cluster=cluster, use_mpijob=True)
     assert not (tmp_path / "results").exists()
-    assert played_cluster.created[0]["apiVersion"] == "kubeflow.org/v1" and played_cluster.deleted
+    [job] = played_cluster.created
+    assert job["apiVersion"] == "kubeflow.org/v1" and played_cluster.deleted
+    assert job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 1
     assert len(list((tmp_path / "shared" / "jobs").iterdir())) == 1  # kept: a retry resumes from it
 
 

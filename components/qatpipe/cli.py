@@ -205,7 +205,9 @@ def cmd_run(args) -> int:
 def cmd_compile(args) -> int:
     from qatpipe_pipelines.submit import compile_pipeline
 
-    compile_pipeline(args.output, cache_pvc=args.cache_pvc)
+    if args.mpijob and not args.cache_pvc:
+        raise QatpipeError("--mpijob needs --cache-pvc: the MPIJobs share their data and results through it")
+    compile_pipeline(args.output, cache_pvc=args.cache_pvc, mpijob=args.mpijob)
     return 0
 
 
@@ -354,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     compile_ = sub.add_parser("compile", help="compile the pipeline to a KFP package (YAML)")
     compile_.add_argument("-o", "--output", type=Path, default=Path("qat_pipeline.yaml"))
     compile_.add_argument("--cache-pvc", help="mount this PVC as the dataset cache of the data-reading stages")
+    compile_.add_argument("--mpijob", action="store_true",
+                          help="train and retrain always run as MPIJobs (workers x gpus); their own tasks only "
+                               "follow the job and request no GPU (needs --cache-pvc)")
     compile_.set_defaults(func=cmd_compile)
 
     submit = sub.add_parser("submit", help="create a pipeline run on a Kubeflow Pipelines backend",

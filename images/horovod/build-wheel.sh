@@ -31,7 +31,7 @@ fi
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-echo "horovod $HOROVOD_VERSION for TensorFlow $tf_version: building (about 8 minutes on 2 cores)" >&2
+echo "horovod $HOROVOD_VERSION for TensorFlow $tf_version: building (3-8 minutes on 2 cores)" >&2
 "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: --no-cache-dir \
     "horovod==$HOROVOD_VERSION" -d "$work" >&2
 tar -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"

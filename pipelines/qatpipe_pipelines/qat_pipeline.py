@@ -92,7 +92,7 @@ class _TaskSettings:
 
 
 def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWORK_RETRIES,
-                   gpu_placement: bool = True, code_version: str = ""):
+                   gpu_placement: bool = True, code_version: str = "", mpijob: bool = False):
     """The pipeline function. Compile-time options:
     cache_pvc: mount this existing PVC as the dataset cache of every stage that reads data (a mount cannot be
         made optional at run time);
@@ -102,7 +102,10 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         kfp.local ignores them anyway, and kfp 2.17's local runner cannot resolve a pipeline parameter used
         in them inside the exit handler;
     code_version: set as QATPIPE_CODE_VERSION in every task, so that a cache keyed on the task's environment
-        (kfp.local's) misses when the library changes. On a cluster the image tag plays that part.
+        (kfp.local's) misses when the library changes. On a cluster the image tag plays that part;
+    mpijob: train and retrain always run as MPIJobs of `workers` x `gpus` processes, and their own tasks, which
+        only follow the job, request no GPU (else a task with workers > 1 holds `gpus` GPUs while its job runs,
+        a request KFP cannot make depend on a run-time parameter). Needs cache_pvc.
     """
 
     @dsl.pipeline(
@@ -159,9 +162,14 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
 
             scale_out = dict(gpus=gpus, workers=workers, mpijob_api_version=mpijob_api_version,
                              training_image=training_image, credentials_secret=credentials_secret,
-                             node_selector=node_selector, tolerations=tolerations)
-            trained = run.gpu(train(train_spec=specs.outputs["train_spec"], dataset=data.outputs["dataset"],
-                                    **scale_out))
+                             node_selector=node_selector, tolerations=tolerations, mpijob=mpijob)
+
+            def training_task(task: dsl.PipelineTask) -> dsl.PipelineTask:
+                # an MPIJob does the training: the task that follows it needs no GPU
+                return run.cpu(task, reads_data=True) if mpijob else run.gpu(task)
+
+            trained = training_task(train(train_spec=specs.outputs["train_spec"], dataset=data.outputs["dataset"],
+                                          **scale_out))
             run.logged(trained.outputs["model"], parent_run_id, "log-train")
 
             def evaluated(name: str, model) -> dsl.PipelineTask:
@@ -184,8 +192,9 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
 
             retrained = {}
             for name, qat, view in (("fp32", False, "retrain_spec"), ("qat", True, "retrain_qat_spec")):
-                task = run.gpu(retrain(retrain_spec=specs.outputs[view], qat=qat, dataset=data.outputs["dataset"],
-                                       pruned=pruned.outputs["pruned"], **scale_out))
+                task = training_task(retrain(retrain_spec=specs.outputs[view], qat=qat,
+                                             dataset=data.outputs["dataset"], pruned=pruned.outputs["pruned"],
+                                             **scale_out))
                 task.set_display_name(f"retrain-{name}")
                 run.logged(task.outputs["model"], parent_run_id, f"log-retrain-{name}")
                 retrained[name] = task

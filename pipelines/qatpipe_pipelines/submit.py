@@ -23,14 +23,14 @@ TOKEN_ENV = "KFP_TOKEN"
 DEFAULT_EXPERIMENT = "qatpipe"
 
 
-def compile_pipeline(output: str | Path, cache_pvc: str | None = None) -> Path:
+def compile_pipeline(output: str | Path, cache_pvc: str | None = None, mpijob: bool = False) -> Path:
     from kfp import compiler
 
     from qatpipe_pipelines.qat_pipeline import build_pipeline
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(build_pipeline(cache_pvc=cache_pvc), str(output))
+    compiler.Compiler().compile(build_pipeline(cache_pvc=cache_pvc, mpijob=mpijob), str(output))
     log.info("compiled pipeline: %s", output)
     return output
 

@@ -235,7 +235,9 @@ def _pod_template(r: MpiJobRequest, role: str) -> dict[str, Any]:
     if role == "worker":
         if r.gpus_per_worker:
             # NCCL moves data between the GPUs of a pod through shared memory; the runtime's 64 MiB is too small
-            volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+            # (it counts against the memory limit: bounded, 1 GiB per GPU)
+            volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                        "sizeLimit": f"{r.gpus_per_worker}Gi"}})
         if r.node_selector:
             spec["nodeSelector"] = dict(r.node_selector)
         if r.tolerations:

@@ -47,21 +47,21 @@ class ClusterSettings:
 
 
 def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path, *, pruned_model: Path | None = None,
-                       processes_per_node: int = 1, nodes: int = 1,
-                       cluster: ClusterSettings | None = None) -> dict:
+                       processes_per_node: int = 1, nodes: int = 1, cluster: ClusterSettings | None = None,
+                       use_mpijob: bool = False) -> dict:
     """Train (`stage` "train") or retrain (`stage` "retrain", from `pruned_model`) into `results_dir`;
-    returns the training summary."""
+    returns the training summary. `use_mpijob`: an MPIJob even for one node (this process only follows it)."""
     if stage not in ("train", "retrain"):
         raise ValueError(stage)
     if processes_per_node < 1 or nodes < 1:
         raise QatpipeError(f"need at least 1 process and 1 node, got {processes_per_node} and {nodes}")
     results_dir = Path(results_dir)
-    if nodes == 1 and processes_per_node == 1:
+    if nodes == 1 and processes_per_node == 1 and not use_mpijob:
         return _in_process(stage, spec, results_dir, pruned_model)
-    if nodes == 1:
+    if nodes == 1 and not use_mpijob:
         return _on_this_host(stage, spec, results_dir, pruned_model, processes_per_node)
     if cluster is None or not cluster.shared_pvc:
-        raise QatpipeError(f"{nodes} nodes: an MPIJob needs a shared ReadWriteMany volume for its data and "
+        raise QatpipeError(f"{nodes} node(s) as an MPIJob: it needs a shared ReadWriteMany volume for its data and "
                            "results; compile the pipeline with --cache-pvc NAME (manifests/ makes qatpipe-cache)")
     return _on_mpijob(stage, spec, results_dir, pruned_model, processes_per_node, nodes, cluster)
 
@@ -126,6 +126,17 @@ def _stage_local_data(spec: ExperimentSpec, shared: Path) -> ExperimentSpec:
     return spec
 
 
+def worker_resources(processes: int):
+    """A worker's requests and limits for `processes` Horovod processes (one per GPU): per process 2 CPUs
+    and 8 GiB requested (16 GiB at least), the memory limit twice that; no CPU limit, since CFS throttling
+    starves the tf.data input pipeline."""
+    from qatpipe.cluster.mpijob import Resources
+
+    memory = max(16, 8 * processes)
+    return Resources(cpu_request=str(2 * processes), memory_request=f"{memory}Gi",
+                     memory_limit=f"{2 * memory}Gi")
+
+
 def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster: ClusterSettings) -> dict:
     from qatpipe.cluster.launcher import MpiJobLauncher
     from qatpipe.cluster.mpijob import MpiJobRequest, PvcMount, job_name, mpijob_manifest
@@ -144,6 +155,7 @@ def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster
     if not namespace:
         raise QatpipeError("MPIJob: no namespace given and this pod's service account namespace is unreadable")
     request = MpiJobRequest(
+        worker_resources=worker_resources(processes),
         name=job_name(name, ""), namespace=namespace, image=cluster.image,
         command=["qatpipe", *_command(stage, shared / "spec.yaml", job_results, job_model)],
         workers=nodes, gpus_per_worker=processes, api_version=cluster.api_version,

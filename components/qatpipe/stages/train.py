@@ -52,12 +52,12 @@ def _dotted(data: dict, key: str):
     return data
 
 
-def _check_resume_compatible(results_dir: Path, spec: ExperimentSpec, processes: int = 1) -> None:
+def _check_resume_compatible(results_dir: Path, spec: ExperimentSpec, processes: int | None = 1) -> None:
     """Refuse to resume a checkpoint written under a spec that differs where it matters, or by another number
-    of processes (the learning rate, steps per epoch and the schedule's position depend on it)."""
+    of processes (the learning rate, steps per epoch and the schedule's position depend on it; None: any)."""
     world_path = results_dir / WORLD_FILE
     previous_processes = json.loads(world_path.read_text())["processes"] if world_path.is_file() else 1
-    if previous_processes != processes:
+    if processes is not None and previous_processes != processes:
         raise QatpipeError(
             f"{results_dir}: holds checkpoints of a run on {previous_processes} process(es); resume it with "
             f"--gpus {previous_processes}, or use a new results directory for {processes}"
@@ -143,7 +143,10 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch_var)
     manager = tf.train.CheckpointManager(checkpoint, results_dir / "checkpoints", max_to_keep=spec.train.keep_checkpoints)
     if manager.latest_checkpoint:
-        _check_resume_compatible(results_dir, spec, world.size)
+        saved_epoch = int(tf.train.load_variable(manager.latest_checkpoint, "epoch/.ATTRIBUTES/VARIABLE_VALUE"))
+        finished = saved_epoch >= spec.train.epochs and (results_dir / MODEL_FILE).is_file()
+        # a finished run is only read back: any process count may do that
+        _check_resume_compatible(results_dir, spec, None if finished else world.size)
         checkpoint.restore(manager.latest_checkpoint).expect_partial()
         log.info("resuming from %s at epoch %d/%d", manager.latest_checkpoint, int(epoch_var), spec.train.epochs)
     initial_epoch = world.broadcast(int(epoch_var.numpy()), "initial_epoch")

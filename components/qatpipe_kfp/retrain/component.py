@@ -10,7 +10,7 @@ from qatpipe_kfp.settings import component
 def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input[Model], model: Output[Model],
             metrics: Output[Metrics], gpus: int = 1, workers: int = 1, mpijob_api_version: str = "v2beta1",
             training_image: str = "", credentials_secret: str = "", node_selector: dict = {},
-            tolerations: list = []):
+            tolerations: list = [], mpijob: bool = False):
     from pathlib import Path
 
     from qatpipe.data.prepare import spec_with_prepared_dataset
@@ -26,7 +26,7 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
         cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
                                    mpijob_api_version)
         summary = run_training_stage("retrain", spec, model.path, pruned_model=source, processes_per_node=gpus,
-                                     nodes=workers, cluster=cluster)
+                                     nodes=workers, cluster=cluster, use_mpijob=mpijob)
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],
                                "variant": variant, "processes": summary.get("processes", 1)})
         write_metrics(metrics, numeric_leaves({key: summary[key] for key in (

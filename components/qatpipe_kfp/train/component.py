@@ -9,7 +9,7 @@ from qatpipe_kfp.settings import component
 @component
 def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metrics: Output[Metrics],
           gpus: int = 1, workers: int = 1, mpijob_api_version: str = "v2beta1", training_image: str = "",
-          credentials_secret: str = "", node_selector: dict = {}, tolerations: list = []):
+          credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [], mpijob: bool = False):
     from qatpipe.data.prepare import spec_with_prepared_dataset
     from qatpipe.stages.scale_out import run_training_stage
     from qatpipe.tracking.records import numeric_leaves
@@ -20,7 +20,7 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
         cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
                                    mpijob_api_version)
         summary = run_training_stage("train", spec, model.path, processes_per_node=gpus, nodes=workers,
-                                     cluster=cluster)
+                                     cluster=cluster, use_mpijob=mpijob)
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],
                                "processes": summary.get("processes", 1)})
         write_metrics(metrics, numeric_leaves({key: summary[key] for key in (
