@@ -221,12 +221,52 @@ def test_deepstream_config_for_the_validated_model(engines, tmp_path):
     assert path.name == "config_infer_primary_qat.txt"
     text = path.read_text()
     values = dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
-    assert values["onnx-file"] == built["qat"][0].name  # relative: registered beside the model
-    assert "parse-bbox-func-name" in text  # the layout gap is stated in the file
+    # relative paths: the folder is registered as it is; the model is in nvinfer's built-in parser's layout
+    assert values["onnx-file"] == f"{built['qat'][0].stem}_deepstream.onnx"
+    assert (tmp_path / "ds" / values["onnx-file"]).is_file() and "parse-bbox-func-name" not in text
     assert values["network-mode"] == "1"  # INT8
-    assert values["output-blob-names"] == "output_cov;output_bbox"
+    assert values["output-blob-names"] == "output_cov/Sigmoid;output_bbox/BiasAdd"  # TAO's names
     assert values["num-detected-classes"] == "3" and values["infer-dims"] == "3;192;320"
     assert (tmp_path / "ds" / "labels.txt").read_text().split() == ["car", "pedestrian", "cyclist"]
+
+
+def test_deepstream_model_decodes_to_the_same_boxes_with_nvinfers_parser(engines, tmp_path):
+    """nvinfer's built-in DetectNet_v2 decoding (nvinfer_boxes, written from its parser) of the DeepStream
+    ONNX gives the boxes qatpipe's decoder reads from the exported model, for every cell and class."""
+    import onnxruntime as ort
+
+    from qatpipe.deploy.deepstream import nvinfer_boxes, write_nvinfer_config
+    from qatpipe.models.detectnet_v2 import OUTPUT_STRIDE
+
+    spec, built = engines
+    write_nvinfer_config(spec, built["qat"][0], tmp_path / "ds", "qat")
+    size = spec.dataset.image_size
+    batch = np.random.default_rng(0).uniform(size=(2, size.height, size.width, 3)).astype(np.float32)
+
+    def outputs(path):
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        names = [o.name for o in session.get_outputs()]
+        return dict(zip(names, session.run(None, {session.get_inputs()[0].name: batch})))
+
+    ours = outputs(built["qat"][0])
+    theirs = outputs(tmp_path / "ds" / f"{built['qat'][0].stem}_deepstream.onnx")
+    assert set(theirs) == {"output_cov/Sigmoid", "output_bbox/BiasAdd"}
+    norm, stride = spec.model.target.bbox_norm, OUTPUT_STRIDE
+    for i in range(len(batch)):
+        np.testing.assert_array_equal(theirs["output_cov/Sigmoid"][i], ours["output_cov"][i].transpose(2, 0, 1))
+        boxes, scores, classes = nvinfer_boxes(theirs["output_cov/Sigmoid"][i], theirs["output_bbox/BiasAdd"][i],
+                                               (size.height, size.width), threshold=0.0)
+        # qatpipe's decoding of the same cells (decode_detectnet before clustering)
+        cov, bbox = ours["output_cov"][i], ours["output_bbox"][i]
+        expected = []
+        for c in range(cov.shape[2]):
+            ys, xs = np.nonzero(cov[:, :, c] >= 0.0)
+            d = bbox[ys, xs, 4 * c: 4 * c + 4] * norm
+            cx, cy = (xs + 0.5) * stride, (ys + 0.5) * stride
+            expected.append(np.stack([cx - d[:, 0], cy - d[:, 1], cx + d[:, 2], cy + d[:, 3]], axis=1))
+        expected = np.clip(np.concatenate(expected), 0, [size.width - 1, size.height - 1] * 2)
+        assert len(boxes) == cov.size
+        np.testing.assert_allclose(boxes, expected, atol=1e-3)
 
 
 @needs_tensorrt

@@ -1,50 +1,132 @@
-"""DeepStream hand-off: the `nvinfer` config TAO users deploy a DetectNet_v2 model with.
+"""DeepStream hand-off: the `nvinfer` config TAO users deploy a DetectNet_v2 model with, and the model in the
+layout nvinfer's built-in DetectNet_v2 parser reads.
 
 Written with `labels.txt` into the folder that also receives the model (the pipeline registers them together
-under `deployment/`), so paths are relative to it. The ONNX is the explicit-quantisation one (network-mode 1 =
-INT8; the Q/DQ carry the scales). Known gap, stated in the file: the outputs are NHWC with boxes relative to
-cell centres, while nvinfer's built-in DetectNet_v2 parser reads CHW with TAO's offsets, so a custom
-`parse-bbox-func-name` is needed until an NCHW export lands.
+under `deployment/`), so paths are relative to it. The INT8 variants are explicit-quantisation ONNX
+(network-mode 1 = INT8; the Q/DQ carry the scales, no calibration file).
+
+nvinfer's built-in parser reads, per class c, a coverage plane and four bbox planes (CHW) and decodes
+    x1 = (i * stride + 0.5) - o_x1 * 35,   x2 = (i * stride + 0.5) + o_x2 * 35   (y alike; 35 is fixed in it)
+while qatpipe's heads are NHWC with distances from the cell centre ((i + 0.5) * stride) in units of
+`model.target.bbox_norm`. `deepstream_onnx` appends the exact conversion to the graph: a per-channel scale and
+offset on the bbox output, and a transpose of both outputs to CHW, named as TAO names them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text
 from qatpipe.spec import ExperimentSpec
+
+NVINFER_BBOX_NORM = 35.0  # bboxNormX/Y of nvinfer's DetectNet_v2 parser
+# qatpipe output -> TAO's blob name (what TAO's DeepStream configs list in output-blob-names)
+DEEPSTREAM_OUTPUTS = {"output_cov": "output_cov/Sigmoid", "output_bbox": "output_bbox/BiasAdd"}
+
+
+def deepstream_onnx(model, stride: int, bbox_norm: float):
+    """A copy of the ONNX `model` whose outputs are TAO's: CHW coverage, and CHW bbox offsets in nvinfer's
+    encoding (see the module docstring); the network itself is untouched."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    outputs = {output.name: output for output in graph.output}
+    missing = set(DEEPSTREAM_OUTPUTS) - set(outputs)
+    if missing:
+        raise QatpipeError(f"not a DetectNet_v2 ONNX: no output {', '.join(sorted(missing))} "
+                           f"(outputs: {', '.join(outputs)})")
+    channels = outputs["output_bbox"].type.tensor_type.shape.dim[3].dim_value
+    half_cell = (stride / 2 - 0.5) / NVINFER_BBOX_NORM  # cell centre vs nvinfer's cell origin + 0.5 px
+    # channel 4c+k is x1, y1, x2, y2 for k = 0..3: the near edges are subtracted, the far edges added
+    offset = np.tile(np.array([-half_cell, -half_cell, half_cell, half_cell], np.float32), channels // 4)
+    graph.initializer.extend([
+        numpy_helper.from_array(np.full(channels, bbox_norm / NVINFER_BBOX_NORM, np.float32), "deepstream_bbox_scale"),
+        numpy_helper.from_array(offset, "deepstream_bbox_offset"),
+    ])
+    graph.node.extend([
+        helper.make_node("Mul", ["output_bbox", "deepstream_bbox_scale"], ["deepstream_bbox_scaled"]),
+        helper.make_node("Add", ["deepstream_bbox_scaled", "deepstream_bbox_offset"], ["deepstream_bbox_nhwc"]),
+        helper.make_node("Transpose", ["deepstream_bbox_nhwc"], [DEEPSTREAM_OUTPUTS["output_bbox"]],
+                         perm=[0, 3, 1, 2]),
+        helper.make_node("Transpose", ["output_cov"], [DEEPSTREAM_OUTPUTS["output_cov"]], perm=[0, 3, 1, 2]),
+    ])
+    new_outputs = []
+    for name, output in outputs.items():
+        if name not in DEEPSTREAM_OUTPUTS:
+            new_outputs.append(output)
+            continue
+        dims = output.type.tensor_type.shape.dim
+        shape = [dims[0].dim_param or dims[0].dim_value or "batch", dims[3].dim_value, dims[1].dim_value,
+                 dims[2].dim_value]
+        new_outputs.append(helper.make_tensor_value_info(DEEPSTREAM_OUTPUTS[name], output.type.tensor_type.elem_type,
+                                                         shape))
+    del graph.output[:]
+    graph.output.extend(new_outputs)
+    return model
+
+
+def nvinfer_boxes(coverage_chw: np.ndarray, bbox_chw: np.ndarray, image_hw: tuple[int, int], threshold: float):
+    """What nvinfer's built-in DetectNet_v2 parser makes of one image's CHW outputs, before clustering:
+    (boxes x1 y1 x2 y2 clipped to the image, scores, classes). For tests and for checking an export by hand."""
+    num_classes, grid_h, grid_w = coverage_chw.shape
+    height, width = image_hw
+    stride_x, stride_y = -(-width // grid_w), -(-height // grid_h)  # DIVIDE_AND_ROUND_UP
+    boxes, scores, classes = [], [], []
+    for c in range(num_classes):
+        ys, xs = np.nonzero(coverage_chw[c] >= threshold)
+        o = bbox_chw[4 * c: 4 * c + 4, ys, xs]
+        origin_x, origin_y = xs * stride_x + 0.5, ys * stride_y + 0.5
+        found = np.stack([origin_x - o[0] * NVINFER_BBOX_NORM, origin_y - o[1] * NVINFER_BBOX_NORM,
+                          origin_x + o[2] * NVINFER_BBOX_NORM, origin_y + o[3] * NVINFER_BBOX_NORM], axis=1)
+        boxes.append(np.clip(found, 0, [width - 1, height - 1, width - 1, height - 1]))
+        scores.append(coverage_chw[c, ys, xs])
+        classes.append(np.full(len(ys), c))
+    return np.concatenate(boxes), np.concatenate(scores), np.concatenate(classes)
+
 
 NETWORK_MODES = {"fp32": 0, "int8": 1, "fp16": 2}
 
 
 def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: str | Path, variant: str,
                          network_mode: str = "int8", calibration_cache: str | Path | None = None) -> Path:
-    """Write the nvinfer config and labels file into `folder`; returns the config path."""
+    """Write the nvinfer config, the labels file and the model in DeepStream's layout (`<stem>_deepstream.onnx`,
+    from the ONNX at `onnx_path`) into `folder`; returns the config path."""
+    from qatpipe.export.onnx_export import save_onnx
+    from qatpipe.models.detectnet_v2 import OUTPUT_STRIDE
+    from qatpipe.runtime.onnx_runtime import load_onnx_proto
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    size = spec.dataset.image_size
+    if size.height % OUTPUT_STRIDE or size.width % OUTPUT_STRIDE:
+        raise QatpipeError(f"dataset.image_size {size.height}x{size.width}: nvinfer's DetectNet_v2 parser needs "
+                           f"multiples of the output stride {OUTPUT_STRIDE}")
+    model_path = folder / f"{Path(onnx_path).stem}_deepstream.onnx"
+    save_onnx(deepstream_onnx(load_onnx_proto(onnx_path), OUTPUT_STRIDE, spec.model.target.bbox_norm), model_path)
     labels = folder / "labels.txt"
     atomic_write_text(labels, "\n".join(spec.dataset.classes) + "\n")
-    size = spec.dataset.image_size
     decoder = spec.model.decoder
-    target = spec.model.target
     lines = [
-        "# DeepStream nvinfer config for a qatpipe DetectNet_v2 model (gst-nvinfer property groups).",
-        "# The outputs are NHWC (batch, grid_h, grid_w, C) with boxes relative to cell centres; nvinfer's",
-        "# built-in DetectNet_v2 parser reads CHW with TAO's offsets: set parse-bbox-func-name and",
-        "# custom-lib-path to a parser for this layout.",
+        "# DeepStream nvinfer config for a qatpipe DetectNet_v2 model (gst-nvinfer property groups), for",
+        "# nvinfer's built-in DetectNet_v2 parser: the ONNX has TAO's CHW outputs and bbox encoding.",
         "[property]",
         "gpu-id=0",
         "net-scale-factor=0.00392156862745098",  # 1/255: the model takes RGB in [0, 1]
         "model-color-format=0",  # RGB
-        f"onnx-file={Path(onnx_path).name}",
-        f"model-engine-file={Path(onnx_path).name}_b{spec.engine.max_batch}_gpu0_{network_mode}.engine",
+        f"onnx-file={model_path.name}",
+        f"model-engine-file={model_path.name}_b{spec.engine.max_batch}_gpu0_{network_mode}.engine",
         f"labelfile-path={labels.name}",
         f"batch-size={spec.engine.max_batch}",
         f"network-mode={NETWORK_MODES[network_mode]}",
         f"num-detected-classes={spec.num_classes}",
         f"infer-dims=3;{size.height};{size.width}",
         "network-input-order=1",  # NHWC: the ONNX input is input_1 (batch, height, width, 3)
-        "output-blob-names=output_cov;output_bbox",
+        "output-blob-names=" + ";".join(DEEPSTREAM_OUTPUTS[name] for name in ("output_cov", "output_bbox")),
         "interval=0",
         "gie-unique-id=1",
         "cluster-mode=" + ("1" if decoder.method == "dbscan" else "2"),  # 1 DBSCAN, 2 NMS
@@ -55,7 +137,6 @@ def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: st
         f"eps={decoder.dbscan_eps}",
         f"minBoxes={decoder.dbscan_min_samples}",
         f"topk={decoder.max_detections}",
-        f"# bbox outputs are distances in units of bbox_norm={target.bbox_norm} px from {16}-px grid cells",
     ]
     if calibration_cache is not None:
         lines.insert(lines.index("[property]") + 1, f"int8-calib-file={Path(calibration_cache).name}")
