@@ -14,6 +14,10 @@ import pytest  # noqa: E402
 from qatpipe.spec import bundled_spec_path, load_spec  # noqa: E402
 
 CLASSES = ["car", "pedestrian", "cyclist"]
+# The MPIJob CRD schemas the operators released: ../shared/schemas beside the repository (QATPIPE_CRD_SCHEMAS
+# names another folder with the same layout)
+CRD_SCHEMAS = Path(os.environ.get("QATPIPE_CRD_SCHEMAS")
+                   or Path(__file__).resolve().parents[1].parent / "shared" / "schemas")
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ import logging
 import re
 import threading
 from http.server import ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
@@ -23,16 +22,17 @@ from qatpipe.cluster import MpiJobRequest, PvcMount, Resources, job_name, mpijob
 from qatpipe.cluster.mpijob import JOB_LABEL, MAX_NAME, ROLE_LABEL
 from qatpipe.errors import QatpipeError
 
+from conftest import CRD_SCHEMAS
 from played_kubernetes import (  # the played API server, shared with test_scale_out.py
     CREATED, FAILED, LOG_LINES, RUNNING, SUCCEEDED, PlayedKubernetes, make_handler, status_body)
 
-SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "schemas"
+SCHEMAS = CRD_SCHEMAS
 CRDS = {
     "v2beta1": SCHEMAS / "mpi-operator-v0.8.2" / "kubeflow.org_mpijobs.yaml",
     "v1": SCHEMAS / "kubeflow-training-v1.9.0" / "kubeflow.org_mpijobs.yaml",
 }
 needs_schemas = pytest.mark.skipif(not SCHEMAS.is_dir(),
-                                   reason=f"CRD schemas not found at {SCHEMAS} (shared/schemas next to the repo)")
+                                   reason=f"CRD schemas not found at {SCHEMAS} (shared/schemas beside the repo, or set QATPIPE_CRD_SCHEMAS)")
 VERSIONS = ["v2beta1", "v1"]
 COMMAND = ["qatpipe", "train", "-e", "/cache/jobs/x/spec.yaml", "-r", "/cache/jobs/x/results"]
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}

@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import CRD_SCHEMAS
 from played_kubernetes import RUNNING, SUCCEEDED, FAILED, PlayedKubernetes, make_handler
 from qatpipe.errors import QatpipeError
 from qatpipe.stages.scale_out import ClusterSettings, run_training_stage
 
-SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "schemas"
+SCHEMAS = CRD_SCHEMAS
 
 
 @pytest.fixture
