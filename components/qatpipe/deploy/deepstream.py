@@ -40,7 +40,11 @@ def deepstream_onnx(model, stride: int, bbox_norm: float):
     if missing:
         raise QatpipeError(f"not a DetectNet_v2 ONNX: no output {', '.join(sorted(missing))} "
                            f"(outputs: {', '.join(outputs)})")
-    channels = outputs["output_bbox"].type.tensor_type.shape.dim[3].dim_value
+    dims = outputs["output_bbox"].type.tensor_type.shape.dim
+    channels = dims[3].dim_value if len(dims) == 4 else 0
+    if channels == 0 or channels % 4:
+        raise QatpipeError(f"output_bbox: expected a static (batch, grid_h, grid_w, 4 x classes) shape, got "
+                           f"{[d.dim_param or d.dim_value for d in dims]}")
     half_cell = (stride / 2 - 0.5) / NVINFER_BBOX_NORM  # cell centre vs nvinfer's cell origin + 0.5 px
     # channel 4c+k is x1, y1, x2, y2 for k = 0..3: the near edges are subtracted, the far edges added
     offset = np.tile(np.array([-half_cell, -half_cell, half_cell, half_cell], np.float32), channels // 4)
