@@ -136,8 +136,11 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     model = model if model is not None else arch.build_model()
 
     steps = steps_per_epoch(len(samples), spec.train.batch_size, world.size)
-    optimizer = _build_optimizer(spec, total_steps=steps * spec.train.epochs, lr_scale=world.size)
-    model.compile(optimizer=world.wrap_optimizer(optimizer), loss=arch.losses())
+    # the optimizer the model trains with (under Horovod, the wrapper that averages gradients) is the one
+    # the checkpoint holds
+    optimizer = world.wrap_optimizer(_build_optimizer(spec, total_steps=steps * spec.train.epochs,
+                                                      lr_scale=world.size))
+    model.compile(optimizer=optimizer, loss=arch.losses())
 
     epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch_var)
