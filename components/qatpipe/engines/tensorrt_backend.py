@@ -10,13 +10,13 @@ its metadata records the TensorRT version and GPU: an engine only runs where it 
 from __future__ import annotations
 
 import logging
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
 from qatpipe.engines.base import (EngineBackend, EngineMetadata, EngineRunner, file_sha256,
                                   is_explicitly_quantized)
+from qatpipe.devices import gpu_names
 from qatpipe.errors import ModelFileError, QatpipeError
 
 log = logging.getLogger(__name__)
@@ -36,12 +36,8 @@ def _import_tensorrt():
 
 def gpu_name() -> str | None:
     """The first GPU's name (nvidia-smi), None without a GPU or driver."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.splitlines()[0].strip() if out else None
+    names = gpu_names()
+    return names[0] if names else None
 
 
 def major_version(trt) -> int:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from qatpipe.devices import gpu_names
 from qatpipe.errors import QatpipeError
 
 log = logging.getLogger(__name__)
@@ -33,16 +34,6 @@ _SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 def launched_by_horovod() -> bool:
     """True inside a process started by horovodrun or mpirun with more than one process."""
     return any(int(os.environ.get(name, "1")) > 1 for name in _SIZE_VARIABLES)
-
-
-def _visible_gpus() -> int:
-    if not shutil.which("nvidia-smi"):
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
 def horovodrun_command(processes: int, argv: list[str], controller: str = "gloo") -> list[str]:
@@ -58,7 +49,7 @@ def launch(processes: int, argv: list[str], controller: str = "gloo") -> int:
     """Run this command line (`argv`, without the program name) as `processes` Horovod processes on this host
     and wait for them; returns their exit code. NCCL carries the GPU all-reduces when Horovod was built with
     it (the training image); Gloo otherwise (CPU)."""
-    gpus = _visible_gpus()
+    gpus = len(gpu_names())
     if gpus and processes > gpus:
         raise QatpipeError(f"--gpus {processes}: this host has {gpus} GPU(s)")
     if not gpus:
