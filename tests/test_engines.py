@@ -236,7 +236,7 @@ def test_deepstream_model_decodes_to_the_same_boxes_with_nvinfers_parser(engines
     import onnxruntime as ort
 
     from qatpipe.deploy.deepstream import nvinfer_boxes, write_nvinfer_config
-    from qatpipe.models.detectnet_v2 import OUTPUT_STRIDE
+    from qatpipe.models.detectnet_v2 import OUTPUT_STRIDE, cell_boxes
 
     spec, built = engines
     write_nvinfer_config(spec, built["qat"][0], tmp_path / "ds", "qat")
@@ -256,14 +256,10 @@ def test_deepstream_model_decodes_to_the_same_boxes_with_nvinfers_parser(engines
         np.testing.assert_array_equal(theirs["output_cov/Sigmoid"][i], ours["output_cov"][i].transpose(2, 0, 1))
         boxes, scores, classes = nvinfer_boxes(theirs["output_cov/Sigmoid"][i], theirs["output_bbox/BiasAdd"][i],
                                                (size.height, size.width), threshold=0.0)
-        # qatpipe's decoding of the same cells (decode_detectnet before clustering)
+        # qatpipe's decoding of the same cells (decode_detectnet's, before clustering)
         cov, bbox = ours["output_cov"][i], ours["output_bbox"][i]
-        expected = []
-        for c in range(cov.shape[2]):
-            ys, xs = np.nonzero(cov[:, :, c] >= 0.0)
-            d = bbox[ys, xs, 4 * c: 4 * c + 4] * norm
-            cx, cy = (xs + 0.5) * stride, (ys + 0.5) * stride
-            expected.append(np.stack([cx - d[:, 0], cy - d[:, 1], cx + d[:, 2], cy + d[:, 3]], axis=1))
+        expected = [cell_boxes(bbox, *np.nonzero(cov[:, :, c] >= 0.0), c, stride, norm)
+                    for c in range(cov.shape[2])]
         expected = np.clip(np.concatenate(expected), 0, [size.width - 1, size.height - 1] * 2)
         assert len(boxes) == cov.size
         np.testing.assert_allclose(boxes, expected, atol=1e-3)

@@ -55,7 +55,10 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-def _add_horovod_args(parser: argparse.ArgumentParser) -> None:
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    """What train and retrain share: the results folder, AMP and the Horovod processes."""
+    parser.add_argument("-r", "--results-dir", required=True, type=Path)
+    parser.add_argument("--use-amp", action="store_true", help="mixed precision (GPU only; FP32 on CPU)")
     parser.add_argument("--gpus", type=_at_least_one, default=1, metavar="N",
                         help="data-parallel Horovod processes on this host, one per GPU (TAO's --gpus); "
                              "without GPUs, N CPU processes")
@@ -271,9 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train the spec's detector (FP32; resumes from checkpoints)")
     _add_spec_args(train)
-    train.add_argument("-r", "--results-dir", required=True, type=Path)
-    train.add_argument("--use-amp", action="store_true", help="mixed precision (GPU only; FP32 on CPU)")
-    _add_horovod_args(train)
+    _add_training_args(train)
     train.set_defaults(func=cmd_train)
 
     evaluate = sub.add_parser("evaluate", help="mAP of a model (.keras in TensorFlow, .onnx in ONNX Runtime)")
@@ -286,9 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Epochs: retrain.epochs (default train.epochs); QAT: the qat section.")
     _add_spec_args(retrain)
     retrain.add_argument("-m", "--model", required=True, type=Path, help="the pruned model (.keras)")
-    retrain.add_argument("-r", "--results-dir", required=True, type=Path)
-    retrain.add_argument("--use-amp", action="store_true", help="mixed precision (GPU only; FP32 on CPU)")
-    _add_horovod_args(retrain)
+    _add_training_args(retrain)
     retrain.add_argument("--qat", action="store_true",
                          help="quantisation-aware training for TensorRT INT8 (sets qat.enabled)")
     retrain.set_defaults(func=cmd_retrain)

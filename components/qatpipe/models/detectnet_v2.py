@@ -156,6 +156,15 @@ class DetectNetV2(DetectorArchitecture):
 # ------------------------------------------------------------------------------------ NumPy decoding
 
 
+def cell_boxes(bbox: np.ndarray, ys: np.ndarray, xs: np.ndarray, c: int, stride: int,
+               bbox_norm: float) -> np.ndarray:
+    """The class-c boxes (x1 y1 x2 y2, input pixels, unclipped) that cells (ys, xs) of one image's bbox output
+    (gh,gw,4C) predict: edge distances from each cell's centre, in units of bbox_norm."""
+    d = bbox[ys, xs, 4 * c : 4 * c + 4].astype(np.float32) * bbox_norm
+    cx, cy = (xs + 0.5) * stride, (ys + 0.5) * stride
+    return np.stack([cx - d[:, 0], cy - d[:, 1], cx + d[:, 2], cy + d[:, 3]], axis=1)
+
+
 def decode_detectnet(
     coverage: np.ndarray, bbox: np.ndarray, stride: int, bbox_norm: float, cfg: DecoderSpec,
     image_hw: tuple[int, int],
@@ -169,10 +178,8 @@ def decode_detectnet(
         if len(ys) == 0:
             continue
         scores = coverage[ys, xs, c].astype(np.float32)
-        d = bbox[ys, xs, 4 * c : 4 * c + 4].astype(np.float32) * bbox_norm
-        cx, cy = (xs + 0.5) * stride, (ys + 0.5) * stride
-        boxes = np.stack([cx - d[:, 0], cy - d[:, 1], cx + d[:, 2], cy + d[:, 3]], axis=1)
-        boxes = np.clip(boxes, 0, [width, height, width, height]).astype(np.float32)
+        boxes = np.clip(cell_boxes(bbox, ys, xs, c, stride, bbox_norm), 0, [width, height, width, height])
+        boxes = boxes.astype(np.float32)
         keep = ((boxes[:, 2] - boxes[:, 0]) >= max(cfg.min_box_size, 1e-3)) & (
             (boxes[:, 3] - boxes[:, 1]) >= max(cfg.min_box_size, 1e-3)
         )

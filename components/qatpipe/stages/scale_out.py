@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qatpipe.errors import QatpipeError
-from qatpipe.spec import ExperimentSpec, spec_to_yaml
+from qatpipe.spec import ExperimentSpec, dump_spec, spec_to_yaml
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +82,11 @@ def _command(stage: str, spec_path: Path, results_dir: Path, pruned_model: Path 
 
 
 def _summary(results_dir: Path) -> dict:
-    path = results_dir / "train_summary.json"
+    from qatpipe.stages.train import SUMMARY_FILE
+
+    path = results_dir / SUMMARY_FILE
     if not path.is_file():
-        raise QatpipeError(f"{results_dir}: the training processes ended without writing train_summary.json")
+        raise QatpipeError(f"{results_dir}: the training processes ended without writing {SUMMARY_FILE}")
     return json.loads(path.read_text())
 
 
@@ -94,7 +96,7 @@ def _on_this_host(stage, spec, results_dir, pruned_model, processes) -> dict:
     results_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="qatpipe-spec-") as folder:
         spec_path = Path(folder) / "spec.yaml"  # qat.enabled and the resolved data paths travel in it
-        spec_path.write_text(spec_to_yaml(spec))
+        dump_spec(spec, spec_path)
         code = launch(processes, _command(stage, spec_path, results_dir, pruned_model) + ["--gpus", str(processes)])
     if code != 0:
         raise QatpipeError(f"{stage} on {processes} Horovod processes failed (exit code {code}); the log above "
@@ -145,7 +147,7 @@ def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster
     shared = Path(cluster.shared_mount) / "jobs" / name
     shared.mkdir(parents=True, exist_ok=True)
     job_spec = _stage_local_data(spec, shared)
-    (shared / "spec.yaml").write_text(spec_to_yaml(job_spec))
+    dump_spec(job_spec, shared / "spec.yaml")
     job_model = None
     if pruned_model is not None:
         job_model = shared / "pruned.keras"
