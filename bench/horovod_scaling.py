@@ -46,7 +46,8 @@ def main() -> None:
 
     from qatpipe.spec_sources import load_spec_uri
 
-    size = load_spec_uri(args.spec, []).dataset.image_size
+    spec = load_spec_uri(args.spec, [])
+    size, batch_size = spec.dataset.image_size, spec.train.batch_size
     env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
     cli = [sys.executable, "-m", "qatpipe.cli"]
     data = work / "data"
@@ -66,13 +67,13 @@ def main() -> None:
         subprocess.run(command, env=env, check=True)
         summary = json.loads((results / "train_summary.json").read_text())
         timed = summary["epoch_seconds"][1:]
-        images = summary["steps_per_epoch"] * load_spec_uri(args.spec, []).train.batch_size * processes
+        images = summary["steps_per_epoch"] * batch_size * processes
         rows[processes] = {"images_per_epoch": images, "epoch_seconds": summary["epoch_seconds"],
                            "images_per_second": images * len(timed) / sum(timed)}
 
     base = rows[min(rows)]["images_per_second"] / min(rows)
     print(f"\nHorovod scaling: {args.spec} spec, {size.height}x{size.width}, batch "
-          f"{load_spec_uri(args.spec, []).train.batch_size} per process, {args.train_images} images, "
+          f"{batch_size} per process, {args.train_images} images, "
           f"{args.epochs} epochs (first not timed), {args.controller}; {os.cpu_count()} CPU cores, "
           f"{platform.processor() or platform.machine()}")
     print("| processes | images/s | speed-up | scaling efficiency |")

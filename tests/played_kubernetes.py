@@ -6,11 +6,12 @@ job's command) when a job is created."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
 import threading
-from http.server import BaseHTTPRequestHandler
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 
@@ -145,3 +146,15 @@ def make_handler(kube: PlayedKubernetes):
             self.reply(200, status_body(200, "", "deleted").replace('"Failure"', '"Success"'))
 
     return Handler
+
+
+@contextlib.contextmanager
+def serve(kube: PlayedKubernetes):
+    """The played API on a free loopback port, for the length of the block; yields its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(kube))
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

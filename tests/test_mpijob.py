@@ -9,12 +9,11 @@ few characters per read (so lines arrive in pieces, as they do from a running po
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import re
-import threading
-from http.server import ThreadingHTTPServer
 
 import pytest
 
@@ -24,7 +23,7 @@ from qatpipe.errors import QatpipeError
 
 from conftest import CRD_SCHEMAS
 from played_kubernetes import (  # the played API server, shared with test_scale_out.py
-    CREATED, FAILED, LOG_LINES, RUNNING, SUCCEEDED, PlayedKubernetes, make_handler, status_body)
+    CREATED, FAILED, LOG_LINES, RUNNING, SUCCEEDED, PlayedKubernetes, serve, status_body)
 
 SCHEMAS = CRD_SCHEMAS
 CRDS = {
@@ -178,23 +177,14 @@ def played_api():
     """start(script, log) -> (PlayedKubernetes, ApiClient) pointed at a fresh played API server."""
     from kubernetes.client import ApiClient, Configuration
 
-    servers, clients = [], []
+    with contextlib.ExitStack() as stack:
+        def start(script: list[list[dict]] = (SUCCEEDED,), log: str = "", chunk: int = 40):
+            kube = PlayedKubernetes(list(script), log, chunk)
+            client = ApiClient(Configuration(host=stack.enter_context(serve(kube))))
+            stack.callback(client.close)
+            return kube, client
 
-    def start(script: list[list[dict]] = (SUCCEEDED,), log: str = "", chunk: int = 40):
-        kube = PlayedKubernetes(list(script), log, chunk)
-        server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(kube))
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        servers.append(server)
-        client = ApiClient(Configuration(host=f"http://127.0.0.1:{server.server_address[1]}"))
-        clients.append(client)
-        return kube, client
-
-    yield start
-    for client in clients:
-        client.close()
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+        yield start
 
 
 def launcher_for(client, version: str = "v2beta1"):

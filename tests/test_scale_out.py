@@ -14,15 +14,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import CRD_SCHEMAS
-from played_kubernetes import RUNNING, SUCCEEDED, FAILED, PlayedKubernetes, make_handler
+from played_kubernetes import FAILED, RUNNING, SUCCEEDED, PlayedKubernetes, serve
 from qatpipe.errors import QatpipeError
 from qatpipe.stages.scale_out import ClusterSettings, run_training_stage
 
@@ -33,18 +31,15 @@ SCHEMAS = CRD_SCHEMAS
 def played_cluster(tmp_path, monkeypatch):
     """A played Kubernetes API that a kube config file points at; yields the PlayedKubernetes."""
     kube = PlayedKubernetes([RUNNING], log="")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(kube))
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    config = {"apiVersion": "v1", "kind": "Config", "current-context": "played",
-              "clusters": [{"name": "played", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
-              "users": [{"name": "tester", "user": {"token": "not-a-secret"}}],
-              "contexts": [{"name": "played", "context": {"cluster": "played", "user": "tester"}}]}
-    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
-    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
-    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "")  # not in a pod: the launcher falls back to the kube config
-    yield kube
-    server.shutdown()
-    server.server_close()
+    with serve(kube) as url:
+        config = {"apiVersion": "v1", "kind": "Config", "current-context": "played",
+                  "clusters": [{"name": "played", "cluster": {"server": url}}],
+                  "users": [{"name": "tester", "user": {"token": "not-a-secret"}}],
+                  "contexts": [{"name": "played", "context": {"cluster": "played", "user": "tester"}}]}
+        (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
+        monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "")  # not in a pod: the launcher uses the kube config
+        yield kube
 
 
 def _play_the_pods(kube: PlayedKubernetes, succeed: bool = True):
