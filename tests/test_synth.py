@@ -100,3 +100,38 @@ def test_small_images_scale_objects_and_stay_valid(tmp_path):
     for line in (tmp_path / "train" / "labels" / "000000.txt").read_text().splitlines():
         fields = line.split()
         assert len(fields) == 15 and fields[3] == "0.00" and all(f == "0.00" for f in fields[8:])
+
+
+@pytest.mark.parametrize("kind", ["glyphs", "photos"])
+def test_fine_grained_kinds_write_valid_reproducible_kitti(tmp_path, kind):
+    """The two 10-class sets whose classes differ only inside the object (data/synth_detail.py)."""
+    from qatpipe.data.synth import KINDS
+
+    classes = KINDS[kind].classes
+    first = write_synthetic_dataset(tmp_path / "a", num_train=30, num_val=4, seed=3, kind=kind, workers=1)
+    write_synthetic_dataset(tmp_path / "b", num_train=30, num_val=4, seed=3, kind=kind, workers=2)
+    assert len(classes) == 10 and first["classes"] == list(classes)
+    assert (tmp_path / "a" / "classes.txt").read_text().split() == list(classes)
+    samples = read_kitti_dataset(tmp_path / "a" / "train", ClassMap.create(classes), tolerance=0.0)
+    boxes = np.concatenate([s.boxes for s in samples])
+    sides = np.minimum(boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1])
+    assert 15 <= sides.min() and sides.max() <= 75  # 20-60 px, +-15% aspect jitter
+    assert all(1 <= len(s.classes) <= 4 for s in samples)
+    assert len(set(np.concatenate([s.classes for s in samples]).tolist())) >= 8  # most classes in 30 images
+    for split in ("train", "val"):  # byte-identical whatever the number of workers
+        for path in sorted((tmp_path / "a" / split).rglob("*.*")):
+            assert path.read_bytes() == (tmp_path / "b" / split / path.relative_to(tmp_path / "a" / split)).read_bytes()
+
+
+def test_unknown_kind_and_mismatched_classes_are_refused(tmp_path, tiny_spec):
+    from qatpipe.data.prepare import prepare_dataset
+    from qatpipe.errors import SpecError
+    from qatpipe.spec import apply_overrides, parse_spec
+
+    with pytest.raises(QatpipeError, match="unknown kind 'letters'"):
+        write_synthetic_dataset(tmp_path / "x", num_train=1, num_val=1, kind="letters")
+    data = apply_overrides(tiny_spec().to_dict(), ["dataset.train=null", "dataset.val=null",
+                                                   "dataset.synthetic.kind=glyphs"])
+    with pytest.raises(SpecError, match=r"not the classes of the synthetic data set 'glyphs'.*'zero', 'one'"):
+        prepare_dataset(parse_spec(data), tmp_path / "prepared")
+    assert not (tmp_path / "prepared" / "train").exists()

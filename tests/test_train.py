@@ -109,13 +109,3 @@ def test_failed_start_leaves_no_claim_on_the_directory(tiny_spec, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(QatpipeError, match="cannot create the results directory"):
         train(tiny_spec(), tmp_path / "file" / "run")
-
-
-@pytest.mark.skipif(bool(__import__("tensorflow").config.list_physical_devices("GPU")), reason="needs a CPU-only host")
-def test_amp_on_cpu_warns_and_trains_fp32(tiny_spec, tmp_path, caplog):
-    spec = tiny_spec("train.epochs=1", "model.backbone.width=0.125")
-    with caplog.at_level(logging.WARNING):
-        summary = train(spec, tmp_path / "run", use_amp=True)
-    assert "no GPU found" in caplog.text
-    assert summary["mixed_precision"] is False
-    assert keras.mixed_precision.global_policy().name == "float32"

@@ -42,7 +42,8 @@ def cmd_data_synth(args) -> int:
 
     summary = write_synthetic_dataset(
         args.out, args.train, args.val, args.seed, image_height=args.height, image_width=args.width,
-        overwrite=args.overwrite, object_height_px=tuple(args.object_height),
+        overwrite=args.overwrite, object_height_px=tuple(args.object_height) if args.object_height else None,
+        kind=args.kind,
     )
     log.info("synthetic dataset written to %s: %s", args.out, json.dumps(summary))
     return 0
@@ -58,7 +59,7 @@ def _at_least_one(text: str) -> int:
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
     """What train and retrain share: the results folder, AMP and the Horovod processes."""
     parser.add_argument("-r", "--results-dir", required=True, type=Path)
-    parser.add_argument("--use-amp", action="store_true", help="mixed precision (GPU only; FP32 on CPU)")
+    parser.add_argument("--use-amp", action="store_true", help="mixed precision: float16 on a GPU, bfloat16 on a CPU with AMX/AVX512-BF16")
     parser.add_argument("--gpus", type=_at_least_one, default=1, metavar="N",
                         help="data-parallel Horovod processes on this host, one per GPU (TAO's --gpus); "
                              "without GPUs, N CPU processes")
@@ -253,7 +254,7 @@ def cmd_spec_show(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qatpipe.data.synth import DEFAULT_OBJECT_HEIGHT_PX
+    from qatpipe.data.synth import KINDS
 
     parser = argparse.ArgumentParser(prog="qatpipe", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -267,8 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--height", type=int, default=192)
     synth.add_argument("--width", type=int, default=320)
+    synth.add_argument("--kind", choices=sorted(KINDS), default="shapes",
+                       help="shapes (3 classes by outline); glyphs, photos (10 classes by internal detail)")
     synth.add_argument("--object-height", type=float, nargs=2, metavar=("MIN", "MAX"),
-                       default=DEFAULT_OBJECT_HEIGHT_PX, help="object box heights in px at a 192-px-high image")
+                       help="object box sizes in px at a 192-px-high image (default: the kind's)")
     synth.add_argument("--overwrite", action="store_true", help="replace existing train/val folders")
     synth.set_defaults(func=cmd_data_synth)
 

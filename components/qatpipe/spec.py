@@ -32,6 +32,10 @@ class ImageSize(_Section):
 class SyntheticDataSpec(_Section):
     """The embedded data set the pipeline generates when the spec names no train/val folders."""
 
+    kind: Literal["shapes", "glyphs", "photos"] = Field(
+        "shapes", description="shapes: car/pedestrian/cyclist told apart by outline; glyphs: ten digits on tiles "
+        "of one outline; photos: ten textures on real photographs (data/synth_detail.py); dataset.classes must "
+        "name the kind's classes")
     train_images: int = Field(2000, ge=1)
     val_images: int = Field(300, ge=1)
     seed: int = 0
@@ -134,6 +138,12 @@ class LossSpec(_Section):
     positive_weight: float = Field(
         4.0, gt=0, description="weight of positive coverage cells; they are rare next to background"
     )
+    coverage_normalizer: Literal["cells", "positives"] = Field(
+        "cells", description="what the coverage loss is averaged over: every cell x class (TAO), or the "
+        "positive cells")
+    focal_gamma: float = Field(0.0, ge=0, description="focal modulation of the coverage BCE (0: plain BCE)")
+    class_weight: float = Field(0.0, ge=0, description="softmax cross-entropy over the class coverage logits at "
+                                "positive cells, averaged over them")
 
 
 class ModelSpec(_Section):
@@ -197,7 +207,8 @@ class TrainSpec(_Section):
     learning_rate: LearningRateSpec = Field(default_factory=LearningRateSpec)
     checkpoint_interval: int = Field(1, ge=1, description="epochs between checkpoints")
     keep_checkpoints: int = Field(3, ge=1)
-    use_amp: bool = Field(False, description="mixed float16 on GPU; FP32 with a warning on CPU")
+    use_amp: bool = Field(False, description="mixed precision: float16 on a GPU, bfloat16 on a CPU with AMX-BF16 or "
+                            "AVX512-BF16, else FP32 with a warning (training/precision.py)")
     log_every_n_steps: int = Field(25, ge=1)
 
 

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from qatpipe.data.splits import load_split
-from qatpipe.data.synth import write_synthetic_dataset
+from qatpipe.data.synth import KINDS, write_synthetic_dataset
 from qatpipe.errors import DataError, SpecError
 from qatpipe.fileio import write_json
 from qatpipe.spec import ExperimentSpec
@@ -31,10 +31,14 @@ def prepare_dataset(spec: ExperimentSpec, out_dir: str | Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     ds = spec.dataset
     if ds.train is None and ds.val is None:
-        size = ds.image_size
-        log.info("dataset.train/val not set: generating %d + %d synthetic images (seed %d)",
-                 ds.synthetic.train_images, ds.synthetic.val_images, ds.synthetic.seed)
-        write_synthetic_dataset(out_dir, ds.synthetic.train_images, ds.synthetic.val_images, ds.synthetic.seed,
+        size, synth = ds.image_size, ds.synthetic
+        kind_classes = list(KINDS[synth.kind].classes)
+        if list(ds.classes) != kind_classes:
+            raise SpecError(f"dataset.classes {list(ds.classes)} are not the classes of the synthetic data set "
+                            f"'{synth.kind}' (dataset.synthetic.kind): {kind_classes}")
+        log.info("dataset.train/val not set: generating %d + %d synthetic '%s' images (seed %d)",
+                 synth.train_images, synth.val_images, synth.kind, synth.seed)
+        write_synthetic_dataset(out_dir, synth.train_images, synth.val_images, synth.seed, kind=synth.kind,
                                 image_height=size.height, image_width=size.width, overwrite=True)
         source, train, val = "synthetic", "train", "val"
     elif ds.train is None or ds.val is None:
@@ -63,7 +67,7 @@ def with_default_dataset(spec: ExperimentSpec) -> ExperimentSpec:
         return spec
     size, synth = ds.image_size, ds.synthetic
     folder = (Path(ds.cache_dir) / "synthetic"
-              / f"seed{synth.seed}-{synth.train_images}x{synth.val_images}-{size.height}x{size.width}")
+              / f"{synth.kind}-seed{synth.seed}-{synth.train_images}x{synth.val_images}-{size.height}x{size.width}")
     if (folder / MANIFEST).is_file():
         return spec_with_prepared_dataset(spec, folder)
     prepare_dataset(spec, folder)

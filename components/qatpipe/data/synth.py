@@ -21,6 +21,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from typing import Callable
 from io import BytesIO
 from pathlib import Path
 
@@ -54,6 +55,7 @@ _NUM_PARTS = 8
 
 @dataclass(frozen=True)
 class _Job:
+    kind: str
     split_dir: str
     split_id: int
     index: int
@@ -78,19 +80,26 @@ def write_synthetic_dataset(
     image_width: int = 320,
     overwrite: bool = False,
     workers: int | None = None,
-    object_height_px: tuple[float, float] = DEFAULT_OBJECT_HEIGHT_PX,
+    object_height_px: tuple[float, float] | None = None,
+    kind: str = "shapes",
 ) -> dict:
     """Write a synthetic KITTI dataset to `out_dir/{train,val}/{images,labels}` and `out_dir/classes.txt`.
 
     Refuses (QatpipeError) to replace a non-empty `train`/`val` folder unless `overwrite`. Each split is
     written to a temporary sibling folder and renamed into place when complete. `workers` is the number
     of processes (default: up to 2 for large sets); it does not change the output. `object_height_px` is the
-    (min, max) object box height at a 192-px-high image; sizes are drawn log-uniformly and scaled with the height.
+    (min, max) object box height at a 192-px-high image (default: the kind's); sizes are drawn log-uniformly
+    and scaled with the height. `kind` picks the data set (KINDS): `shapes` (this module), or `glyphs` and
+    `photos`, whose classes differ only in internal detail (data/synth_detail.py).
 
     Returns {"out_dir", "classes", "image_height", "image_width", "seed", "splits": {split: {"images",
     "objects", "empty_images", "per_class", "occluded", "truncated"}}, "per_class", "seconds"}.
     """
     start = time.perf_counter()
+    if kind not in KINDS:
+        raise QatpipeError(f"synthetic dataset: unknown kind {kind!r}; one of {', '.join(KINDS)}")
+    classes = KINDS[kind].classes
+    object_height_px = object_height_px or KINDS[kind].object_px
     out = Path(out_dir)
     counts = {"train": int(num_train), "val": int(num_val)}
     for name, n in counts.items():
@@ -118,7 +127,8 @@ def write_synthetic_dataset(
 
     summary: dict = {
         "out_dir": str(out),
-        "classes": list(SYNTH_CLASSES),
+        "kind": kind,
+        "classes": list(classes),
         "image_height": int(image_height),
         "image_width": int(image_width),
         "seed": int(seed),
@@ -128,7 +138,7 @@ def write_synthetic_dataset(
     try:
         for name, split_id in _SPLITS:
             summary["splits"][name] = _write_split(
-                out, name, split_id, counts[name], seed, image_height, image_width, overwrite, pool,
+                kind, out, name, split_id, counts[name], seed, image_height, image_width, overwrite, pool,
                 (float(lo), float(hi)),
             )
     finally:
@@ -137,11 +147,11 @@ def write_synthetic_dataset(
             pool.join()
 
     classes_tmp = out / ".classes.txt.partial"
-    classes_tmp.write_text("".join(f"{c}\n" for c in SYNTH_CLASSES))
+    classes_tmp.write_text("".join(f"{c}\n" for c in classes))
     os.replace(classes_tmp, out / "classes.txt")
 
     summary["per_class"] = {
-        c: sum(s["per_class"][c] for s in summary["splits"].values()) for c in SYNTH_CLASSES
+        c: sum(s["per_class"][c] for s in summary["splits"].values()) for c in classes
     }
     summary["seconds"] = round(time.perf_counter() - start, 3)
     log.info(
@@ -172,7 +182,7 @@ def _make_pool(workers: int):
 
 
 def _write_split(
-    out: Path, name: str, split_id: int, count: int, seed: int, height: int, width: int, overwrite: bool, pool,
+    kind: str, out: Path, name: str, split_id: int, count: int, seed: int, height: int, width: int, overwrite: bool, pool,
     object_height_px: tuple[float, float],
 ) -> dict:
     target = out / name
@@ -182,12 +192,12 @@ def _write_split(
     (tmp / "images").mkdir(parents=True)
     (tmp / "labels").mkdir(parents=True)
 
-    jobs = [_Job(str(tmp), split_id, i, int(seed), int(height), int(width), object_height_px) for i in range(count)]
+    jobs = [_Job(kind, str(tmp), split_id, i, int(seed), int(height), int(width), object_height_px) for i in range(count)]
     stats = {
         "images": count,
         "objects": 0,
         "empty_images": 0,
-        "per_class": {c: 0 for c in SYNTH_CLASSES},
+        "per_class": {c: 0 for c in KINDS[kind].classes},
         "occluded": 0,
         "truncated": 0,
     }
@@ -221,7 +231,7 @@ def _write_split(
 
 def _generate_and_write(job: _Job) -> list[tuple[str, int, float]]:
     rng = np.random.default_rng([job.seed, job.split_id, job.index])
-    image, objects = _generate_image(rng, job.height, job.width, job.object_height_px)
+    image, objects = KINDS[job.kind].generate(rng, job.height, job.width, job.object_height_px)
     buf = BytesIO()
     Image.fromarray(image, "RGB").save(buf, "JPEG", quality=_JPEG_QUALITY)
     stem = f"{job.index:06d}"
@@ -649,3 +659,28 @@ def _draw_cyclist(rng: np.random.Generator, pen: _Pen, w: float, h: float) -> No
     pen.limb(hip, shoulder, u(0.11, 0.15) * h, _PRIMARY)
     pen.limb(shoulder, grip, limb_w * 0.9, _PRIMARY)
     pen.circle(head[0], head[1], rh, _HEAD)
+
+
+# --------------------------------------------------------------------------------------------------
+# The data sets this writer makes
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyntheticKind:
+    classes: tuple[str, ...]
+    generate: Callable  # (rng, height, width, object_px) -> (uint8 HxWx3 image, objects)
+    object_px: tuple[float, float]  # default (min, max) object size at a 192-px-high image
+
+
+def _kinds() -> dict[str, SyntheticKind]:
+    from qatpipe.data import synth_detail as detail
+
+    return {
+        "shapes": SyntheticKind(SYNTH_CLASSES, _generate_image, DEFAULT_OBJECT_HEIGHT_PX),
+        "glyphs": SyntheticKind(detail.GLYPH_CLASSES, detail.generate_glyphs, detail.DETAIL_OBJECT_PX),
+        "photos": SyntheticKind(detail.TEXTURE_CLASSES, detail.generate_photos, detail.DETAIL_OBJECT_PX),
+    }
+
+
+KINDS = _kinds()

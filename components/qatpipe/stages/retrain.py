@@ -47,7 +47,7 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
     _claim(results_dir, pruned_model_path, write=world.is_chief)
     if qat:
         if use_amp or (use_amp is None and spec.train.use_amp):
-            log.warning("QAT trains in FP32: fake quantisation under float16 would not match TensorRT's int8")
+            log.warning("QAT trains in FP32: fake quantisation under mixed precision would not match TensorRT's int8")
         use_amp = False
         model = _prepare_qat(spec, model, results_dir)
     log.info("retraining %s (%d params, %s)", pruned_model_path, model.count_params(), "QAT" if qat else "FP32")

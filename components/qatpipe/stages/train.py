@@ -21,22 +21,6 @@ SUMMARY_FILE = "train_summary.json"
 WORLD_FILE = "world.json"  # how many data-parallel processes wrote the checkpoints
 
 
-def _configure_precision(use_amp: bool) -> bool:
-    import tensorflow as tf
-    import tf_keras as keras
-
-    if not use_amp:
-        keras.mixed_precision.set_global_policy("float32")
-        return False
-    if not tf.config.list_physical_devices("GPU"):
-        log.warning("--use-amp: no GPU found, mixed precision needs one; training in FP32")
-        keras.mixed_precision.set_global_policy("float32")
-        return False
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    log.info("mixed precision: mixed_float16 (loss scaling on)")
-    return True
-
-
 # What a checkpoint's weights, optimizer state and data stream depend on: resuming across a change of any of
 # these would silently mix two experiments. `train.epochs` may change (to extend a run).
 _RESUME_MUST_MATCH = (
@@ -121,6 +105,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     from qatpipe.models import get_architecture
     from qatpipe.training.callbacks import CheckpointEveryN, ProgressLogger
     from qatpipe.training.distributed import init_world
+    from qatpipe.training.precision import FLOAT32, cast_model, configure_precision, model_policy
 
     world = init_world()
     results_dir = Path(results_dir)
@@ -128,12 +113,14 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         results_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise QatpipeError(f"{results_dir}: cannot create the results directory: {exc}") from None
-    amp = _configure_precision(spec.train.use_amp if use_amp is None else use_amp)
+    precision = configure_precision(spec.train.use_amp if use_amp is None else use_amp)
     keras.utils.set_random_seed(spec.train.seed)
 
     samples = load_split(spec, "train")
     arch = get_architecture(spec)
-    model = model if model is not None else arch.build_model()
+    model = model if model is not None else arch.build_model()  # a new model takes the global policy
+    if model_policy(model) != precision.policy:  # a loaded (pruned) model keeps the one it was built under
+        model = cast_model(model, precision.policy)
 
     steps = steps_per_epoch(len(samples), spec.train.batch_size, world.size)
     # the optimizer the model trains with (under Horovod, the wrapper that averages gradients) is the one
@@ -177,7 +164,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
             "training %s on %d images: epochs %d..%d, %d steps/epoch, batch %d%s, %s",
             model.name, len(samples), initial_epoch + 1, spec.train.epochs, steps, spec.train.batch_size,
             f" x {world.size} processes (learning rate x {world.size})" if world.distributed else "",
-            "mixed_float16" if amp else "float32",
+            precision.policy,
         )
         chief_callbacks = [
             progress,
@@ -195,8 +182,10 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         log.info("%s: already trained for %d epochs; exporting the model", results_dir, initial_epoch)
         final_losses = {}
 
-    # Save an uncompiled twin: no optimizer state or custom losses, so later stages load it plainly.
-    export = keras.Model(model.inputs, model.outputs, name=model.name)
+    # Save an uncompiled float32 twin: no optimizer state, custom losses or training policy, so later stages
+    # load it plainly.
+    export = (cast_model(model, FLOAT32) if precision.mixed else
+              keras.Model(model.inputs, model.outputs, name=model.name))
     model_path = results_dir / MODEL_FILE
     if world.is_chief:
         model_path = save_keras_model(export, model_path)
@@ -213,7 +202,8 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         "wall_seconds": round(time.perf_counter() - started, 2),
         "params": int(model.count_params()),
         "final_losses": final_losses,
-        "mixed_precision": amp,
+        "mixed_precision": precision.mixed,
+        "precision": precision.policy,
     }
     if not world.is_chief:
         return summary
@@ -230,7 +220,7 @@ def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dic
     metrics = numeric_leaves({key: summary[key] for key in ("images_per_second", "wall_seconds", "params",
                                                             "final_losses")})
     StageRecord(
-        stage=stage_name, params=flatten(sections), metrics=metrics,
+        stage=stage_name, params={**flatten(sections), "precision": summary["precision"]}, metrics=metrics,
         history=history_from_csv(results_dir / "training_log.csv"),
         artifacts=[MODEL_FILE, "training_log.csv", SUMMARY_FILE, SPEC_FILE],
     ).write(results_dir)
