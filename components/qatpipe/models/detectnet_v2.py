@@ -125,12 +125,27 @@ class DetectNetV2(DetectorArchitecture):
         num_classes = self.num_classes
 
         def coverage_loss(y_true, y_pred):
-            # weighted BCE: positive cells are a few percent of the grid
             eps = keras.backend.epsilon()
             y_pred = tf.clip_by_value(y_pred, eps, 1 - eps)
             bce = -(y_true * tf.math.log(y_pred) + (1 - y_true) * tf.math.log(1 - y_pred))
+            if loss.focal_gamma:
+                p_t = y_true * y_pred + (1 - y_true) * (1 - y_pred)
+                bce = bce * (1 - p_t) ** loss.focal_gamma
             weights = 1.0 + (loss.positive_weight - 1.0) * y_true
-            return loss.coverage_weight * tf.reduce_mean(bce * weights)
+            positive_cells = tf.reduce_max(y_true, axis=-1)  # (B, gh, gw)
+            positives = tf.maximum(tf.reduce_sum(positive_cells), 1.0)
+            if loss.coverage_normalizer == "positives":
+                total = tf.reduce_sum(bce * weights) / positives
+            else:
+                total = tf.reduce_mean(bce * weights)
+            if loss.class_weight:
+                # the class distribution the coverage implies, p_k / sum(p): its cross-entropy is blind to the
+                # coverage's scale, so it sharpens the class without raising coverage anywhere
+                share = y_pred / tf.reduce_sum(y_pred, axis=-1, keepdims=True)
+                labels = y_true / tf.maximum(tf.reduce_sum(y_true, axis=-1, keepdims=True), 1.0)
+                ce = -tf.reduce_sum(labels * tf.math.log(share), axis=-1)
+                total += loss.class_weight * tf.reduce_sum(ce * positive_cells) / positives
+            return loss.coverage_weight * total
 
         def bbox_loss(y_true, y_pred):
             target, mask = y_true[..., : 4 * num_classes], y_true[..., 4 * num_classes :]
