@@ -115,8 +115,10 @@ def evaluate_detections(
             reached = np.nonzero(p50 > 0)[0]
             end = reached[-1] + 1 if len(reached) else 1
             curves[name] = (recall_thresholds[:end].tolist(), np.maximum(p50[:end], 0).tolist())
+    at50 = precision[0]  # IoU 0.5
     return DetectionMetrics(
-        map50=float(evaluator.stats[1]), map=float(evaluator.stats[0]), per_class=per_class,
+        # COCO's stats[1] and stats[0] at our maxDets (stats[0] always takes maxDets=100: -1 for another limit)
+        map50=float(np.mean(at50[at50 > -1])), map=float(np.mean(precision[precision > -1])), per_class=per_class,
         num_images=len(images), num_detections=len(results), pr_curves=curves,
     )
 
