@@ -143,3 +143,34 @@ def qat_export(trained_tiny, tmp_path_factory):
     summary = retrain(spec, model, folder / "retrain")
     report = export(spec, summary["model"], folder / "qat.onnx")
     return spec, Path(summary["model"]), folder / "qat.onnx", report
+
+
+def random_evaluation(seed: int, images: int = 40, classes: int = 3, max_objects: int = 6, max_detections: int = 20):
+    """(ground truth, detections) per image, random but detector-like: jittered boxes on the objects (some of the
+    wrong class), false positives, images without objects, scores rounded to two decimals (ties); the last class
+    has no ground truth."""
+    import numpy as np
+
+    from qatpipe.metrics.coco import GroundTruth
+    from qatpipe.models.base import Detections
+
+    rng = np.random.default_rng(seed)
+    truth, detections = [], []
+    for _ in range(images):
+        count = int(rng.integers(0, max_objects + 1))
+        corner = rng.uniform(0, 400, (count, 2))
+        boxes = np.concatenate([corner, corner + rng.uniform(10, 80, (count, 2))], axis=1).astype(np.float32)
+        labels = rng.integers(0, classes - 1, count).astype(np.int32)
+        truth.append(GroundTruth(boxes, labels))
+        found = int(rng.integers(0, max_detections + 1))
+        if count:
+            source = rng.integers(0, count, found)
+            det_boxes = boxes[source] + rng.normal(0, 6, (found, 4))
+            det_labels = np.where(rng.random(found) < 0.8, labels[source], rng.integers(0, classes, found))
+        else:
+            det_boxes, det_labels = np.zeros((found, 4)), rng.integers(0, classes, found)
+        stray = (rng.random(found) < 0.3) | (count == 0)
+        det_boxes[stray] = rng.uniform(0, 400, (int(stray.sum()), 1)) + np.array([0, 0, 40, 40])
+        detections.append(Detections(det_boxes.astype(np.float32), np.round(rng.random(found), 2).astype(np.float32),
+                                     det_labels.astype(np.int32)))
+    return truth, detections

@@ -45,7 +45,15 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert list(summary["variants"]) == ["fp32", "ptq", "qat"]  # all three scored in ONNX Runtime
     fp32 = summary["variants"]["fp32"]
     assert set(fp32) == {"map50", "map", "latency_ms_p50", "latency_ms_p99", "throughput", "throughput_batch",
-                         "speedup_vs_fp32", "size_mb", "params", "gflops"}
+                         "speedup_vs_fp32", "size_mb", "params", "gflops",
+                         "map50_ci95_lo", "map50_ci95_hi", "map_ci95_lo", "map_ci95_hi"}
+    assert fp32["map50_ci95_lo"] <= fp32["map50"] <= fp32["map50_ci95_hi"]
+    # the variants' differences with their bootstrap CIs, over the evaluations' own detections
+    assert summary["bootstrap"] == {"images": 48, "resamples": 1000, "seed": 0}
+    assert list(summary["comparisons"]) == ["qat-fp32", "ptq-fp32", "qat-ptq"]
+    qat_fp32 = summary["comparisons"]["qat-fp32"]["map50"]
+    assert qat_fp32["diff"] == pytest.approx(summary["variants"]["qat"]["map50"] - fp32["map50"], abs=1e-9)
+    assert qat_fp32["ci95"][0] <= qat_fp32["diff"] <= qat_fp32["ci95"][1]
     assert fp32["map50"] > 0.3 and 0 < fp32["map"] < fp32["map50"]
     # every variant ran as an engine (ONNX Runtime here) and was benchmarked at batch 1 and 4 (tiny spec)
     assert all(row["latency_ms_p50"] > 0 and row["throughput_batch"] == 4 for row in summary["variants"].values())
@@ -70,8 +78,9 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert parent.data.metrics["variant.fp32.map50"] == pytest.approx(fp32["map50"])
     assert parent.data.metrics["variant.qat.map50"] == pytest.approx(summary["variants"]["qat"]["map50"])
     assert parent.data.metrics["pruning.flops_ratio"] == pytest.approx(pruning["flops_ratio"])
+    assert parent.data.metrics["comparison.qat-fp32.map50_diff"] == pytest.approx(qat_fp32["diff"])
     assert {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")} >= {
-        "comparison/summary.json", "comparison/comparison.png"}
+        "comparison/summary.json", "comparison/comparison.png", "comparison/accuracy_latency.png"}
     children = _children(client, parent)
     assert set(children) == STAGE_RUNS
     losses = client.get_metric_history(children["train"].info.run_id, "loss")
@@ -95,16 +104,19 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     # `qatpipe compare` reads the same table back from MLflow
     assert main(["compare", "--tracking-uri", mlflow_server, "--experiment", "pipeline-test",
                  "-o", str(tmp_path / "chart.png")]) == 0
-    assert f"{fp32['map50']:.4f}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"{fp32['map50']:.4f}" in printed  # and the differences, from the run's comparison.* metrics:
+    assert "qat-fp32  mAP@0.5" in printed and f"{100 * qat_fp32['diff']:+.2f}" in printed
     assert (tmp_path / "chart.png").stat().st_size > 1000
 
     # a re-run into the same folder, from the command line, reuses every finished stage, prints the table
-    # with the pruning and validation lines, and is tracked as a new pipeline run
+    # with the pruning and validation lines and the differences, and is tracked as a new pipeline run
     capsys.readouterr()
     sets = [arg for override in OVERRIDES for arg in ("--set", override)]
     assert main(["run", "--local", "--spec", "tiny", "--output", str(out), *sets]) == 0
     printed = capsys.readouterr().out
     assert "Pruning: " in printed and "gate (QAT): PASSED" in printed and f"{fp32['map50']:.4f}" in printed
+    assert "Differences, paired bootstrap over the val images (48 images, 1000 resamples, seed 0)" in printed
     again = json.loads((out / "summary.json").read_text())
     assert again["variants"] == summary["variants"]
     assert not HEAVY_STAGES & set(again["stages"])  # served from kfp.local's cache, not executed

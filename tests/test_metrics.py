@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+
 import numpy as np
 import pytest
+from conftest import random_evaluation
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
 
-from qatpipe.metrics.coco import GroundTruth, evaluate_detections, plot_pr_curves
+from qatpipe.metrics.coco import GroundTruth, evaluate_detections, plot_pr_curves, write_coco_files
 from qatpipe.models.base import Detections
 
 CLASSES = ["car", "pedestrian"]
@@ -83,9 +90,61 @@ def test_max_detections_beyond_coco_default_count():
     fps = [[100 + i, 100, 110 + i, 110] for i in range(150)]
     dets = [det(fps + [[0, 0, 20, 20]], [0.9] * 150 + [0.1], [0] * 151)]
     assert evaluate_detections(truth, dets, ["car"]).map50 == pytest.approx(0.0)
-    assert evaluate_detections(truth, dets, ["car"], max_detections=200).map50 > 0.0
+    beyond = evaluate_detections(truth, dets, ["car"], max_detections=200)
+    assert beyond.map50 > 0.0 and beyond.map > 0.0  # not COCO's stats[0], which counts 100 detections only
 
 
 def test_no_ground_truth_is_an_error_not_minus_one():
     with pytest.raises(ValueError, match="no ground-truth objects"):
         evaluate_detections([gt([], [])], [det([[0, 0, 5, 5]], [0.9], [0])], ["car"])
+
+
+def rescore(ground_truth_file, detections_file) -> tuple[float, float]:
+    """Plain pycocotools on the two files, as anyone would run it: (mAP@0.5, mAP@[.5:.95])."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        truth = COCO(str(ground_truth_file))
+        evaluator = COCOeval(truth, truth.loadRes(str(detections_file)), iouType="bbox")
+        evaluator.evaluate()
+        evaluator.accumulate()
+        evaluator.summarize()
+    return evaluator.stats[1], evaluator.stats[0]
+
+
+def test_coco_files_rescore_to_the_reported_map(tmp_path):
+    truth, detections = random_evaluation(8, classes=3)
+    truth = [GroundTruth(gt.boxes, gt.classes, f"{i:06d}.jpg", 640, 480) for i, gt in enumerate(truth)]
+    names = ["car", "pedestrian", "cyclist"]
+    write_coco_files(truth, detections, names, tmp_path / "gt.json", tmp_path / "det.json")
+    metrics = evaluate_detections(truth, detections, names)
+    rescored = rescore(tmp_path / "gt.json", tmp_path / "det.json")
+    assert rescored == pytest.approx((metrics.map50, metrics.map), abs=1e-12) and metrics.map50 > 0.05
+    dataset, results = json.loads((tmp_path / "gt.json").read_text()), json.loads((tmp_path / "det.json").read_text())
+    assert dataset["images"][1] == {"id": 2, "file_name": "000001.jpg", "width": 640, "height": 480}
+    assert dataset["categories"] == [{"id": 1, "name": "car"}, {"id": 2, "name": "pedestrian"},
+                                     {"id": 3, "name": "cyclist"}]
+    assert len(dataset["annotations"]) == sum(len(gt.classes) for gt in truth)
+    assert len(results) == metrics.num_detections
+    first = next(i for i, det in enumerate(detections) if len(det))  # boxes as [x, y, w, h] in image pixels
+    x1, y1, x2, y2 = detections[first].boxes[0].tolist()
+    assert results[0] == {"image_id": first + 1, "category_id": int(detections[first].classes[0]) + 1,
+                          "bbox": pytest.approx([x1, y1, x2 - x1, y2 - y1]),
+                          "score": pytest.approx(float(detections[first].scores[0]))}
+
+
+@pytest.mark.slow
+def test_evaluate_writes_coco_files_that_rescore_to_its_metrics(trained_tiny, tmp_path):
+    from qatpipe.data.splits import load_split
+    from qatpipe.stages.evaluate import evaluate
+    from qatpipe.tracking.records import StageRecord
+
+    spec, model = trained_tiny
+    evaluate(spec, model, tmp_path)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["num_detections"] > 0
+    rescored = rescore(tmp_path / "ground_truth.json", tmp_path / "detections.json")
+    assert rescored == pytest.approx((saved["map50"], saved["map"]), abs=1e-12)
+    samples = load_split(spec, "val")
+    images = json.loads((tmp_path / "ground_truth.json").read_text())["images"]
+    assert images == [{"id": i, "file_name": s.image_path.name, "width": s.width, "height": s.height}
+                      for i, s in enumerate(samples, start=1)]
+    assert {"detections.json", "ground_truth.json"} <= set(StageRecord.read(tmp_path).artifacts)

@@ -45,6 +45,12 @@ def test_parent_and_stage_runs(mlflow_server, tmp_path, monkeypatch):
 
     tracker.log_variants(parent, {"fp32": {"map50": 0.9, "map": 0.6, "latency_ms_p50": None}})
     assert tracker.read_variants(parent) == {"fp32": {"map50": 0.9, "map": 0.6}}
+    compared = tmp_path / "compare"
+    StageRecord(stage="compare").write(compared)
+    tracker.log_comparison(parent, {"fp32": {"map50": 0.9}}, compared,
+                           comparisons={"qat-fp32.map50_diff": -0.01, "qat-fp32.map50_ci95_lo": -0.03})
+    assert tracker.read_comparisons(parent) == {"qat-fp32.map50_diff": -0.01, "qat-fp32.map50_ci95_lo": -0.03}
+    assert client.get_run(parent).data.metrics["comparison.qat-fp32.map50_diff"] == -0.01
     assert tracker.latest_pipeline_run("test-runs") == parent
 
     assert tracker.finish_pipeline_run("kfp-1", "FINISHED", "SUCCEEDED") == parent

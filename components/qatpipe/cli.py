@@ -190,7 +190,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from qatpipe.stages.compare import format_table, pruning_line, validation_line
+    from qatpipe.stages.compare import report
     from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
 
     summary = run_local(args.output, args.spec, args.overrides, run_name=args.run_name or "")
@@ -198,11 +198,7 @@ def cmd_run(args) -> int:
     if "mlflow" in summary:
         log.info("MLflow: run %s in experiment %r at %s", summary["mlflow"]["run_id"],
                  summary["mlflow"]["experiment"], summary["mlflow"]["tracking_uri"])
-    print(format_table(summary["variants"]))  # the answer, for people and scripts
-    if "pruning" in summary:
-        print(pruning_line(summary["pruning"]))
-    if summary.get("validation"):
-        print(validation_line(summary["validation"]))
+    print(report(summary))  # the answer, for people and scripts
     return 0
 
 
@@ -227,7 +223,7 @@ def cmd_submit(args) -> int:
 def cmd_compare(args) -> int:
     import os
 
-    from qatpipe.stages.compare import format_table, plot_variants
+    from qatpipe.stages.compare import comparisons_from_metrics, plot_variants, report
     from qatpipe.tracking.mlflow_runs import TRACKING_URI_ENV, MlflowTracker
 
     uri = args.tracking_uri or os.environ.get(TRACKING_URI_ENV)
@@ -242,7 +238,7 @@ def cmd_compare(args) -> int:
         return 2
     chart = plot_variants(variants, args.output)
     log.info("pipeline run %s; chart: %s", run_id, chart)
-    print(format_table(variants))
+    print(report({"variants": variants, "comparisons": comparisons_from_metrics(tracker.read_comparisons(run_id))}))
     return 0
 
 

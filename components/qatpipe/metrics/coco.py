@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
+from qatpipe.fileio import atomic_write_text
 from qatpipe.models.base import Detections
 
 log = logging.getLogger(__name__)
@@ -22,6 +24,10 @@ log = logging.getLogger(__name__)
 class GroundTruth:
     boxes: np.ndarray  # (N, 4) x1 y1 x2 y2
     classes: np.ndarray  # (N,)
+    # the image, for ground_truth.json (optional: the metrics do not need it)
+    file_name: str | None = None
+    width: int | None = None
+    height: int | None = None
 
 
 @dataclass
@@ -49,6 +55,54 @@ def _xywh(box: np.ndarray) -> list[float]:
     return [x1, y1, x2 - x1, y2 - y1]
 
 
+def coco_ground_truth(ground_truth: Sequence[GroundTruth], class_names: Sequence[str]) -> dict:
+    """The ground truth as a COCO dataset (ground_truth.json): image ids 1..N in the given order,
+    category id = class index + 1, boxes [x, y, w, h]."""
+    images, annotations = [], []
+    for image_id, gt in enumerate(ground_truth, start=1):
+        about = {"file_name": gt.file_name, "width": gt.width, "height": gt.height}
+        images.append({"id": image_id, **{key: value for key, value in about.items() if value is not None}})
+        for box, cls in zip(gt.boxes, gt.classes):
+            xywh = _xywh(box)
+            annotations.append({
+                "id": len(annotations) + 1, "image_id": image_id, "category_id": int(cls) + 1,
+                "bbox": xywh, "area": xywh[2] * xywh[3], "iscrowd": 0,
+            })
+    categories = [{"id": k + 1, "name": name} for k, name in enumerate(class_names)]
+    return {"images": images, "annotations": annotations, "categories": categories}
+
+
+def coco_results(detections: Sequence[Detections]) -> list[dict]:
+    """Detections in COCO's results format (detections.json), with coco_ground_truth's ids."""
+    return [{"image_id": image_id, "category_id": int(cls) + 1, "bbox": _xywh(box), "score": float(score)}
+            for image_id, det in enumerate(detections, start=1)
+            for box, score, cls in zip(det.boxes, det.scores, det.classes)]
+
+
+def write_coco_files(ground_truth: Sequence[GroundTruth], detections: Sequence[Detections],
+                     class_names: Sequence[str], ground_truth_path: str | Path, detections_path: str | Path) -> None:
+    """ground_truth.json and detections.json, which plain pycocotools re-scores to evaluate_detections' mAP.
+    Compact JSON: a val set's detections run to megabytes."""
+    for path, data in ((ground_truth_path, coco_ground_truth(ground_truth, class_names)),
+                       (detections_path, coco_results(detections))):
+        atomic_write_text(path, json.dumps(data, separators=(",", ":")))
+
+
+def coco_evaluator(dataset: dict, results: list[dict], max_detections: int) -> COCOeval:
+    """pycocotools' bbox COCOeval of `results` against a COCO `dataset`, matched image by image (evaluate()
+    done, not accumulated); `max_detections` per image and class is its largest maxDets."""
+    coco_gt = COCO()
+    coco_gt.dataset = dataset
+    with contextlib.redirect_stdout(io.StringIO()) as chatter:  # pycocotools prints progress
+        coco_gt.createIndex()
+        # loadRes adds keys to the dicts it gets: copies, so the caller's results stay as they were
+        evaluator = COCOeval(coco_gt, coco_gt.loadRes([dict(r) for r in results]), iouType="bbox")
+        evaluator.params.maxDets = [1, 10, max_detections]
+        evaluator.evaluate()
+    log.debug("pycocotools:\n%s", chatter.getvalue())
+    return evaluator
+
+
 def evaluate_detections(
     ground_truth: Sequence[GroundTruth], detections: Sequence[Detections], class_names: Sequence[str],
     max_detections: int = 100,
@@ -61,18 +115,8 @@ def evaluate_detections(
         raise ValueError(f"{len(ground_truth)} ground-truth images but {len(detections)} detection lists")
     if not any(len(gt.classes) for gt in ground_truth):
         raise ValueError("no ground-truth objects: mAP is undefined")
-    images, annotations, results = [], [], []
-    for image_id, (gt, det) in enumerate(zip(ground_truth, detections), start=1):
-        images.append({"id": image_id})
-        for box, cls in zip(gt.boxes, gt.classes):
-            xywh = _xywh(box)
-            annotations.append({
-                "id": len(annotations) + 1, "image_id": image_id, "category_id": int(cls) + 1,
-                "bbox": xywh, "area": xywh[2] * xywh[3], "iscrowd": 0,
-            })
-        for box, score, cls in zip(det.boxes, det.scores, det.classes):
-            results.append({"image_id": image_id, "category_id": int(cls) + 1, "bbox": _xywh(box),
-                            "score": float(score)})
+    dataset, results = coco_ground_truth(ground_truth, class_names), coco_results(detections)
+    images, annotations = dataset["images"], dataset["annotations"]
 
     gt_counts = np.bincount([a["category_id"] - 1 for a in annotations], minlength=len(class_names))
     if not results:
@@ -84,17 +128,8 @@ def evaluate_detections(
         }
         return DetectionMetrics(0.0, 0.0, per_class, len(images), 0)
 
-    coco_gt = COCO()
-    coco_gt.dataset = {
-        "images": images, "annotations": annotations,
-        "categories": [{"id": k + 1, "name": name} for k, name in enumerate(class_names)],
-    }
-    with contextlib.redirect_stdout(io.StringIO()) as chatter:  # pycocotools prints progress
-        coco_gt.createIndex()
-        coco_dt = coco_gt.loadRes(results)
-        evaluator = COCOeval(coco_gt, coco_dt, iouType="bbox")
-        evaluator.params.maxDets = [1, 10, max_detections]
-        evaluator.evaluate()
+    evaluator = coco_evaluator(dataset, results, max_detections)
+    with contextlib.redirect_stdout(io.StringIO()) as chatter:
         evaluator.accumulate()
         evaluator.summarize()
     log.debug("pycocotools:\n%s", chatter.getvalue())
@@ -115,8 +150,10 @@ def evaluate_detections(
             reached = np.nonzero(p50 > 0)[0]
             end = reached[-1] + 1 if len(reached) else 1
             curves[name] = (recall_thresholds[:end].tolist(), np.maximum(p50[:end], 0).tolist())
+    at50 = precision[0]  # IoU 0.5
     return DetectionMetrics(
-        map50=float(evaluator.stats[1]), map=float(evaluator.stats[0]), per_class=per_class,
+        # COCO's stats[1] and stats[0] at our maxDets (stats[0] always takes maxDets=100: -1 for another limit)
+        map50=float(np.mean(at50[at50 > -1])), map=float(np.mean(precision[precision > -1])), per_class=per_class,
         num_images=len(images), num_detections=len(results), pr_curves=curves,
     )
 

@@ -1,4 +1,5 @@
-"""Stage: the FP32 / PTQ / QAT comparison: one table, one chart, one summary.json for the pipeline run."""
+"""Stage: the FP32 / PTQ / QAT comparison: tables, charts and one summary.json for the pipeline run, with
+paired bootstrap confidence intervals for the variants' mAP and for their differences."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text, write_json
 from qatpipe.html_report import png_page
-from qatpipe.stages.evaluate import METRICS_FILE
+from qatpipe.metrics.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, match_detections, paired_bootstrap
+from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE, METRICS_FILE
 from qatpipe.tracking.records import StageRecord
 
 log = logging.getLogger(__name__)
@@ -18,7 +20,10 @@ log = logging.getLogger(__name__)
 SUMMARY_FILE = "summary.json"
 TABLE_FILE = "comparison.md"
 CHART_FILE = "comparison.png"
+TRADEOFF_CHART_FILE = "accuracy_latency.png"
 HTML_FILE = "comparison.html"
+# the differences worth a confidence interval, "a-b" = a minus b (those whose variants both were evaluated)
+PAIRS = (("qat", "fp32"), ("ptq", "fp32"), ("qat", "ptq"))
 
 # column -> (header, format); latency at batch 1, throughput at the largest benchmarked batch
 VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
@@ -81,11 +86,42 @@ def pruning_block(prune_report: dict, unpruned_evaluation: str | Path | None, fp
     return block
 
 
+def uncertainty(evaluations: dict[str, str | Path], resamples: int = DEFAULT_RESAMPLES,
+                seed: int = DEFAULT_SEED) -> dict | None:
+    """The paired bootstrap (metrics.bootstrap.paired_bootstrap) over the variants whose folders hold
+    detections.json and ground_truth.json, for the PAIRS among them; None when no folder holds them."""
+    folders = {name: Path(folder) for name, folder in evaluations.items()
+               if (Path(folder) / DETECTIONS_FILE).is_file() and (Path(folder) / GROUND_TRUTH_FILE).is_file()}
+    if not folders:
+        return None
+    truths = {name: _read_json(folder / GROUND_TRUTH_FILE, "ground truth") for name, folder in folders.items()}
+    first = next(iter(truths))
+    others = [name for name, truth in truths.items() if truth != truths[first]]
+    if others:
+        raise QatpipeError(f"compare: {', '.join(others)} were evaluated on other val images or labels than "
+                           f"{first}: their mAP cannot be compared image by image")
+    matched = {name: match_detections(truths[first], _read_json(folder / DETECTIONS_FILE, "detections"))
+               for name, folder in folders.items()}
+    return paired_bootstrap(matched, [(a, b) for a, b in PAIRS if a in matched and b in matched], resamples, seed)
+
+
+def per_class_ap50(evaluations: dict[str, str | Path]) -> dict[str, dict[str, Any]]:
+    """class -> {"objects": ground-truth count, variant: AP@0.5, ...} from the variants' metrics.json."""
+    table: dict[str, dict[str, Any]] = {}
+    for name, folder in evaluations.items():
+        for cls, values in _read_json(Path(folder) / METRICS_FILE, "evaluation metrics").get("per_class", {}).items():
+            table.setdefault(cls, {"objects": values["num_gt"]})[name] = values["ap50"]
+    return table
+
+
 def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path, prune_report: dict | None = None,
-                     unpruned_evaluation: str | Path | None = None) -> dict:
-    """Summarise the variants' evaluations into output_dir: summary.json, a Markdown table, a chart.
+                     unpruned_evaluation: str | Path | None = None, resamples: int = DEFAULT_RESAMPLES,
+                     seed: int = DEFAULT_SEED) -> dict:
+    """Summarise the variants' evaluations into output_dir: summary.json, a Markdown table, charts, an HTML page.
     With the prune report (and the unpruned model's evaluation) the variants get their params and FLOPs
-    (all variants are the pruned network) and the summary a `pruning` block."""
+    (all variants are the pruned network) and the summary a `pruning` block. Where the evaluations hold their
+    detections, each variant's mAP gets a 95% CI (`map50_ci95_lo`, ...) and the summary `comparisons`: the
+    differences of PAIRS with theirs (paired bootstrap over the val images, `resamples` times, `seed`)."""
     if not evaluations:
         raise QatpipeError("compare: no evaluated variants")
     output_dir = Path(output_dir)
@@ -104,25 +140,73 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path,
         summary["validation"] = validation
     # the gate: the QAT model, the deployment candidate, passed its validation (None: not validated)
     summary["gate_passed"] = validation.get("qat")
+    bootstrap = uncertainty(evaluations, resamples, seed)
+    if bootstrap is not None:
+        for name, intervals in bootstrap["variants"].items():
+            for metric, estimate in intervals.items():
+                variants[name][f"{metric}_ci95_lo"], variants[name][f"{metric}_ci95_hi"] = estimate["ci95"]
+        summary["bootstrap"] = {key: bootstrap[key] for key in ("images", "resamples", "seed")}
+        summary["comparisons"] = bootstrap["pairs"]
+    classes = per_class_ap50(evaluations)
+    if classes:
+        summary["per_class_ap50"] = classes
     write_json(output_dir / SUMMARY_FILE, summary)
-    table = format_table(variants, markdown=True)
-    if "pruning" in summary:
-        table += "\n\n" + pruning_line(summary["pruning"])
-    if validation:
-        table += "\n\n" + validation_line(validation)
+    table = report(summary, markdown=True)
     atomic_write_text(output_dir / TABLE_FILE, "# Variants\n\n" + table + "\n")
-    plot_variants(variants, output_dir / CHART_FILE)
-    atomic_write_text(output_dir / HTML_FILE, png_page("Variants", output_dir / CHART_FILE, table))
+    charts = [plot_variants(variants, output_dir / CHART_FILE)]
+    tradeoff = plot_tradeoff(variants, output_dir / TRADEOFF_CHART_FILE)
+    charts += [tradeoff] if tradeoff else []
+    atomic_write_text(output_dir / HTML_FILE, png_page("Variants", charts, table))
+    metrics = {f"{name}.{key}": value for name, row in variants.items() for key, value in row.items()}
+    metrics.update({f"pruning.{key}": value for key, value in summary.get("pruning", {}).items()})
+    metrics.update(pair_metrics(summary.get("comparisons", {})))
     StageRecord(
-        stage="compare", params={"variants": ",".join(variants)},
-        metrics={f"{name}.{key}": value for name, row in variants.items() for key, value in row.items()
-                 if value is not None},
-        artifacts=[SUMMARY_FILE, TABLE_FILE, CHART_FILE],
+        stage="compare", params={"variants": ",".join(variants), "bootstrap_resamples": resamples,
+                                 "bootstrap_seed": seed},
+        metrics={key: value for key, value in metrics.items() if value is not None},
+        artifacts=[SUMMARY_FILE, TABLE_FILE, *(chart.name for chart in charts)],
     ).write(output_dir)
-    log.info("variants:\n%s%s%s", format_table(variants),
-             "\n" + pruning_line(summary["pruning"]) if "pruning" in summary else "",
-             "\n" + validation_line(validation) if validation else "")
+    log.info("variants:\n%s", report(summary))
     return summary
+
+
+def pair_metrics(comparisons: dict[str, dict[str, dict]]) -> dict[str, float]:
+    """summary.json's comparisons as flat metrics: `qat-fp32.map50_diff`, `qat-fp32.map50_ci95_lo`, `..._hi`."""
+    flat = {}
+    for pair, metrics in comparisons.items():
+        for metric, estimate in metrics.items():
+            flat[f"{pair}.{metric}_diff"] = estimate["diff"]
+            flat[f"{pair}.{metric}_ci95_lo"], flat[f"{pair}.{metric}_ci95_hi"] = estimate["ci95"]
+    return flat
+
+
+def comparisons_from_metrics(flat: dict[str, float]) -> dict[str, dict[str, dict]]:
+    """pair_metrics' inverse (the comparisons as an experiment tracker gives them back)."""
+    comparisons: dict[str, dict[str, dict]] = {}
+    for key, value in flat.items():
+        pair, name = key.split(".", 1)
+        metric, part = name.split("_", 1)
+        estimate = comparisons.setdefault(pair, {}).setdefault(metric, {"diff": None, "ci95": [None, None]})
+        if part == "diff":
+            estimate["diff"] = value
+        else:
+            estimate["ci95"][("ci95_lo", "ci95_hi").index(part)] = value
+    return comparisons
+
+
+def report(summary: dict[str, Any], markdown: bool = False) -> str:
+    """The comparison for people: the variant table, the pruning and validation lines, the differences with
+    their confidence intervals and the per-class table, whichever the summary holds."""
+    parts = [format_table(summary["variants"], markdown)]
+    if "pruning" in summary:
+        parts.append(pruning_line(summary["pruning"]))
+    if summary.get("validation"):
+        parts.append(validation_line(summary["validation"]))
+    if summary.get("comparisons"):
+        parts.append(comparison_table(summary["comparisons"], summary.get("bootstrap"), markdown))
+    if summary.get("per_class_ap50"):
+        parts.append(per_class_table(summary["per_class_ap50"], list(summary["variants"]), markdown))
+    return "\n\n".join(parts)
 
 
 def validation_line(validation: dict[str, bool]) -> str:
@@ -143,9 +227,54 @@ def pruning_line(block: dict) -> str:
 
 
 def format_table(variants: dict[str, dict[str, Any]], markdown: bool = False) -> str:
-    headers = ["variant", *(header for header, _ in VARIANT_COLUMNS.values())]
-    rows = [[name, *(_fmt(row.get(key), fmt) for key, (_, fmt) in VARIANT_COLUMNS.items())]
+    """One row per variant; an mAP with a confidence interval (`map50_ci95_lo`/`_hi`) shows it in brackets."""
+    with_ci = any(row.get(f"{key}_ci95_lo") is not None for row in variants.values() for key in VARIANT_COLUMNS)
+    headers = ["variant", *(f"{header} [95% CI]" if with_ci and key in ("map50", "map") else header
+                            for key, (header, _) in VARIANT_COLUMNS.items())]
+    rows = [[name, *(_cell(row, key, fmt) for key, (_, fmt) in VARIANT_COLUMNS.items())]
             for name, row in variants.items()]
+    return _render(headers, rows, markdown)
+
+
+def comparison_table(comparisons: dict[str, dict[str, dict]], bootstrap: dict | None = None,
+                     markdown: bool = False) -> str:
+    """The differences of the pairs in mAP points with their 95% CIs and a plain verdict."""
+    how = (f" ({bootstrap['images']} images, {bootstrap['resamples']} resamples, seed {bootstrap['seed']})"
+           if bootstrap else "")
+    rows = [[pair, VARIANT_COLUMNS[metric][0], f"{100 * e['diff']:+.2f}",
+             f"[{100 * e['ci95'][0]:+.2f}, {100 * e['ci95'][1]:+.2f}]", verdict(pair, e["ci95"])]
+            for pair, metrics in comparisons.items() for metric, e in metrics.items()]
+    return _titled(f"Differences, paired bootstrap over the val images{how}:",
+                   _render(["pair", "metric", "difference (points)", "95% CI (points)", "verdict"], rows, markdown),
+                   markdown)
+
+
+def verdict(pair: str, ci95: list[float]) -> str:
+    """Plain words for a difference a-b: no significant difference when its interval holds 0, else which is
+    better."""
+    better, worse = pair.split("-", 1)
+    if ci95[0] <= 0 <= ci95[1]:
+        return "no significant difference"
+    return f"{better} better" if ci95[0] > 0 else f"{worse} better"
+
+
+def per_class_table(per_class: dict[str, dict[str, Any]], variants: list[str], markdown: bool = False) -> str:
+    rows = [[cls, str(values["objects"]), *(_fmt(values.get(name), "{:.4f}") for name in variants)]
+            for cls, values in per_class.items()]
+    return _titled("AP@0.5 per class:", _render(["class", "objects", *variants], rows, markdown), markdown)
+
+
+def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    low, high = row.get(f"{key}_ci95_lo"), row.get(f"{key}_ci95_hi")
+    text = _fmt(row.get(key), fmt)
+    return text if low is None or high is None else f"{text} [{fmt.format(low)}, {fmt.format(high)}]"
+
+
+def _titled(title: str, table: str, markdown: bool) -> str:
+    return title + ("\n\n" if markdown else "\n") + table  # Markdown wants a blank line before a table
+
+
+def _render(headers: list[str], rows: list[list[str]], markdown: bool) -> str:
     if markdown:
         lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
@@ -155,30 +284,68 @@ def format_table(variants: dict[str, dict[str, Any]], markdown: bool = False) ->
 
 
 def plot_variants(variants: dict[str, dict[str, Any]], path: str | Path) -> Path:
-    """Grouped bars: mAP@0.5 and mAP@[.5:.95] per variant (the accuracy side of the FP32/PTQ/QAT trade)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Grouped bars: mAP@0.5 and mAP@[.5:.95] per variant (the accuracy side of the FP32/PTQ/QAT trade), with
+    their 95% CIs where known."""
     import numpy as np
 
+    plt = _pyplot()
     names = list(variants)
     x = np.arange(len(names))
     fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(names), 3.6))
     for offset, key in ((-0.2, "map50"), (0.2, "map")):
         values = [variants[n].get(key) or 0.0 for n in names]
-        bars = ax.bar(x + offset, values, width=0.4, label=VARIANT_COLUMNS[key][0])
+        bars = ax.bar(x + offset, values, width=0.4, label=VARIANT_COLUMNS[key][0],
+                      yerr=_error_bars([variants[n] for n in names], key), capsize=3)
         ax.bar_label(bars, fmt="%.3f", fontsize=8)
     ax.set_xticks(x, names)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("mAP (val)")
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("Variants")
+    return _save(fig, path)
+
+
+def plot_tradeoff(variants: dict[str, dict[str, Any]], path: str | Path) -> Path | None:
+    """Accuracy against latency: mAP@0.5 (95% CI bars where known) over p50 latency at batch 1, a labelled
+    point per benchmarked variant; None when no variant was benchmarked."""
+    timed = {name: row for name, row in variants.items() if row.get("latency_ms_p50") is not None}
+    if not timed:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for name, row in timed.items():
+        ax.errorbar(row["latency_ms_p50"], row["map50"], yerr=_error_bars([row], "map50"), fmt="o", capsize=4)
+        ax.annotate(name, (row["latency_ms_p50"], row["map50"]), textcoords="offset points", xytext=(6, 6))
+    with_ci = any(row.get("map50_ci95_lo") is not None for row in timed.values())
+    ax.set(xlabel=VARIANT_COLUMNS["latency_ms_p50"][0] + ", batch 1",
+           ylabel="mAP@0.5 (val)" + (", 95% CI" if with_ci else ""), title="Accuracy vs latency")
+    ax.set_xlim(0, 1.25 * max(row["latency_ms_p50"] for row in timed.values()))  # room for the labels
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _error_bars(rows: list[dict[str, Any]], key: str):
+    """matplotlib's yerr (2, n) from the rows' 95% CIs, None when a row has none."""
+    if any(row.get(f"{key}_ci95_lo") is None for row in rows):
+        return None
+    return [[row[key] - row[f"{key}_ci95_lo"] for row in rows], [row[f"{key}_ci95_hi"] - row[key] for row in rows]]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 

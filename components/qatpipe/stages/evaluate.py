@@ -11,7 +11,7 @@ import numpy as np
 from qatpipe.data.splits import load_split
 from qatpipe.errors import DataError, QatpipeError
 from qatpipe.fileio import write_json
-from qatpipe.metrics.coco import GroundTruth, evaluate_detections, plot_pr_curves
+from qatpipe.metrics.coco import GroundTruth, evaluate_detections, plot_pr_curves, write_coco_files
 from qatpipe.spec import ExperimentSpec
 from qatpipe.tracking.records import StageRecord
 
@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.json"
 PR_CURVE_FILE = "pr_curves.png"
+# the evaluation in COCO files (ids as in metrics.json's evaluation): re-scorable, and the compare stage's input
+DETECTIONS_FILE = "detections.json"
+GROUND_TRUTH_FILE = "ground_truth.json"
 
 
 def predict(forward, samples, spec: ExperimentSpec, arch) -> list:
@@ -39,7 +42,8 @@ def predict(forward, samples, spec: ExperimentSpec, arch) -> list:
 
 def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Path | None = None,
              stage_name: str = "evaluate") -> dict:
-    """Score `model_path` on dataset.val; writes metrics.json, pr_curves.png and tracking.json to `output_dir`."""
+    """Score `model_path` on dataset.val; writes metrics.json, pr_curves.png, detections.json,
+    ground_truth.json and tracking.json to `output_dir`."""
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
 
@@ -67,10 +71,11 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
     started = time.perf_counter()
     detections = predict(forward, samples, spec, arch)
     seconds = time.perf_counter() - started
-    metrics = evaluate_detections(
-        [GroundTruth(s.boxes, s.classes) for s in samples], detections, spec.dataset.classes,
-        max_detections=spec.model.decoder.max_detections,
-    )
+    truth = [GroundTruth(s.boxes, s.classes, s.image_path.name, s.width, s.height) for s in samples]
+    metrics = evaluate_detections(truth, detections, spec.dataset.classes,
+                                  max_detections=spec.model.decoder.max_detections)
+    write_coco_files(truth, detections, spec.dataset.classes, output_dir / GROUND_TRUTH_FILE,
+                     output_dir / DETECTIONS_FILE)
     result = {
         "model": str(model_path),
         **metrics.to_dict(with_curves=True),
@@ -81,7 +86,7 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
     plot_pr_curves(metrics, output_dir / PR_CURVE_FILE, title=f"{model_path.name}: PR @ IoU 0.5")
     StageRecord(
         stage=stage_name, params={"model": model_path.name, "val_images": len(samples)},
-        metrics=tracked_metrics(result), artifacts=[METRICS_FILE, PR_CURVE_FILE],
+        metrics=tracked_metrics(result), artifacts=[METRICS_FILE, PR_CURVE_FILE, DETECTIONS_FILE, GROUND_TRUTH_FILE],
     ).write(output_dir)
     log.info("mAP@0.5 %.4f  mAP@[.5:.95] %.4f  (%d images, %d detections)", metrics.map50, metrics.map,
              metrics.num_images, metrics.num_detections)
@@ -133,4 +138,5 @@ def tracked_metrics(result: dict) -> dict[str, float]:
     return metrics
 
 
-__all__ = ["evaluate", "predict", "onnx_forward", "tracked_metrics", "METRICS_FILE", "PR_CURVE_FILE"]
+__all__ = ["evaluate", "predict", "onnx_forward", "tracked_metrics", "METRICS_FILE", "PR_CURVE_FILE",
+           "DETECTIONS_FILE", "GROUND_TRUTH_FILE"]

@@ -29,6 +29,7 @@ STAGE_TAG = "qatpipe.stage"
 KFP_RUN_TAG = "qatpipe.kfp_run_id"
 JOINED_TAG = "qatpipe.joined"  # the parent run belongs to the KFP backend: it opens and closes it
 VARIANT_PREFIX = "variant."  # parent-run metrics: variant.<name>.<metric>
+COMPARISON_PREFIX = "comparison."  # parent-run metrics: comparison.<a-b>.<metric>, differences between variants
 
 # MLflow's own HTTP retries default to 7 with exponential backoff (minutes of silence against a dead
 # server); ours are few and logged. Users who set these variables keep their values.
@@ -266,12 +267,15 @@ class MlflowTracker:
         self.set_tags(run_id, {"qatpipe.variants": ",".join(variants)})
 
     def log_comparison(self, run_id: str, variants: dict[str, dict[str, Any]], folder: str | Path,
-                       pruning: dict[str, Any] | None = None) -> dict:
-        """The compare stage's output on the parent run: variant metrics (and `pruning.*`) plus its files
-        under comparison/. Returns where it went (summary.json's `mlflow` block)."""
+                       pruning: dict[str, Any] | None = None, comparisons: dict[str, float] | None = None) -> dict:
+        """The compare stage's output on the parent run: variant metrics (and `pruning.*`, and the flat
+        differences between variants as `comparison.*`) plus its files under comparison/. Returns where it
+        went (summary.json's `mlflow` block)."""
         self.log_variants(run_id, variants)
         if pruning:
             self.log_metrics(run_id, {f"pruning.{key}": value for key, value in pruning.items()})
+        if comparisons:
+            self.log_metrics(run_id, {f"{COMPARISON_PREFIX}{key}": value for key, value in comparisons.items()})
         for relative in StageRecord.read(folder).artifacts:
             self.log_artifact(run_id, Path(folder) / relative, "comparison")
         run = self._call(f"reading run {run_id}", lambda: self.client.get_run(run_id))
@@ -290,6 +294,12 @@ class MlflowTracker:
                 name, metric = key[len(VARIANT_PREFIX):].split(".", 1)
                 variants.setdefault(name, {})[metric] = value
         return variants
+
+    def read_comparisons(self, run_id: str) -> dict[str, float]:
+        """The `comparison.*` metrics log_comparison put on the parent run, without the prefix."""
+        run = self._call(f"reading run {run_id}", lambda: self.client.get_run(run_id))
+        return {key[len(COMPARISON_PREFIX):]: value for key, value in run.data.metrics.items()
+                if key.startswith(COMPARISON_PREFIX)}
 
     def latest_pipeline_run(self, experiment: str) -> str:
         def find() -> str:

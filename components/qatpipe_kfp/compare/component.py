@@ -1,5 +1,6 @@
-"""compare: the FP32 / PTQ / QAT table (all three scored in ONNX Runtime), chart and summary.json, with the
-pruning block (unpruned vs pruned size and mAP); logs them to the MLflow parent run for the side-by-side view."""
+"""compare: the FP32 / PTQ / QAT table (all three scored in ONNX Runtime), charts and summary.json, with the
+pruning block (unpruned vs pruned size and mAP), the differences between the variants with their bootstrap
+confidence intervals and the per-class AP; logs them to the MLflow parent run for the side-by-side view."""
 
 from kfp.dsl import HTML, Artifact, Input, Markdown, Metrics, Model, Output
 
@@ -14,9 +15,10 @@ def compare(parent_run_id: str, fp32: Input[Artifact], ptq: Input[Artifact], qat
     from pathlib import Path
 
     from qatpipe.fileio import write_json
-    from qatpipe.stages.compare import HTML_FILE, SUMMARY_FILE, TABLE_FILE, compare_variants
+    from qatpipe.stages.compare import HTML_FILE, SUMMARY_FILE, TABLE_FILE, compare_variants, pair_metrics
     from qatpipe.stages.prune import REPORT_FILE
     from qatpipe.tracking.mlflow_runs import MlflowTracker
+    from qatpipe.tracking.records import StageRecord
     from qatpipe_kfp.runtime import stage, write_metrics, write_text
 
     with stage("compare"):
@@ -26,10 +28,9 @@ def compare(parent_run_id: str, fp32: Input[Artifact], ptq: Input[Artifact], qat
         folder = Path(summary.path)
         write_text(table, (folder / TABLE_FILE).read_text())
         write_text(chart, (folder / HTML_FILE).read_text())
-        figures = {f"{name}.{key}": value for name, row in result["variants"].items() for key, value in row.items()}
-        figures.update({f"pruning.{key}": value for key, value in result["pruning"].items()})
-        write_metrics(metrics, figures)
+        write_metrics(metrics, StageRecord.read(folder).metrics)
         tracker = MlflowTracker.from_env()
         if parent_run_id and tracker is not None:
-            result["mlflow"] = tracker.log_comparison(parent_run_id, result["variants"], folder, result["pruning"])
+            result["mlflow"] = tracker.log_comparison(parent_run_id, result["variants"], folder, result["pruning"],
+                                                      pair_metrics(result.get("comparisons", {})))
         write_json(folder / SUMMARY_FILE, result)

@@ -1,6 +1,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from kfp import dsl
 
 from qatpipe_kfp.compare.component import compare
@@ -54,3 +55,39 @@ def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
     assert "data:image/png;base64," in Path(outputs["chart"].path).read_text()
     assert outputs["metrics"].metadata["qat.map50"] == 0.80
     assert outputs["metrics"].metadata["pruning.flops_ratio"] == 0.45
+
+
+def test_the_ui_gets_the_differences_and_the_per_class_table(artifact, tmp_path):
+    import numpy as np
+
+    from qatpipe.metrics.coco import GroundTruth, evaluate_detections, write_coco_files
+    from qatpipe.models.base import Detections
+
+    truth = [GroundTruth(np.array([[10, 10, 60, 60], [100, 20, 150, 90]], np.float32), np.array([0, 1], np.int32))
+             for _ in range(20)]
+    found = {"fp32": [Detections(gt.boxes, np.array([0.9, 0.8], np.float32), gt.classes) for gt in truth],
+             "ptq": [Detections(gt.boxes[:1], np.array([0.9], np.float32), gt.classes[:1]) for gt in truth]}
+    found["qat"] = found["fp32"]
+    inputs = {}
+    for name, detections in found.items():
+        inputs[name] = _evaluation(tmp_path / name, 0.0, 0.0, 0.5, 200.0, True)
+        metrics = evaluate_detections(truth, detections, ["car", "pedestrian"])
+        (tmp_path / name / "metrics.json").write_text(json.dumps({**metrics.to_dict(), "model_size_mb": 0.5}))
+        write_coco_files(truth, detections, ["car", "pedestrian"], tmp_path / name / "ground_truth.json",
+                         tmp_path / name / "detections.json")
+    inputs["unpruned"] = _evaluation(tmp_path / "unpruned", 0.82, 0.53, 4.0)
+    (tmp_path / "pruned").mkdir()
+    (tmp_path / "pruned" / "prune_report.json").write_text(json.dumps(PRUNE_REPORT))
+    outputs = dict(summary=artifact(dsl.Artifact, "summary"), table=artifact(dsl.Markdown, "table"),
+                   chart=artifact(dsl.HTML, "chart"), metrics=artifact(dsl.Metrics, "metrics"))
+    compare.python_func(parent_run_id="", pruned=dsl.Model(uri=str(tmp_path / "pruned")), **inputs, **outputs)
+    table = Path(outputs["table"].path).read_text()
+    assert "| qat-fp32 | mAP@0.5 | +0.00 | [+0.00, +0.00] | no significant difference |" in table
+    assert "| ptq-fp32 | mAP@0.5 | -50.00 | [-50.00, -50.00] | fp32 better |" in table  # pedestrians missed
+    assert "| pedestrian | 20 | 1.0000 | 0.0000 | 1.0000 |" in table
+    assert Path(outputs["chart"].path).read_text().count("data:image/png;base64,") == 2
+    assert outputs["metrics"].metadata["ptq-fp32.map50_diff"] == pytest.approx(-0.5)
+    assert outputs["metrics"].metadata["qat.map50_ci95_lo"] == pytest.approx(1.0)
+    summary = json.loads((Path(outputs["summary"].path) / "summary.json").read_text())
+    assert summary["bootstrap"]["resamples"] == 1000 and set(summary["comparisons"]) == {"qat-fp32", "ptq-fp32",
+                                                                                        "qat-ptq"}

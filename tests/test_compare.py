@@ -1,0 +1,132 @@
+"""The compare stage on evaluation folders that hold their detections: differences with bootstrap CIs, the
+per-class table, the accuracy-vs-latency chart, and what goes to the tracker."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import random_evaluation
+
+from qatpipe.errors import QatpipeError
+from qatpipe.fileio import write_json
+from qatpipe.metrics.coco import GroundTruth, evaluate_detections, write_coco_files
+from qatpipe.models.base import Detections
+from qatpipe.stages.compare import comparisons_from_metrics, compare_variants, pair_metrics, report, verdict
+from qatpipe.tracking.records import StageRecord
+
+CLASSES = ["car", "pedestrian", "cyclist"]
+
+
+def _evaluation(folder, truth, detections, latency_ms: float | None = None):
+    """An evaluation folder as evaluate (and validate, with a benchmark) writes it."""
+    folder.mkdir()
+    metrics = evaluate_detections(truth, detections, CLASSES)
+    write_json(folder / "metrics.json", {**metrics.to_dict(), "model_size_mb": 1.0})
+    write_coco_files(truth, detections, CLASSES, folder / "ground_truth.json", folder / "detections.json")
+    if latency_ms is not None:
+        write_json(folder / "bench.json", {"batches": [{"batch_size": 1, "latency_ms_p50": latency_ms,
+                                                        "latency_ms_p99": 2 * latency_ms, "throughput": 100.0}]})
+    return folder, metrics
+
+
+def _worse(detections: list[Detections]) -> list[Detections]:
+    """The same detections with every box shifted by a third of its size: most fall below IoU 0.5."""
+    shifted = []
+    for det in detections:
+        size = det.boxes[:, 2:] - det.boxes[:, :2]
+        offset = np.concatenate([size / 3, size / 3], axis=1)
+        shifted.append(Detections(det.boxes + offset, det.scores, det.classes))
+    return shifted
+
+
+def test_compare_reports_differences_with_their_confidence_intervals(tmp_path, caplog):
+    truth, detections = random_evaluation(10, images=60, max_detections=8)
+    fp32, fp32_metrics = _evaluation(tmp_path / "fp32", truth, detections, latency_ms=4.0)
+    ptq, _ = _evaluation(tmp_path / "ptq", truth, detections, latency_ms=1.5)  # the same detections as FP32
+    qat, qat_metrics = _evaluation(tmp_path / "qat", truth, _worse(detections), latency_ms=1.2)
+    out = tmp_path / "compare"
+    with caplog.at_level("INFO", logger="qatpipe.stages.compare"):
+        summary = compare_variants({"fp32": fp32, "ptq": ptq, "qat": qat}, out, resamples=1000, seed=5)
+
+    assert summary["bootstrap"] == {"images": 60, "resamples": 1000, "seed": 5}
+    assert list(summary["comparisons"]) == ["qat-fp32", "ptq-fp32", "qat-ptq"]
+    assert summary["comparisons"]["ptq-fp32"] == {"map50": {"diff": 0.0, "ci95": [0.0, 0.0]},
+                                                  "map": {"diff": 0.0, "ci95": [0.0, 0.0]}}
+    qat_fp32 = summary["comparisons"]["qat-fp32"]
+    assert qat_fp32["map50"]["diff"] == pytest.approx(qat_metrics.map50 - fp32_metrics.map50, abs=1e-9)
+    assert qat_fp32["map"]["diff"] == pytest.approx(qat_metrics.map - fp32_metrics.map, abs=1e-9)
+    for estimate in qat_fp32.values():
+        low, high = estimate["ci95"]
+        assert low <= estimate["diff"] <= high < 0  # shifted boxes: clearly worse
+    row = summary["variants"]["fp32"]
+    assert row["map50_ci95_lo"] < row["map50"] < row["map50_ci95_hi"]
+    assert row["map_ci95_lo"] < row["map"] < row["map_ci95_hi"]
+    assert summary["per_class_ap50"]["car"] == {"objects": fp32_metrics.per_class["car"]["num_gt"],
+                                                "fp32": fp32_metrics.per_class["car"]["ap50"],
+                                                "ptq": fp32_metrics.per_class["car"]["ap50"],
+                                                "qat": qat_metrics.per_class["car"]["ap50"]}
+    assert json.loads((out / "summary.json").read_text()) == summary
+
+    table = (out / "comparison.md").read_text()
+    diff = qat_fp32["map50"]
+    assert (f"| qat-fp32 | mAP@0.5 | {100 * diff['diff']:+.2f} | [{100 * diff['ci95'][0]:+.2f}, "
+            f"{100 * diff['ci95'][1]:+.2f}] | fp32 better |") in table
+    assert "| ptq-fp32 | mAP@0.5 | +0.00 | [+0.00, +0.00] | no significant difference |" in table
+    assert "60 images, 1000 resamples, seed 5" in table
+    assert f"| fp32 | {row['map50']:.4f} [{row['map50_ci95_lo']:.4f}, {row['map50_ci95_hi']:.4f}] |" in table
+    assert "| class | objects | fp32 | ptq | qat |" in table
+    cyclist = "| cyclist | 0 | n/a | n/a | n/a |"  # no ground truth: no AP
+    assert cyclist in table
+    assert (out / "accuracy_latency.png").stat().st_size > 5000
+    assert (out / "comparison.html").read_text().count("data:image/png;base64,") == 2
+    assert "fp32 better" in caplog.text and "no significant difference" in caplog.text
+
+    record = StageRecord.read(out)
+    assert record.metrics["qat-fp32.map50_diff"] == diff["diff"]
+    assert [record.metrics["qat-fp32.map50_ci95_lo"], record.metrics["qat-fp32.map50_ci95_hi"]] == diff["ci95"]
+    assert record.metrics["fp32.map50_ci95_lo"] == row["map50_ci95_lo"]
+    assert record.params["bootstrap_resamples"] == 1000 and record.params["bootstrap_seed"] == 5
+    assert "accuracy_latency.png" in record.artifacts
+
+    again = compare_variants({"fp32": fp32, "ptq": ptq, "qat": qat}, tmp_path / "again", resamples=1000, seed=5)
+    assert again["comparisons"] == summary["comparisons"]  # seeded
+    other = compare_variants({"fp32": fp32, "qat": qat}, tmp_path / "other", resamples=1000, seed=6)
+    assert list(other["comparisons"]) == ["qat-fp32"]  # only the pairs whose variants both were evaluated
+    assert other["comparisons"]["qat-fp32"]["map50"]["ci95"] != diff["ci95"]
+
+
+def test_without_detections_there_is_no_interval(tmp_path):
+    truth, detections = random_evaluation(11, images=10)
+    fp32, _ = _evaluation(tmp_path / "fp32", truth, detections)
+    for name in ("detections.json", "ground_truth.json"):
+        (fp32 / name).unlink()
+    summary = compare_variants({"fp32": fp32}, tmp_path / "out")
+    assert "comparisons" not in summary and "bootstrap" not in summary
+    assert "map50_ci95_lo" not in summary["variants"]["fp32"]
+    assert not (tmp_path / "out" / "accuracy_latency.png").exists()  # no benchmark: no latency to plot
+    assert "Differences" not in (tmp_path / "out" / "comparison.md").read_text()
+
+
+def test_variants_scored_on_other_images_are_refused(tmp_path):
+    truth, detections = random_evaluation(12, images=10)
+    fp32, _ = _evaluation(tmp_path / "fp32", truth, detections)
+    moved = [GroundTruth(gt.boxes + 1, gt.classes) for gt in truth]
+    qat, _ = _evaluation(tmp_path / "qat", moved, detections)
+    with pytest.raises(QatpipeError, match="qat were evaluated on other val images or labels than fp32"):
+        compare_variants({"fp32": fp32, "qat": qat}, tmp_path / "out")
+
+
+def test_flat_metrics_round_trip_and_verdicts():
+    comparisons = {"qat-fp32": {"map50": {"diff": -0.01, "ci95": [-0.03, 0.01]},
+                                "map": {"diff": 0.02, "ci95": [0.005, 0.04]}}}
+    flat = pair_metrics(comparisons)
+    assert flat == {"qat-fp32.map50_diff": -0.01, "qat-fp32.map50_ci95_lo": -0.03, "qat-fp32.map50_ci95_hi": 0.01,
+                    "qat-fp32.map_diff": 0.02, "qat-fp32.map_ci95_lo": 0.005, "qat-fp32.map_ci95_hi": 0.04}
+    assert comparisons_from_metrics(flat) == comparisons
+    assert verdict("qat-fp32", [-0.03, 0.01]) == "no significant difference"
+    assert verdict("qat-fp32", [0.005, 0.04]) == "qat better"
+    assert verdict("qat-fp32", [-0.04, -0.005]) == "fp32 better"
+    text = report({"variants": {"qat": {"map50": 0.8}}, "comparisons": comparisons})
+    assert "qat-fp32  mAP@0.5       -1.00                [-3.00, +1.00]   no significant difference" in text
