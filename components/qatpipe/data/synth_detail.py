@@ -5,10 +5,10 @@ outline, size and aspect ratio, which a detector can use without learning what i
   random colour, 20-60 px), slightly rotated, on the cluttered procedural backgrounds of the shapes set;
   tiles printed with letters are unlabelled distractors, so a detector must read the glyph even to say
   "object".
-- `photos`: ten texture classes (stripes in four directions, checker, dots, rings, grid, pinwheel, waves)
-  filling discs or rounded squares (the outline is drawn at random, whatever the class) of 20-60 px, in
-  two random colours at a random period and phase, on random crops of real photographs (the photos that
-  scikit-image ships: astronaut, coffee, the cat, bricks, a motorcycle, a rocket, ...).
+- `photos`: ten texture classes (stripes in three directions, crosses, checker, dots, rings, grid, pinwheel,
+  waves) filling discs or rounded squares (the outline is drawn at random, whatever the class) of 20-60 px,
+  in two random colours at a random period and phase, on random crops of real photographs (the photos that
+  scikit-image ships: astronaut, coffee, the cat, bricks, coins, a rocket, ...).
 
 Objects never overlap (each image holds 1-4); sizes are log-uniform. Each generator has the signature of
 `synth._generate_image`, so `synth.write_synthetic_dataset(kind=...)` writes them with the same
@@ -29,7 +29,8 @@ GLYPH_CLASSES = ("zero", "one", "two", "three", "four", "five", "six", "seven", 
 _GLYPHS = "0123456789"
 # letters unlike any digit (no O, I, S, B, Z, G, Q, D): unlabelled look-alike tiles
 _DISTRACTOR_GLYPHS = "ACEFHKLMNPRTUVWXY"
-TEXTURE_CLASSES = ("stripes_h", "stripes_v", "stripes_diag", "stripes_anti", "checker", "dots", "rings", "grid",
+# No class is the mirror image of another: a horizontal flip (the default augmentation) keeps every class
+TEXTURE_CLASSES = ("stripes_h", "stripes_v", "stripes_diag", "crosses", "checker", "dots", "rings", "grid",
                    "pinwheel", "waves")
 # objects' box sides, pixels at a 192-px-high image (scaled with the height)
 DETAIL_OBJECT_PX = (20.0, 60.0)
@@ -190,6 +191,12 @@ def _photo_background(rng: np.random.Generator, height: int, width: int) -> np.n
     return canvas * rng.uniform(0.75, 1.25, 3).astype(np.float32) + rng.uniform(-25, 25, 3).astype(np.float32)
 
 
+def _crosses(u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Plus signs on a grid, one per period."""
+    a, b = np.mod(u, 2 * math.pi) - math.pi, np.mod(v, 2 * math.pi) - math.pi
+    return ((np.abs(a) < 0.7) & (np.abs(b) < 2.3)) | ((np.abs(b) < 0.7) & (np.abs(a) < 2.3))
+
+
 def _texture(k: int, u: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Class k's two-colour pattern (bool) on coordinates u, v measured in pattern periods (one period = 2 pi)."""
     r, theta = np.hypot(u, v), np.arctan2(v, u)
@@ -197,7 +204,7 @@ def _texture(k: int, u: np.ndarray, v: np.ndarray) -> np.ndarray:
         lambda: np.sin(v) > 0,  # stripes_h
         lambda: np.sin(u) > 0,  # stripes_v
         lambda: np.sin((u + v) / math.sqrt(2)) > 0,  # stripes_diag
-        lambda: np.sin((u - v) / math.sqrt(2)) > 0,  # stripes_anti
+        lambda: _crosses(u, v),
         lambda: np.sin(u) * np.sin(v) > 0,  # checker
         lambda: np.cos(u) + np.cos(v) > 1.0,  # dots
         lambda: np.sin(r) > 0,  # rings
