@@ -45,7 +45,7 @@ def test_defaults_fill_every_section():
         ({"dataset": {**MINIMAL["dataset"], "class_mapping": {"van": "truck"}}}, "names not in classes: ['truck']"),
         ({"validate": {"max_map_dropp": 1}}, "validate.max_map_dropp: unknown key"),
         ({"train": {"keep": "worst"}}, "train.keep: Input should be 'best' or 'last'"),
-        ({"train": {"validation_interval": -1}}, "train.validation_interval: Input should be greater than or equal to 0"),
+        ({"train": {"validation_interval": -1}}, "train.validation_interval: Input should be greater than or equal"),
     ],
 )
 def test_invalid_values_name_the_key(tmp_path, patch, expected):
