@@ -86,7 +86,14 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     losses = client.get_metric_history(children["train"].info.run_id, "loss")
     assert sorted(m.step for m in losses) == list(range(1, 21))  # per-epoch loss, epochs 1..20
     assert losses[-1].value < losses[0].value
+    val_map50 = client.get_metric_history(children["train"].info.run_id, "val_map50")  # validated every epoch
+    assert sorted(m.step for m in val_map50) == list(range(1, 21))
+    train_run = children["train"].data
+    assert train_run.tags["qatpipe.kept"] == "best"
+    assert train_run.metrics["best_val_map50"] == pytest.approx(max(m.value for m in val_map50))
     assert children["evaluate_fp32"].data.metrics["map50"] == pytest.approx(fp32["map50"])
+    assert children["evaluate_fp32"].data.metrics["class_accuracy"] > 0.5  # the learning check reached MLflow
+    assert children["evaluate_fp32"].data.tags["qatpipe.findings"] == "none"
     assert "model.keras" in {a.path for a in client.list_artifacts(children["train"].info.run_id)}
     assert children["retrain_qat"].data.params["qat.enabled"] == "True"
     assert len(client.get_metric_history(children["retrain_qat"].info.run_id, "loss")) == 3  # retrain.epochs

@@ -28,6 +28,7 @@ def test_defaults_fill_every_section():
     spec = parse_spec(MINIMAL)
     assert spec.train.epochs == 20 and spec.model.backbone.depth == 10
     assert spec.validate_.max_map_drop == 0.01
+    assert spec.train.validation_interval == 1 and spec.train.keep == "best"
     assert set(spec.to_dict()) == {"dataset", "model", "augmentation", "train", "evaluate", "prune", "retrain", "qat", "ptq",
                                    "export", "engine", "validate", "tracking"}
 
@@ -43,6 +44,8 @@ def test_defaults_fill_every_section():
          "multiple of the output stride 16"),
         ({"dataset": {**MINIMAL["dataset"], "class_mapping": {"van": "truck"}}}, "names not in classes: ['truck']"),
         ({"validate": {"max_map_dropp": 1}}, "validate.max_map_dropp: unknown key"),
+        ({"train": {"keep": "worst"}}, "train.keep: Input should be 'best' or 'last'"),
+        ({"train": {"validation_interval": -1}}, "train.validation_interval: Input should be greater than or equal"),
     ],
 )
 def test_invalid_values_name_the_key(tmp_path, patch, expected):

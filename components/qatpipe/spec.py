@@ -209,6 +209,16 @@ class TrainSpec(_Section):
     learning_rate: LearningRateSpec = Field(default_factory=LearningRateSpec)
     checkpoint_interval: int = Field(1, ge=1, description="epochs between checkpoints")
     keep_checkpoints: int = Field(3, ge=1)
+    validation_interval: int = Field(
+        1, ge=0, description="epochs between validations on dataset.val during training (TAO's "
+        "validation_period_during_training): val loss, mAP@0.5 and mAP@[.5:.95] as `evaluate` scores them, into "
+        "training_log.csv and MLflow; the last epoch is always validated; 0: off. Default 1: a pass over the val "
+        "set is inference only, a small part of a training epoch when the val set is the usual fraction of the "
+        "train set, and it gives every epoch its numbers and `keep: best` every epoch to choose from; raise it "
+        "when the val set is large next to the train set")
+    keep: Literal["best", "last"] = Field(
+        "best", description="which weights become model.keras: those of the epoch with the best val mAP@0.5 "
+        "(ties: the earlier epoch), or the last epoch's; without validation, the last")
     use_amp: bool = Field(False, description="mixed precision: float16 on a GPU, bfloat16 on a CPU with AMX-BF16 or "
                             "AVX512-BF16, else FP32 with a warning (training/precision.py)")
     log_every_n_steps: int = Field(25, ge=1)

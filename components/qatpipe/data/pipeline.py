@@ -175,3 +175,17 @@ def eval_dataset(samples: list[KittiSample], spec: ExperimentSpec, batch_size: i
 
     ds = tf.data.Dataset.from_tensor_slices(paths).map(load, num_parallel_calls=_PARALLEL_CALLS)
     return _finish(ds.batch(batch_size or spec.evaluate.batch_size))
+
+
+def eval_targets(samples: list[KittiSample], spec: ExperimentSpec, arch: DetectorArchitecture,
+                 batch_size: int | None = None) -> tf.data.Dataset:
+    """The training targets of `samples` at the network input size, without augmentation, batched as
+    `eval_dataset` batches their images: what the losses compare a model's outputs on those images with."""
+    size = spec.dataset.image_size
+    packed = pack_samples(samples, spec.dataset.max_boxes_per_image)
+    scale = np.array([[size.width / s.width, size.height / s.height] * 2 for s in samples], np.float32)
+    limits = np.array([size.width, size.height] * 2, np.float32)
+    boxes = np.clip(packed["boxes"] * scale[:, None, :], 0, limits)  # as training clips them (padding stays 0)
+    ds = tf.data.Dataset.from_tensor_slices((boxes, packed["classes"])).map(
+        arch.encode, num_parallel_calls=_PARALLEL_CALLS)
+    return _finish(ds.batch(batch_size or spec.evaluate.batch_size))

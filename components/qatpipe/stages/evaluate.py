@@ -12,6 +12,7 @@ from qatpipe.data.splits import load_split
 from qatpipe.errors import DataError, QatpipeError
 from qatpipe.fileio import write_json
 from qatpipe.metrics.coco import GroundTruth, evaluate_detections, plot_pr_curves, write_coco_files
+from qatpipe.metrics.diagnostics import check_learning, findings_tags, log_findings
 from qatpipe.spec import ExperimentSpec
 from qatpipe.tracking.records import StageRecord
 
@@ -76,17 +77,20 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
                                   max_detections=spec.model.decoder.max_detections)
     write_coco_files(truth, detections, spec.dataset.classes, output_dir / GROUND_TRUTH_FILE,
                      output_dir / DETECTIONS_FILE)
+    check = learning_check(spec, truth, detections, metrics.map50)
     result = {
         "model": str(model_path),
         **metrics.to_dict(with_curves=True),
         "images_per_second": round(len(samples) / max(seconds, 1e-9), 2),
         "model_size_mb": round(model_file.stat().st_size / 2**20, 3),
+        "diagnostics": check.to_dict(),
     }
     write_json(output_dir / METRICS_FILE, result)
     plot_pr_curves(metrics, output_dir / PR_CURVE_FILE, title=f"{model_path.name}: PR @ IoU 0.5")
     StageRecord(
         stage=stage_name, params={"model": model_path.name, "val_images": len(samples)},
         metrics=tracked_metrics(result), artifacts=[METRICS_FILE, PR_CURVE_FILE, DETECTIONS_FILE, GROUND_TRUTH_FILE],
+        tags=findings_tags(check.findings),
     ).write(output_dir)
     log.info("mAP@0.5 %.4f  mAP@[.5:.95] %.4f  (%d images, %d detections)", metrics.map50, metrics.map,
              metrics.num_images, metrics.num_detections)
@@ -94,6 +98,7 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
         ap50, ap = values["ap50"], values["ap"]
         log.info("  %-12s AP50 %s  AP %s  (%d objects)", name, "n/a" if ap50 is None else f"{ap50:.4f}",
                  "n/a" if ap is None else f"{ap:.4f}", values["num_gt"])
+    log_findings(check.findings, model_path.name)
     result.pop("pr_curves")
     result["metrics_file"] = str(output_dir / METRICS_FILE)
     result["pr_curve_file"] = str(output_dir / PR_CURVE_FILE)
@@ -128,9 +133,20 @@ def engine_forward(engine_dir: Path, arch):
     return (lambda batch: runner.run(batch.numpy())), engine_dir / runner.metadata.engine_file
 
 
+def learning_check(spec: ExperimentSpec, ground_truth: list, detections: list, map50: float):
+    """The learning check (metrics/diagnostics.py) of detections decoded with the spec's decoder."""
+    decoder = spec.model.decoder
+    return check_learning(ground_truth, detections, spec.dataset.classes, map50,
+                          max_detections=decoder.max_detections, nms_iou=decoder.nms_iou)
+
+
 def tracked_metrics(result: dict) -> dict[str, float]:
-    """The numbers of an evaluation worth a metric: overall and per-class AP, speed, size."""
+    """The numbers of an evaluation worth a metric: overall and per-class AP, the learning check's class-agnostic
+    mAP@0.5 and class accuracy, speed, size."""
     metrics = {key: result[key] for key in ("map50", "map", "images_per_second", "model_size_mb") if key in result}
+    diagnostics = result.get("diagnostics", {})
+    metrics.update({key: diagnostics[key] for key in ("class_agnostic_map50", "class_accuracy")
+                    if diagnostics.get(key) is not None})
     for name, values in result.get("per_class", {}).items():
         for key in ("ap50", "ap"):
             if values.get(key) is not None:
@@ -138,5 +154,5 @@ def tracked_metrics(result: dict) -> dict[str, float]:
     return metrics
 
 
-__all__ = ["evaluate", "predict", "onnx_forward", "tracked_metrics", "METRICS_FILE", "PR_CURVE_FILE",
-           "DETECTIONS_FILE", "GROUND_TRUTH_FILE"]
+__all__ = ["evaluate", "predict", "onnx_forward", "learning_check", "tracked_metrics", "METRICS_FILE",
+           "PR_CURVE_FILE", "DETECTIONS_FILE", "GROUND_TRUTH_FILE"]

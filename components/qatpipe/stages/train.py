@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from qatpipe.data.splits import load_split
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text, save_keras_model, write_json
+from qatpipe.metrics.diagnostics import findings_tags, log_findings, plateau_findings
 from qatpipe.spec import STAGE_SECTIONS, ExperimentSpec, dump_spec, flatten, load_spec
 from qatpipe.tracking.records import StageRecord, history_from_csv, numeric_leaves
 
@@ -18,6 +20,7 @@ log = logging.getLogger(__name__)
 MODEL_FILE = "model.keras"
 SPEC_FILE = "spec.yaml"
 SUMMARY_FILE = "train_summary.json"
+LOG_FILE = "training_log.csv"
 WORLD_FILE = "world.json"  # how many data-parallel processes wrote the checkpoints
 
 
@@ -103,9 +106,10 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
 
     from qatpipe.data.pipeline import steps_per_epoch, train_dataset
     from qatpipe.models import get_architecture
-    from qatpipe.training.callbacks import CheckpointEveryN, ProgressLogger
+    from qatpipe.training.callbacks import CheckpointEveryN, EpochLog, ProgressLogger
     from qatpipe.training.distributed import init_world
     from qatpipe.training.precision import FLOAT32, cast_model, configure_precision, model_policy
+    from qatpipe.training.validation import BEST_DIR, BestCheckpoint, ValidateEveryN
 
     world = init_world()
     results_dir = Path(results_dir)
@@ -150,6 +154,10 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         log.info("%s: already trained for %d epochs; nothing to do", results_dir, initial_epoch)
         return json.loads(summary_path.read_text())
 
+    validator = _validator(spec, arch) if world.is_chief else None  # rank 0 validates
+    best = BestCheckpoint(results_dir / BEST_DIR, fresh=initial_epoch == 0) if validator else None
+    validating = ValidateEveryN(validator, spec.train.validation_interval, spec.train.epochs, best) \
+        if validator else None
     # the job's images per step: every process takes a batch (rank 0 logs the whole job's throughput)
     progress = ProgressLogger(steps, spec.train.epochs, spec.train.batch_size * world.size,
                               spec.train.log_every_n_steps)
@@ -158,7 +166,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         if world.is_chief:
             dump_spec(spec, results_dir / SPEC_FILE)  # from here on, checkpoints belong to this spec
             write_json(results_dir / WORLD_FILE, {"processes": world.size})
-            _drop_redone_epochs(results_dir / "training_log.csv", initial_epoch)
+            _drop_redone_epochs(results_dir / LOG_FILE, initial_epoch)
         dataset, _ = train_dataset(samples, spec, arch, initial_epoch=initial_epoch, shard=world.shard)
         log.info(
             "training %s on %d images: epochs %d..%d, %d steps/epoch, batch %d%s, %s",
@@ -166,22 +174,27 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
             f" x {world.size} processes (learning rate x {world.size})" if world.distributed else "",
             precision.policy,
         )
+        # validation after the progress line (its time is not training time) and before the log row and
+        # TensorBoard, which get its numbers; the log row before the checkpoint, so a run stopped between the
+        # two trains the epoch again (and logs it again) instead of losing its row
         chief_callbacks = [
             progress,
+            *([validating] if validating else []),
+            EpochLog(results_dir / LOG_FILE),
             CheckpointEveryN(manager, epoch_var, spec.train.checkpoint_interval, spec.train.epochs),
             keras.callbacks.TensorBoard(str(results_dir / "tensorboard"), update_freq="epoch", profile_batch=0),
-            keras.callbacks.CSVLogger(str(results_dir / "training_log.csv"), append=True),
             *(extra_callbacks or []),
         ]
         history = model.fit(
             dataset, epochs=spec.train.epochs, initial_epoch=initial_epoch, steps_per_epoch=steps,
             verbose=0, callbacks=[*world.callbacks(), *(chief_callbacks if world.is_chief else [])],
         )
-        final_losses = {k: float(v[-1]) for k, v in history.history.items()}
+        final_losses = {k: float(v[-1]) for k, v in history.history.items() if not k.startswith("val_")}
     else:  # finished, but stopped before the model was exported
         log.info("%s: already trained for %d epochs; exporting the model", results_dir, initial_epoch)
         final_losses = {}
 
+    kept = _keep_weights(spec, model, validator, validating, best) if world.is_chief else None
     # Save an uncompiled float32 twin: no optimizer state, custom losses or training policy, so later stages
     # load it plainly.
     export = (cast_model(model, FLOAT32) if precision.mixed else
@@ -204,25 +217,82 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         "final_losses": final_losses,
         "mixed_precision": precision.mixed,
         "precision": precision.policy,
+        **_validation_summary(spec, results_dir, kept, best),
     }
     if not world.is_chief:
         return summary
+    log_findings(summary["diagnostics"]["findings"] if summary["diagnostics"] else [], "training")
     write_json(summary_path, summary)
     _write_tracking_record(spec, results_dir, summary, stage_name)
     log.info("model saved: %s (%d params)", model_path, summary["params"])
     return summary
 
 
+def _validator(spec: ExperimentSpec, arch):
+    """The val set's Validator; None when validation is off or there is no val set to validate on."""
+    from qatpipe.training.validation import Validator
+
+    if spec.train.validation_interval == 0:
+        log.info("validation during training is off (train.validation_interval: 0): model.keras is the last epoch")
+        return None
+    if spec.dataset.val is None:
+        log.warning("dataset.val is not set: no validation during training; model.keras is the last epoch")
+        return None
+    samples = load_split(spec, "val")
+    if not any(len(sample.classes) for sample in samples):
+        log.warning("dataset.val has no labelled objects: no validation during training; model.keras is the "
+                    "last epoch")
+        return None
+    return Validator(spec, arch, samples)
+
+
+def _keep_weights(spec: ExperimentSpec, model, validator, validating, best) -> dict | None:
+    """Put the weights `train.keep` asks for into `model`; returns their validation ({epoch, metrics,
+    diagnostics}), or None without validation."""
+    if validator is None:
+        return None
+    if spec.train.keep == "best" and best.record:
+        best.restore(model)
+        log.info("model.keras: the weights of epoch %d, the best val mAP@0.5 (%.4f)", best.record["epoch"],
+                 best.record["val_map50"])
+        return {**best.record, "kept": "best"}
+    # the last epoch was validated unless this run only exports a finished one
+    last = validating.last or validator(model, spec.train.epochs)
+    return {**asdict(last), "kept": "last"}
+
+
+def _validation_summary(spec: ExperimentSpec, results_dir: Path, kept: dict | None, best) -> dict:
+    """train_summary.json's view of the validation: which weights model.keras holds, the best epoch, the kept
+    weights' val numbers and their learning check (with the training loss plateau check)."""
+    if kept is None:
+        return {"kept": "last", "kept_epoch": spec.train.epochs, "best_epoch": None, "best_val_map50": None,
+                "validation": None, "diagnostics": None}
+    losses = [value for _, value in history_from_csv(results_dir / LOG_FILE).get("loss", [])]
+    diagnostics = dict(kept["diagnostics"])
+    diagnostics["findings"] = [*diagnostics["findings"],
+                               *(asdict(f) for f in plateau_findings(losses, kept["metrics"]["val_map50"]))]
+    record = best.record or {}
+    return {"kept": kept["kept"], "kept_epoch": kept["epoch"], "best_epoch": record.get("epoch"),
+            "best_val_map50": record.get("val_map50"), "validation": kept["metrics"],
+            "diagnostics": {"epoch": kept["epoch"], **diagnostics}}
+
+
 def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dict, stage_name: str) -> None:
     view = STAGE_SECTIONS["train" if not stage_name.startswith("retrain") else
                           "retrain_qat" if spec.qat.enabled else "retrain"]
     sections = {key: value for key, value in spec.to_dict().items() if key in view}
+    diagnostics = summary["diagnostics"] or {}
     metrics = numeric_leaves({key: summary[key] for key in ("images_per_second", "wall_seconds", "params",
-                                                            "final_losses")})
+                                                            "final_losses", "kept_epoch", "best_epoch",
+                                                            "best_val_map50")
+                              if summary[key] is not None})
+    metrics.update({key: diagnostics[key] for key in ("class_agnostic_map50", "class_accuracy")
+                    if diagnostics.get(key) is not None})
     StageRecord(
         stage=stage_name, params={**flatten(sections), "precision": summary["precision"]}, metrics=metrics,
-        history=history_from_csv(results_dir / "training_log.csv"),
-        artifacts=[MODEL_FILE, "training_log.csv", SUMMARY_FILE, SPEC_FILE],
+        history=history_from_csv(results_dir / LOG_FILE),
+        artifacts=[MODEL_FILE, LOG_FILE, SUMMARY_FILE, SPEC_FILE],
+        tags={"qatpipe.kept": summary["kept"], **(findings_tags(diagnostics["findings"]) if diagnostics else {})},
     ).write(results_dir)
 
 

@@ -1,12 +1,18 @@
-"""Keras callbacks: progress on the console through logging, and periodic checkpoints for resume."""
+"""Keras callbacks: progress on the console through logging, the per-epoch CSV log, and periodic checkpoints
+for resume."""
 
 from __future__ import annotations
 
+import csv
+import io
 import logging
 import time
+from pathlib import Path
 
 import tensorflow as tf
 import tf_keras as keras
+
+from qatpipe.fileio import atomic_write_text
 
 log = logging.getLogger("qatpipe.train")
 
@@ -47,6 +53,31 @@ class ProgressLogger(keras.callbacks.Callback):
     @property
     def images_per_second(self) -> float:
         return self.images / self.train_seconds if self.train_seconds else 0.0
+
+
+class EpochLog(keras.callbacks.Callback):
+    """training_log.csv: one row per epoch (`epoch` counts from 0, as Keras does), a column per number in the
+    epoch's logs, in Keras CSVLogger's layout. Unlike CSVLogger it keeps every column it has seen, also across
+    a resume, so `val_*` columns appear even when the first epoch is not validated; an epoch without a value
+    (not validated that epoch) has an empty cell, never "NA". The file is rewritten whole (atomically) each
+    epoch; with one row per epoch it stays small."""
+
+    def __init__(self, path: str | Path):
+        super().__init__()
+        self.path = Path(path)
+
+    def on_epoch_end(self, epoch, logs=None):
+        rows = []
+        if self.path.is_file():
+            with self.path.open(newline="") as handle:
+                rows = [row for row in csv.DictReader(handle) if int(row["epoch"]) != epoch]
+        rows.append({"epoch": epoch, **{key: float(value) for key, value in (logs or {}).items()}})
+        columns = sorted({key for row in rows for key in row} - {"epoch"})
+        text = io.StringIO()
+        writer = csv.DictWriter(text, ["epoch", *columns], restval="", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(self.path, text.getvalue())
 
 
 class CheckpointEveryN(keras.callbacks.Callback):

@@ -12,8 +12,9 @@ def evaluate(evaluate_spec: str, variant: str, dataset: Input[Dataset], model: I
     from pathlib import Path
 
     from qatpipe.data.prepare import spec_with_prepared_dataset
-    from qatpipe.stages.evaluate import PR_CURVE_FILE, evaluate as evaluate_stage, tracked_metrics
     from qatpipe.html_report import png_page
+    from qatpipe.metrics.report import evaluation_markdown
+    from qatpipe.stages.evaluate import PR_CURVE_FILE, evaluate as evaluate_stage, tracked_metrics
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics, write_text
 
     with stage(f"evaluate-{variant}"):
@@ -22,13 +23,6 @@ def evaluate(evaluate_spec: str, variant: str, dataset: Input[Dataset], model: I
         result = evaluate_stage(spec, model_file, results.path, stage_name=f"evaluate_{variant}")
         results.metadata["variant"] = variant
         write_metrics(metrics, tracked_metrics(result))
-        def fmt(value):
-            return "n/a" if value is None else f"{value:.4f}"
-
-        rows = [f"| {name} | {v['num_gt']} | {fmt(v['ap50'])} | {fmt(v['ap'])} |"
-                for name, v in result["per_class"].items()]
-        write_text(report, "\n".join([
-            f"# {variant}: mAP@0.5 {result['map50']:.4f}, mAP@[.5:.95] {result['map']:.4f}", "",
-            "| class | objects | AP@0.5 | AP@[.5:.95] |", "|---|---|---|---|", *rows, ""]))
+        write_text(report, evaluation_markdown(variant, result))
         write_text(pr_curves, png_page(f"{variant}: precision/recall at IoU 0.5",
                                        Path(results.path) / PR_CURVE_FILE))
