@@ -164,38 +164,29 @@ def test_backbone_width_scales_filters_with_a_floor():
     assert stage_filters(0.0625) == [16, 16, 16, 32]  # floor of 16 (see MIN_FILTERS)
 
 
-def test_factorised_head_is_objectness_times_a_class_softmax():
-    arch = get_architecture(parse_spec({**make_spec().to_dict(), "model": {
-        "backbone": {"depth": 10, "width": 0.25}, "coverage_head": "factorised"}}))
-    model = arch.build_model()
-    x = np.random.default_rng(1).random((2, 192, 320, 3), np.float32)
-    cov = model(x)[0].numpy()
-    inner = keras.Model(model.inputs, [model.get_layer("objectness").output,
-                                       model.get_layer("class_share").output])(x)
-    np.testing.assert_allclose(cov.sum(axis=-1), inner[0].numpy()[..., 0], rtol=1e-5)
-    np.testing.assert_allclose(inner[1].numpy().sum(axis=-1), 1.0, rtol=1e-5)
-    assert (cov >= 0).all() and (cov <= 1).all()
-
-
-def test_factorised_loss_rewards_the_right_class_and_ignores_background_class():
-    spec = parse_spec({**make_spec().to_dict(), "model": {"backbone": {"depth": 10, "width": 0.25},
-                                                          "coverage_head": "factorised"}})
-    arch = get_architecture(spec)
-    loss = arch.losses()["output_cov"]
-    target = encode(arch, np.array([[100, 50, 160, 110]], np.float32), [1])["output_cov"][None]
-    cells = target.max(axis=-1, keepdims=True)
-
-    def coverage(objectness_at_object, share, background_share):
-        objectness = np.where(cells > 0, objectness_at_object, 0.01)
-        return (objectness * np.where(cells > 0, share, background_share)).astype(np.float32)
-
-    right = coverage(0.9, [0.05, 0.9, 0.05], [1 / 3] * 3)
-    wrong = coverage(0.9, [0.9, 0.05, 0.05], [1 / 3] * 3)
-    unsure = coverage(0.9, [1 / 3] * 3, [1 / 3] * 3)
-    other_background = coverage(0.9, [0.05, 0.9, 0.05], [0.9, 0.05, 0.05])
-    value = lambda c: float(loss(tf.constant(target), tf.constant(c)))  # noqa: E731
-    assert value(right) < value(unsure) < value(wrong)
-    # the class share of background cells does not count: only objectness is trained there
-    assert value(other_background) == pytest.approx(value(right), rel=1e-6)
-    # averaged over object cells: the same per-object loss whatever the grid holds besides
-    assert value(right) > 0 and np.isfinite(value(np.zeros_like(right)))
+@pytest.mark.parametrize("normalizer", ["objects", "cells"])
+def test_coverage_loss_class_signal_and_the_number_of_classes(normalizer):
+    """What naming the wrong class at an object costs: with `objects` the same for 3 or 10 classes and any grid;
+    with TAO's `cells` mean it shrinks as classes (and cells) are added, which left 10 classes unlearnt."""
+    costs = {}
+    for classes, size in ((3, (192, 320)), (10, (192, 320)), (10, (384, 640))):
+        spec = parse_spec({"dataset": {"train": "t", "val": "v", "classes": [f"c{k}" for k in range(classes)],
+                                       "image_size": {"height": size[0], "width": size[1]}},
+                           "model": {"loss": {"coverage_normalizer": normalizer}}})
+        arch = get_architecture(spec)
+        target = encode(arch, np.array([[100, 50, 140, 90]], np.float32), [1])["output_cov"][None]
+        background = np.full_like(target, 0.01)
+        right, wrong = background.copy(), background.copy()
+        cell = target[0].max(axis=-1) > 0
+        right[0][cell, 1], wrong[0][cell, 0] = 0.9, 0.9
+        loss = arch.losses()["output_cov"]
+        costs[classes, size] = float(loss(tf.constant(target), tf.constant(wrong))) - float(
+            loss(tf.constant(target), tf.constant(right)))
+    base = costs[3, (192, 320)]
+    assert base > 0
+    if normalizer == "objects":
+        assert costs[10, (192, 320)] == pytest.approx(base, rel=1e-4)
+        assert costs[10, (384, 640)] == pytest.approx(base, rel=1e-4)
+    else:
+        assert costs[10, (192, 320)] == pytest.approx(base * 3 / 10, rel=1e-4)
+        assert costs[10, (384, 640)] == pytest.approx(base * 3 / 40, rel=1e-4)

@@ -123,16 +123,14 @@ def test_unsupported_layer_is_named():
         prune_model(keras.Model(inp, out), _settings())
 
 
-@pytest.mark.parametrize("head", ["factorised", "independent"])
-def test_detectnet_residual_blocks_stay_consistent(tiny_spec, head):
+def test_detectnet_residual_blocks_stay_consistent(tiny_spec):
     from qatpipe.models import get_architecture
 
-    spec = tiny_spec("model.backbone.depth=18", f"model.coverage_head={head}")
+    spec = tiny_spec("model.backbone.depth=18")
     arch = get_architecture(spec)
     model = arch.build_model()
     for layer in model.layers:  # weaken every other filter of each conv (as strong L1 training would)
-        if isinstance(layer, keras.layers.Conv2D) and not layer.name.startswith(("conv_cov", "conv_bbox",
-                                                                               "conv_obj", "conv_cls")):
+        if isinstance(layer, keras.layers.Conv2D) and layer.name not in ("conv_cov", "conv_bbox"):
             kernel = layer.get_weights()[0]
             kernel[..., 1::2] *= 0.05
             layer.set_weights([kernel, *layer.get_weights()[1:]])
@@ -147,8 +145,8 @@ def test_detectnet_residual_blocks_stay_consistent(tiny_spec, head):
     arch.check_model(pruned, "pruned")
     x = np.random.default_rng(0).uniform(size=(1, *model.input_shape[1:])).astype(np.float32)
     assert [o.shape for o in pruned(x)] == [o.shape for o in model(x)]
-    heads = [g for g in report.groups if set(g["convs"]) & {"conv_obj", "conv_cls", "conv_cov", "conv_bbox"}]
-    assert heads and all(g["kept_whole"] for g in heads)  # the objectness channel is broadcast, never pruned
+    heads = [g for g in report.groups if set(g["convs"]) & {"conv_cov", "conv_bbox"}]
+    assert heads and all(g["kept_whole"] for g in heads)
 
 
 def test_prune_command_writes_model_and_report(tmp_path, capsys):

@@ -50,31 +50,15 @@ class DetectNetV2(DetectorArchitecture):
         bbox = keras.layers.Conv2D(4 * self.num_classes, 1, name="conv_bbox", kernel_regularizer=regularizer)(
             features
         )
+        cov = keras.layers.Conv2D(
+            self.num_classes, 1, name="conv_cov", kernel_regularizer=regularizer,
+            # start near the background prior so early training is not swamped by false positives
+            bias_initializer=keras.initializers.Constant(-4.0),
+        )(features)
         # float32 outputs keep the losses stable under mixed precision
-        cov = self._coverage_head(features, regularizer)
+        cov = keras.layers.Activation("sigmoid", dtype="float32", name=COVERAGE)(cov)
         bbox = keras.layers.Activation("linear", dtype="float32", name=BBOX)(bbox)
         return keras.Model(inputs, [cov, bbox], name=f"detectnet_v2_resnet{backbone.depth}")
-
-    def _coverage_head(self, features, regularizer):
-        """Per-class coverage in [0, 1], (B, gh, gw, C): the decoder's and DeepStream's input either way.
-
-        factorised: objectness (one sigmoid: is an object centred here?) times a softmax over the classes
-        (which one?). The class then has a loss of its own at object cells, which the backbone must serve with
-        features that tell classes apart, and which cannot raise coverage on background. independent: one
-        sigmoid per class (TAO's head), where the class signal is a small part of a loss dominated by
-        background cells.
-        """
-        prior = keras.initializers.Constant(-4.0)  # start near the background prior: few early false positives
-        if self.spec.model.coverage_head == "independent":
-            cov = keras.layers.Conv2D(self.num_classes, 1, name="conv_cov", kernel_regularizer=regularizer,
-                                      bias_initializer=prior)(features)
-            return keras.layers.Activation("sigmoid", dtype="float32", name=COVERAGE)(cov)
-        objectness = keras.layers.Conv2D(1, 1, name="conv_obj", kernel_regularizer=regularizer,
-                                         bias_initializer=prior)(features)
-        objectness = keras.layers.Activation("sigmoid", name="objectness")(objectness)
-        share = keras.layers.Conv2D(self.num_classes, 1, name="conv_cls", kernel_regularizer=regularizer)(features)
-        share = keras.layers.Activation("softmax", name="class_share")(share)
-        return keras.layers.Multiply(dtype="float32", name=COVERAGE)([objectness, share])
 
     def check_model(self, model, source: str) -> None:
         names = tuple(name.split("/")[0] for name in model.output_names)
@@ -139,29 +123,20 @@ class DetectNetV2(DetectorArchitecture):
     def losses(self) -> dict:
         loss = self.spec.model.loss
         num_classes = self.num_classes
-        factorised = self.spec.model.coverage_head == "factorised"
 
         def coverage_loss(y_true, y_pred):
+            # weighted BCE per cell and class; positive cells are a few percent of the grid
             eps = keras.backend.epsilon()
-            object_cells = tf.reduce_max(y_true, axis=-1)  # (B, gh, gw)
-            if not factorised:  # TAO: one weighted BCE per cell and class, averaged over all of them
-                y_pred = tf.clip_by_value(y_pred, eps, 1 - eps)
-                weighted = _bce(y_true, y_pred) * (1.0 + (loss.positive_weight - 1.0) * y_true)
-                if loss.coverage_normalizer == "cells":
-                    return loss.coverage_weight * tf.reduce_mean(weighted)
-                return loss.coverage_weight * tf.reduce_sum(weighted) / tf.maximum(tf.reduce_sum(object_cells), 1.0)
-            # objectness and the class share, read back from their product: the softmax sums to one
-            objectness = tf.reduce_sum(y_pred, axis=-1)
-            share = tf.clip_by_value(y_pred / tf.maximum(objectness[..., None], eps), eps, 1.0)
-            objectness = tf.clip_by_value(objectness, eps, 1 - eps)
-            weights = 1.0 + (loss.positive_weight - 1.0) * object_cells
-            labels = y_true / tf.maximum(tf.reduce_sum(y_true, axis=-1, keepdims=True), 1.0)
-            class_ce = -tf.reduce_sum(labels * tf.math.log(share), axis=-1)
-            # normalised by the object cells, like the bbox loss (RetinaNet, FCOS): the class term keeps its
-            # weight whatever the grid size, the number of classes or the objects' size
-            total = tf.reduce_sum(_bce(object_cells, objectness) * weights) + \
-                loss.class_weight * tf.reduce_sum(class_ce * object_cells)
-            return loss.coverage_weight * total / tf.maximum(tf.reduce_sum(object_cells), 1.0)
+            y_pred = tf.clip_by_value(y_pred, eps, 1 - eps)
+            bce = -(y_true * tf.math.log(y_pred) + (1 - y_true) * tf.math.log(1 - y_pred))
+            weighted = bce * (1.0 + (loss.positive_weight - 1.0) * y_true)
+            if loss.coverage_normalizer == "cells":  # TAO: the mean over every cell and class
+                return loss.coverage_weight * tf.reduce_mean(weighted)
+            # summed and divided by the object cells, as the bbox loss is (RetinaNet, FCOS): the mean over
+            # cells x classes shrinks each object's share, and with it the only signal that tells classes
+            # apart, with the grid size and the number of classes (loss/README in docs/recipe.md)
+            object_cells = tf.reduce_sum(tf.reduce_max(y_true, axis=-1))
+            return loss.coverage_weight * tf.reduce_sum(weighted) / tf.maximum(object_cells, 1.0)
 
         def bbox_loss(y_true, y_pred):
             target, mask = y_true[..., : 4 * num_classes], y_true[..., 4 * num_classes :]
@@ -182,10 +157,6 @@ class DetectNetV2(DetectorArchitecture):
                              (self.height, self.width))
             for i in range(coverage.shape[0])
         ]
-
-
-def _bce(target, probability):
-    return -(target * tf.math.log(probability) + (1 - target) * tf.math.log(1 - probability))
 
 
 # ------------------------------------------------------------------------------------ NumPy decoding

@@ -78,20 +78,6 @@ def analyse(model: keras.Model, excluded: set[str]) -> ChannelGraph:
             out_group[layer.name] = group
         elif isinstance(layer, PASSTHROUGH):
             out_group[layer.name] = sources[0]
-        elif isinstance(layer, keras.layers.Multiply):
-            # elementwise: full-width inputs share their channels, like Add; a one-channel input (DetectNet_v2's
-            # objectness) is broadcast and keeps its own set
-            channels = [src.output.shape[-1] for src in inbound_layers(layer)]
-            joined = [g for g, c in zip(sources, channels) if c == max(channels)]
-            for group, c in zip(sources, channels):
-                if c != max(channels) and group >= 0:
-                    frozen[group] = frozen.get(group, f"broadcast by {layer.name}")
-            root = find(joined[0])
-            for other in joined[1:]:
-                other_root = find(other)
-                if other_root != root:
-                    parent[other_root] = root
-            out_group[layer.name] = root
         elif isinstance(layer, keras.layers.Add):
             if -1 in sources:
                 raise ModelFileError(f"layer {layer.name} adds the model input; not supported by pruning")
