@@ -78,17 +78,19 @@ def print_report(rows: list[dict]) -> None:
             if c:
                 print(f"{row['kind']:<9} {pair:<10} {100 * c['diff']:+8.2f}            "
                       f"[{100 * c['ci95'][0]:+.2f}, {100 * c['ci95'][1]:+.2f}]")
-    print("\ndata set  FP32 class-agnostic mAP@0.5  class accuracy  unpruned mAP@0.5  best epoch  train img/s  "
-          "precision  wall (s)")
+    print("\ndata set  FP32: class-agnostic mAP@0.5, class accuracy; unpruned mAP@0.5, best epoch; train img/s, "
+          "precision; wall (s)")
     for row in rows:
         d = row["diagnostics"]
-        agnostic, accuracy = d.get("class_agnostic_map50"), d.get("class_accuracy")
-        print(f"{row['kind']:<9} {'n/a' if agnostic is None else f'{agnostic:.4f}':<28} "
-              f"{'n/a' if accuracy is None else f'{accuracy:.3f}':<15} "
-              f"{'n/a' if row['unpruned_map50'] is None else f'{row['unpruned_map50']:.4f}':<17} "
-              f"{row['best_epoch'] or 'n/a'}/{row['epochs'] or '?':<9} {row['train_images_per_second'] or 0:<12.1f} "
-              f"{row['train_precision'] or 'n/a':<10} {row['wall_seconds']:.0f}")
+        cells = [_num(d.get("class_agnostic_map50")), _num(d.get("class_accuracy"), "{:.3f}"),
+                 _num(row["unpruned_map50"]), f"{row['best_epoch'] or 'n/a'}/{row['epochs'] or '?'}",
+                 _num(row["train_images_per_second"], "{:.1f}"), row["train_precision"] or "n/a",
+                 f"{row['wall_seconds']:.0f}"]
+        print(f"{row['kind']:<9} " + "  ".join(f"{cell:<12}" for cell in cells))
 
+
+def _num(value, fmt: str = "{:.4f}") -> str:
+    return "n/a" if value is None else fmt.format(value)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
