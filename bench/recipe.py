@@ -32,9 +32,9 @@ def _json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _find(root: Path, name: str, stage: str) -> Path | None:
-    """The file `name` of the stage whose kfp.local output folder mentions `stage` (newest first)."""
-    hits = sorted((p for p in root.rglob(name) if stage in str(p)), key=lambda p: p.stat().st_mtime, reverse=True)
+def _find(root: Path, name: str, task: str) -> Path | None:
+    """The newest file `name` under the kfp.local output folder of the pipeline task `task`."""
+    hits = sorted((p for p in root.rglob(name) if task in p.parts), key=lambda p: p.stat().st_mtime, reverse=True)
     return hits[0] if hits else None
 
 
@@ -43,22 +43,30 @@ def run_kind(kind: str, work: Path, overrides: list[str]) -> dict:
 
     sets = [f"dataset.synthetic.kind={kind}", f"dataset.classes={_classes(kind)}", *overrides]
     started = time.perf_counter()
-    summary = run_local(work / kind, "default", sets)
-    wall = time.perf_counter() - started
+    run_local(work / kind, "default", sets)
+    return collect(kind, work, sets, time.perf_counter() - started)
+
+
+def collect(kind: str, work: Path, sets: list[str], wall: float | None) -> dict:
+    """One data set's figures from its finished run folder."""
+    summary = _json(work / kind / "summary.json")
     kfp_root = work / kind / "kfp"
-    train_summary = _json(_find(kfp_root, "train_summary.json", "train-") or Path("-"))
+    train_summary = _json(_find(kfp_root, "train_summary.json", "train") or Path("-"))
     fp32_metrics = _json(_find(kfp_root, "metrics.json", "evaluate-fp32") or Path("-"))
-    unpruned = summary.get("pruning", {})
     return {
-        "kind": kind, "overrides": sets, "wall_seconds": round(wall, 1),
-        "variants": {name: {"map50": row["map50"], "map50_ci95": row.get("map50_ci95"), "map": row["map"]}
+        "kind": kind, "overrides": sets, "wall_seconds": None if wall is None else round(wall, 1),
+        "variants": {name: {"map50": row["map50"], "map": row["map"],
+                            "map50_ci95": [row.get("map50_ci95_lo"), row.get("map50_ci95_hi")]
+                            if row.get("map50_ci95_lo") is not None else None}
                      for name, row in summary["variants"].items()},
         "comparisons": summary.get("comparisons", {}),
-        "unpruned_map50": unpruned.get("unpruned_map50"),
+        "pruning": summary.get("pruning", {}),
+        "unpruned_map50": summary.get("pruning", {}).get("unpruned_map50"),
         "best_epoch": train_summary.get("best_epoch"), "epochs": train_summary.get("epochs"),
         "train_precision": train_summary.get("precision"),
         "train_images_per_second": train_summary.get("images_per_second"),
         "diagnostics": fp32_metrics.get("diagnostics", {}),
+        "unpruned_diagnostics": train_summary.get("diagnostics", {}),
     }
 
 
@@ -85,7 +93,7 @@ def print_report(rows: list[dict]) -> None:
         cells = [_num(d.get("class_agnostic_map50")), _num(d.get("class_accuracy"), "{:.3f}"),
                  _num(row["unpruned_map50"]), f"{row['best_epoch'] or 'n/a'}/{row['epochs'] or '?'}",
                  _num(row["train_images_per_second"], "{:.1f}"), row["train_precision"] or "n/a",
-                 f"{row['wall_seconds']:.0f}"]
+                 _num(row["wall_seconds"], "{:.0f}")]
         print(f"{row['kind']:<9} " + "  ".join(f"{cell:<12}" for cell in cells))
 
 
@@ -97,11 +105,19 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("results/bench_recipe"))
     parser.add_argument("--kinds", nargs="+", default=["shapes", "glyphs", "photos"])
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--report", action="store_true", help="only re-read finished runs in WORK and print")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # each run's local SQLite store
     rows = []
+    if args.report:
+        walls = {row["kind"]: row.get("wall_seconds") for row in
+                 (json.loads((args.work / "bench_recipe.json").read_text())
+                  if (args.work / "bench_recipe.json").is_file() else [])}
+        rows = [collect(kind, args.work, [], walls.get(kind)) for kind in args.kinds if (args.work / kind).is_dir()]
+        print_report(rows)
+        return
     for kind in args.kinds:
         if (args.work / kind).exists():
             raise SystemExit(f"{args.work / kind} exists: a cold run needs a fresh folder (this script never "
