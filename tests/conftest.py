@@ -174,3 +174,19 @@ def random_evaluation(seed: int, images: int = 40, classes: int = 3, max_objects
         detections.append(Detections(det_boxes.astype(np.float32), np.round(rng.random(found), 2).astype(np.float32),
                                      det_labels.astype(np.int32)))
     return truth, detections
+
+
+class Preempted(Exception):
+    """Raised by PreemptAfter."""
+
+
+def PreemptAfter(epoch: int):  # noqa: N802 (used like a class)
+    """A Keras callback standing in for a pod being killed: stops training right after epoch `epoch` (from 1)."""
+    import tf_keras as keras
+
+    class _PreemptAfter(keras.callbacks.Callback):
+        def on_epoch_end(self, done, logs=None):
+            if done + 1 == epoch:
+                raise Preempted()
+
+    return _PreemptAfter()

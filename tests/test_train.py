@@ -10,6 +10,7 @@ import os
 import pytest
 import tf_keras as keras
 
+from conftest import Preempted, PreemptAfter
 from qatpipe.errors import QatpipeError
 from qatpipe.stages.evaluate import evaluate
 from qatpipe.stages.train import train
@@ -45,27 +46,11 @@ def _umask() -> int:
     return mask
 
 
-class _Preempted(Exception):
-    pass
-
-
-class _PreemptAfter(keras.callbacks.Callback):
-    """Stands in for a pod being killed: stops the process right after epoch `epoch` was checkpointed."""
-
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch = epoch
-
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch + 1 == self.epoch:
-            raise _Preempted()
-
-
 def test_preempted_training_resumes_from_the_checkpoint(tiny_spec, tmp_path, caplog):
     spec = tiny_spec("train.epochs=4", "train.checkpoint_interval=2", "model.backbone.width=0.125")
     run = tmp_path / "run"
-    with pytest.raises(_Preempted):  # killed after epoch 3; the last checkpoint is epoch 2
-        train(spec, run, extra_callbacks=[_PreemptAfter(3)])
+    with pytest.raises(Preempted):  # killed after epoch 3; the last checkpoint is epoch 2
+        train(spec, run, extra_callbacks=[PreemptAfter(3)])
     assert not (run / "model.keras").exists()
     assert sorted(p.name for p in (run / "checkpoints").glob("ckpt-*.index")) == ["ckpt-2.index"]
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
+from conftest import Preempted, PreemptAfter
 from qatpipe.errors import QatpipeError
 from qatpipe.stages.train import train
 from qatpipe.tracking.records import StageRecord
@@ -54,26 +55,12 @@ class _Blind(keras.callbacks.Callback):
             layer.set_weights([np.zeros_like(kernel), np.full_like(bias, -20.0)])
 
 
-class _Preempted(Exception):
-    pass
-
-
-class _PreemptAfter(keras.callbacks.Callback):
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch = epoch
-
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch + 1 == self.epoch:
-            raise _Preempted()
-
-
 @pytest.mark.slow
 def test_every_epoch_is_validated_and_the_best_weights_survive_a_resume(tiny_spec, tmp_path):
     spec = tiny_spec("train.epochs=5")
     run, weights = tmp_path / "run", _RecordWeights()
-    with pytest.raises(_Preempted):  # killed after epoch 3 (validated, checkpointed)
-        train(spec, run, extra_callbacks=[weights, _PreemptAfter(3)])
+    with pytest.raises(Preempted):  # killed after epoch 3 (validated, checkpointed)
+        train(spec, run, extra_callbacks=[weights, PreemptAfter(3)])
     before = json.loads((run / "best" / "best.json").read_text())
     assert 1 <= before["epoch"] <= 3
 
@@ -172,18 +159,20 @@ def test_best_checkpoint_keeps_the_best_epoch_across_instances(tmp_path):
         return best.offer(Validation(epoch, {"val_map50": score}, {"findings": []}, 0.0), model)
 
     best = BestCheckpoint(tmp_path / "best")
-    assert offer(best, 1, 0.3) and not offer(best, 2, 0.2) and not offer(best, 3, 0.3)  # a tie keeps the earlier
-    assert offer(best, 4, 0.5)
+    assert offer(best, 1, 0.3) and not offer(best, 2, 0.2) and offer(best, 3, 0.3)  # a tie goes to the later
+    assert best.record["epoch"] == 3 and offer(best, 4, 0.5)
     assert sorted(p.name for p in (tmp_path / "best").iterdir()) == ["best.json", "weights-0004.npz"]
 
-    resumed = BestCheckpoint(tmp_path / "best")  # a resumed run reads it back
+    resumed = BestCheckpoint(tmp_path / "best", resumed_at=5)  # a run resumed after epoch 5 reads it back
     assert (resumed.record["epoch"], resumed.record["val_map50"]) == (4, 0.5)
     resumed.restore(model)
     assert all((w == 4).all() for w in model.get_weights())
-    assert offer(resumed, 4, 0.1)  # epoch 4 trained again after a resume replaces its own record
-    assert resumed.record["val_map50"] == 0.1
+    assert not offer(resumed, 6, 0.1) and resumed.record["epoch"] == 4
 
     with pytest.raises(QatpipeError, match="do not fit this model"):
         resumed.restore(keras.Sequential([keras.Input((3,)), keras.layers.Dense(5)]))
-    assert BestCheckpoint(tmp_path / "best", fresh=True).record is None  # a new run forgets an old record
+    # resumed at epoch 3: the record of epoch 4 came from an attempt whose epoch 4 is trained again
+    assert BestCheckpoint(tmp_path / "best", resumed_at=3).record is None
     assert not (tmp_path / "best" / "best.json").exists()
+    offer(BestCheckpoint(tmp_path / "best"), 2, 0.9)
+    assert BestCheckpoint(tmp_path / "best", resumed_at=0).record is None  # a new run forgets an old record

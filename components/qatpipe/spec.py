@@ -214,7 +214,7 @@ class TrainSpec(_Section):
         "when the val set is large next to the train set")
     keep: Literal["best", "last"] = Field(
         "best", description="which weights become model.keras: those of the epoch with the best val mAP@0.5 "
-        "(ties: the earlier epoch), or the last epoch's; without validation, the last")
+        "(ties: the later epoch), or the last epoch's; without validation, the last")
     use_amp: bool = Field(False, description="mixed precision: float16 on a GPU, bfloat16 on a CPU with AMX-BF16 or "
                             "AVX512-BF16, else FP32 with a warning (training/precision.py)")
     log_every_n_steps: int = Field(25, ge=1)
@@ -499,11 +499,11 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 # retrain. A stage added to the pipeline adds its line here.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "prepare_data": ("dataset",),
-    "train": ("dataset", "model", "augmentation", "train"),
+    "train": ("dataset", "model", "augmentation", "train", "evaluate"),  # evaluate: validation during training
     "evaluate": ("dataset", "model", "evaluate"),
     "prune": ("dataset", "model", "prune"),
-    "retrain": ("dataset", "model", "augmentation", "train", "retrain"),
-    "retrain_qat": ("dataset", "model", "augmentation", "train", "retrain", "qat"),
+    "retrain": ("dataset", "model", "augmentation", "train", "evaluate", "retrain"),
+    "retrain_qat": ("dataset", "model", "augmentation", "train", "evaluate", "retrain", "qat"),
     "export": ("dataset", "model", "export"),
     "ptq": ("dataset", "model", "evaluate", "ptq"),
     "engine": ("dataset", "model", "engine"),

@@ -85,8 +85,12 @@ def _composite(canvas: np.ndarray, rgba: np.ndarray, x1: float, y1: float) -> tu
 
 
 def _downsample(big: np.ndarray) -> np.ndarray:
+    """A supersampled RGBA object with premultiplied colour -> _SS times smaller, straight (unpremultiplied)."""
     h, w = big.shape[0] // _SS, big.shape[1] // _SS
-    return big[: h * _SS, : w * _SS].reshape(h, _SS, w, _SS, -1).mean(axis=(1, 3))
+    small = big[: h * _SS, : w * _SS].reshape(h, _SS, w, _SS, -1).mean(axis=(1, 3))
+    alpha = small[..., 3:4]
+    small[..., :3] = np.where(alpha > 0, small[..., :3] / np.maximum(alpha, 1e-6), 0)
+    return small
 
 
 def _finish(rng: np.random.Generator, canvas: np.ndarray) -> np.ndarray:
@@ -126,10 +130,7 @@ def _tile(rng: np.random.Generator, glyph: str, w: float, h: float) -> np.ndarra
     rgba = np.asarray(image, np.float32)
     rgba[..., 3] /= 255.0
     rgba[..., :3] *= rgba[..., 3:4]  # premultiply, so the downsampled edges blend right
-    small = _downsample(rgba)
-    alpha = small[..., 3:4]
-    small[..., :3] = np.where(alpha > 0, small[..., :3] / np.maximum(alpha, 1e-6), 0)
-    return small
+    return _downsample(rgba)
 
 
 def generate_glyphs(rng: np.random.Generator, height: int, width: int,
@@ -164,8 +165,8 @@ def _photo(name: str) -> np.ndarray:
     try:
         from skimage import data
     except ImportError:
-        raise QatpipeError("the `photos` data set needs scikit-image (its bundled photos): pip install "
-                           "scikit-image") from None
+        raise QatpipeError("the `photos` data set needs scikit-image (its bundled photos), a dependency of "
+                           "qatpipe: reinstall qatpipe") from None
     image = np.asarray(getattr(data, name)(), np.float32)
     if image.ndim == 2:
         image = np.repeat(image[..., None], 3, axis=2)
@@ -236,10 +237,7 @@ def _textured_object(rng: np.random.Generator, k: int, w: float, h: float) -> np
     first, second = _colour_pair(rng)
     rgb = np.where(_texture(k, u, v)[..., None], first, second)
     rgba = np.concatenate([rgb * inside[..., None], inside[..., None].astype(np.float32)], axis=-1)
-    small = _downsample(rgba)
-    alpha = small[..., 3:4]
-    small[..., :3] = np.where(alpha > 0, small[..., :3] / np.maximum(alpha, 1e-6), 0)
-    return small
+    return _downsample(rgba)
 
 
 def generate_photos(rng: np.random.Generator, height: int, width: int,

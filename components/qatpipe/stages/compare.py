@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +254,8 @@ def verdict(pair: str, ci95: list[float]) -> str:
     """Plain words for a difference a-b: no significant difference when its interval holds 0, else which is
     better."""
     better, worse = pair.split("-", 1)
+    if not all(math.isfinite(bound) for bound in ci95):  # e.g. every resample drew images without objects
+        return "n/a"
     if ci95[0] <= 0 <= ci95[1]:
         return "no significant difference"
     return f"{better} better" if ci95[0] > 0 else f"{worse} better"

@@ -8,11 +8,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import yaml
+
 from qatpipe.data.splits import load_split
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text, save_keras_model, write_json
 from qatpipe.metrics.diagnostics import findings_tags, log_findings, plateau_findings
-from qatpipe.spec import STAGE_SECTIONS, ExperimentSpec, dump_spec, flatten, load_spec
+from qatpipe.spec import STAGE_SECTIONS, ExperimentSpec, dump_spec, flatten, parse_spec
 from qatpipe.tracking.records import StageRecord, history_from_csv, numeric_leaves
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,10 @@ def _check_resume_compatible(results_dir: Path, spec: ExperimentSpec, processes:
     previous_path = results_dir / SPEC_FILE
     if not previous_path.is_file():
         return
-    previous, current = load_spec(previous_path).to_dict(), spec.to_dict()
+    previous = yaml.safe_load(previous_path.read_text())
+    # written before model.loss.coverage_normalizer existed: those checkpoints trained with TAO's mean
+    previous.setdefault("model", {}).setdefault("loss", {}).setdefault("coverage_normalizer", "cells")
+    previous, current = parse_spec(previous, str(previous_path)).to_dict(), spec.to_dict()
     changed = [key for key in _RESUME_MUST_MATCH if _dotted(previous, key) != _dotted(current, key)]
     if changed:
         raise QatpipeError(
@@ -155,7 +160,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         return json.loads(summary_path.read_text())
 
     validator = _validator(spec, arch) if world.is_chief else None  # rank 0 validates
-    best = BestCheckpoint(results_dir / BEST_DIR, fresh=initial_epoch == 0) if validator else None
+    best = BestCheckpoint(results_dir / BEST_DIR, resumed_at=initial_epoch) if validator else None
     validating = ValidateEveryN(validator, spec.train.validation_interval, spec.train.epochs, best) \
         if validator else None
     # the job's images per step: every process takes a batch (rank 0 logs the whole job's throughput)

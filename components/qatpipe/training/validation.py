@@ -100,21 +100,24 @@ class _LossMeter:
 
 
 class BestCheckpoint:
-    """The weights of the best validated epoch so far (highest val mAP@0.5; ties keep the earlier epoch), in
-    `folder`: weights-EPOCH.npz and best.json naming it, written in that order, so the json always names
-    complete weights. An epoch trained again after a resume replaces its own earlier record."""
+    """The weights of the best validated epoch so far (highest val mAP@0.5; a tie goes to the later epoch, so a
+    score stuck at 0 or saturated at 1 keeps the most trained weights), in `folder`: weights-EPOCH.npz and
+    best.json naming it, written in that order, so the json always names complete weights."""
 
-    def __init__(self, folder: Path, fresh: bool = False):
-        """`fresh`: a run that starts from scratch; a record left by an earlier run in the folder is dropped."""
+    def __init__(self, folder: Path, resumed_at: int = 0):
+        """`resumed_at`: the epochs the run's checkpoint already holds (0: a fresh run). A record of a later
+        epoch belongs to an attempt whose epochs are trained again, and is dropped (with it, a fresh run
+        forgets an earlier run's record)."""
         self.folder = Path(folder)
         path = self.folder / BEST_FILE
-        if fresh:
-            path.unlink(missing_ok=True)
         self.record: dict | None = json.loads(path.read_text()) if path.is_file() else None
+        if self.record and self.record["epoch"] > resumed_at:
+            path.unlink()
+            self.record = None
 
     def offer(self, validation: Validation, model) -> bool:
         """Keep `model`'s weights when `validation` beats the best so far; True when it does."""
-        if self.record and self.record["epoch"] != validation.epoch and validation.score <= self.record[SCORE]:
+        if self.record and validation.score < self.record[SCORE]:
             return False
         self.folder.mkdir(parents=True, exist_ok=True)
         weights = f"weights-{validation.epoch:04d}.npz"
