@@ -40,7 +40,7 @@ def test_synthetic_default_is_made_once_and_reused(tmp_path):
     spec = _tiny("dataset.synthetic.train_images=4", "dataset.synthetic.val_images=2",
                  f"dataset.cache_dir={tmp_path / 'cache'}")
     first = with_default_dataset(spec)
-    folder = tmp_path / "cache" / "synthetic" / "seed0-4x2-192x320"
+    folder = tmp_path / "cache" / "synthetic" / "shapes-seed0-4x2-192x320"
     assert first.dataset.train == str(folder / "train")
     manifest = folder / "dataset.json"
     assert json.loads(manifest.read_text())["counts"]["train"]["images"] == 4

@@ -7,12 +7,13 @@ def test_each_stage_gets_only_its_sections():
     out = resolve_spec.python_func(spec_uri="tiny", overrides=["train.epochs=3"])
     assert yaml.safe_load(out.spec)["train"]["epochs"] == 3
     assert set(yaml.safe_load(out.data_spec)) == {"dataset"}
-    assert set(yaml.safe_load(out.train_spec)) == {"dataset", "model", "augmentation", "train"}
+    assert set(yaml.safe_load(out.train_spec)) == {"dataset", "model", "augmentation", "train", "evaluate"}
     assert set(yaml.safe_load(out.evaluate_spec)) == {"dataset", "model", "evaluate"}
     assert set(yaml.safe_load(out.prune_spec)) == {"dataset", "model", "prune"}
-    assert set(yaml.safe_load(out.retrain_spec)) == {"dataset", "model", "augmentation", "train", "retrain"}
-    assert set(yaml.safe_load(out.retrain_qat_spec)) == {"dataset", "model", "augmentation", "train", "retrain",
-                                                         "qat"}
+    assert set(yaml.safe_load(out.retrain_spec)) == {"dataset", "model", "augmentation", "train", "evaluate",
+                                                     "retrain"}
+    assert set(yaml.safe_load(out.retrain_qat_spec)) == {"dataset", "model", "augmentation", "train", "evaluate",
+                                                         "retrain", "qat"}
     assert set(yaml.safe_load(out.export_spec)) == {"dataset", "model", "export"}
     assert set(yaml.safe_load(out.ptq_spec)) == {"dataset", "model", "evaluate", "ptq"}
     assert set(yaml.safe_load(out.engine_spec)) == {"dataset", "model", "engine"}
