@@ -134,7 +134,7 @@ class DetectNetV2(DetectorArchitecture):
                 return loss.coverage_weight * tf.reduce_mean(weighted)
             # summed and divided by the object cells, as the bbox loss is (RetinaNet, FCOS): the mean over
             # cells x classes shrinks each object's share, and with it the only signal that tells classes
-            # apart, with the grid size and the number of classes (loss/README in docs/recipe.md)
+            # apart, with the grid size and the number of classes (docs/recipe.md)
             object_cells = tf.reduce_sum(tf.reduce_max(y_true, axis=-1))
             return loss.coverage_weight * tf.reduce_sum(weighted) / tf.maximum(object_cells, 1.0)
 
