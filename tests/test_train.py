@@ -94,3 +94,17 @@ def test_failed_start_leaves_no_claim_on_the_directory(tiny_spec, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(QatpipeError, match="cannot create the results directory"):
         train(tiny_spec(), tmp_path / "file" / "run")
+
+
+def test_checkpoints_from_before_the_coverage_normalizer_resume_only_under_tao_mean(tiny_spec, tmp_path):
+    """A spec.yaml written before model.loss.coverage_normalizer existed trained with TAO's mean (`cells`)."""
+    import yaml
+
+    from qatpipe.stages.train import _check_resume_compatible
+
+    old = tiny_spec().to_dict()
+    del old["model"]["loss"]["coverage_normalizer"]
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(old))
+    with pytest.raises(QatpipeError, match="model.loss differs"):
+        _check_resume_compatible(tmp_path, tiny_spec())  # the default: objects
+    _check_resume_compatible(tmp_path, tiny_spec("model.loss.coverage_normalizer=cells"))

@@ -197,6 +197,12 @@ def log_findings(findings: Sequence[Finding | dict], where: str) -> None:
         log.warning("%s: %s", where, message)
 
 
+def diagnostics_metrics(diagnostics: dict | None) -> dict[str, float]:
+    """A learning check's numbers worth a tracked metric: class-agnostic mAP@0.5 and class accuracy."""
+    return {key: diagnostics[key] for key in ("class_agnostic_map50", "class_accuracy")
+            if (diagnostics or {}).get(key) is not None}
+
+
 def findings_tags(findings: Sequence[Finding | dict]) -> dict[str, str]:
     """Run tags that make the findings visible in MLflow: `qatpipe.findings` (codes, or "none") and one
     `qatpipe.finding.<code>` with each message."""
@@ -208,4 +214,5 @@ def findings_tags(findings: Sequence[Finding | dict]) -> dict[str, str]:
 
 
 __all__ = ["Finding", "LearningCheck", "check_learning", "class_agnostic_map50", "class_confusion",
-           "class_findings", "plateau_findings", "loss_plateau", "log_findings", "findings_tags"]
+           "class_findings", "plateau_findings", "loss_plateau", "log_findings", "findings_tags",
+           "diagnostics_metrics"]

@@ -12,7 +12,7 @@ from qatpipe.data.splits import load_split
 from qatpipe.errors import DataError, QatpipeError
 from qatpipe.fileio import write_json
 from qatpipe.metrics.coco import GroundTruth, evaluate_detections, plot_pr_curves, write_coco_files
-from qatpipe.metrics.diagnostics import check_learning, findings_tags, log_findings
+from qatpipe.metrics.diagnostics import check_learning, diagnostics_metrics, findings_tags, log_findings
 from qatpipe.spec import ExperimentSpec
 from qatpipe.tracking.records import StageRecord
 
@@ -144,9 +144,7 @@ def tracked_metrics(result: dict) -> dict[str, float]:
     """The numbers of an evaluation worth a metric: overall and per-class AP, the learning check's class-agnostic
     mAP@0.5 and class accuracy, speed, size."""
     metrics = {key: result[key] for key in ("map50", "map", "images_per_second", "model_size_mb") if key in result}
-    diagnostics = result.get("diagnostics", {})
-    metrics.update({key: diagnostics[key] for key in ("class_agnostic_map50", "class_accuracy")
-                    if diagnostics.get(key) is not None})
+    metrics.update(diagnostics_metrics(result.get("diagnostics")))
     for name, values in result.get("per_class", {}).items():
         for key in ("ap50", "ap"):
             if values.get(key) is not None:

@@ -8,13 +8,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import yaml
-
 from qatpipe.data.splits import load_split
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text, save_keras_model, write_json
-from qatpipe.metrics.diagnostics import findings_tags, log_findings, plateau_findings
-from qatpipe.spec import STAGE_SECTIONS, ExperimentSpec, dump_spec, flatten, parse_spec
+from qatpipe.metrics.diagnostics import diagnostics_metrics, findings_tags, log_findings, plateau_findings
+from qatpipe.spec import STAGE_SECTIONS, ExperimentSpec, dump_spec, flatten, load_spec
 from qatpipe.tracking.records import StageRecord, history_from_csv, numeric_leaves
 
 log = logging.getLogger(__name__)
@@ -54,10 +52,11 @@ def _check_resume_compatible(results_dir: Path, spec: ExperimentSpec, processes:
     previous_path = results_dir / SPEC_FILE
     if not previous_path.is_file():
         return
-    previous = yaml.safe_load(previous_path.read_text())
-    # written before model.loss.coverage_normalizer existed: those checkpoints trained with TAO's mean
-    previous.setdefault("model", {}).setdefault("loss", {}).setdefault("coverage_normalizer", "cells")
-    previous, current = parse_spec(previous, str(previous_path)).to_dict(), spec.to_dict()
+    previous_spec = load_spec(previous_path)
+    if "coverage_normalizer" not in previous_path.read_text():
+        # written before model.loss.coverage_normalizer existed: those checkpoints trained with TAO's mean
+        previous_spec.model.loss.coverage_normalizer = "cells"
+    previous, current = previous_spec.to_dict(), spec.to_dict()
     changed = [key for key in _RESUME_MUST_MATCH if _dotted(previous, key) != _dotted(current, key)]
     if changed:
         raise QatpipeError(
@@ -291,8 +290,7 @@ def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dic
                                                             "final_losses", "kept_epoch", "best_epoch",
                                                             "best_val_map50")
                               if summary[key] is not None})
-    metrics.update({key: diagnostics[key] for key in ("class_agnostic_map50", "class_accuracy")
-                    if diagnostics.get(key) is not None})
+    metrics.update(diagnostics_metrics(diagnostics))
     StageRecord(
         stage=stage_name, params={**flatten(sections), "precision": summary["precision"]}, metrics=metrics,
         history=history_from_csv(results_dir / LOG_FILE),
