@@ -35,12 +35,12 @@ def engines(trained_tiny, qat_export, tmp_path_factory):
     folder = tmp_path_factory.mktemp("engines")
     export(spec, model, folder / "fp32.onnx")
     build_engine(spec, folder / "fp32.onnx", folder / "fp32_engine", backend="onnxruntime")
-    build_engine(spec, qat_onnx, folder / "qat_engine", backend="onnxruntime")
-    fast = spec.model_copy(deep=True)
-    fast.engine.cpu_form = "fast"
-    build_engine(fast, qat_onnx, folder / "qat_fast", backend="onnxruntime")
+    build_engine(spec, qat_onnx, folder / "qat_engine", backend="onnxruntime")  # the default CPU form: fast
+    exact = spec.model_copy(deep=True)
+    exact.engine.cpu_form = "exact"
+    build_engine(exact, qat_onnx, folder / "qat_exact", backend="onnxruntime")
     return spec, {"fp32": (folder / "fp32.onnx", folder / "fp32_engine"), "qat": (qat_onnx, folder / "qat_engine"),
-                  "qat_fast": (qat_onnx, folder / "qat_fast")}
+                  "qat_exact": (qat_onnx, folder / "qat_exact")}
 
 
 def test_auto_picks_onnx_runtime_where_tensorrt_cannot_run(caplog):
@@ -68,7 +68,7 @@ def _unoptimised(path):
 
 def test_exact_cpu_form_computes_the_same_numbers_with_uint8_activations(engines):
     _, built = engines
-    qat_onnx, engine_dir = built["qat"]
+    qat_onnx, engine_dir = built["qat_exact"]
     graph = onnx.load(engine_dir / "model.onnx").graph
     inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
     activation_q = [n for n in graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in inits]
@@ -86,11 +86,16 @@ def test_exact_cpu_form_computes_the_same_numbers_with_uint8_activations(engines
         np.testing.assert_array_equal(actual[name], expected[name])
 
 
-def test_fast_cpu_form_folds_batch_norm_and_runs_integer_convolutions(engines, tmp_path):
+def test_default_cpu_engine_of_a_qdq_model_is_the_fast_form_with_integer_kernels(engines, tmp_path):
+    """What a user gets without naming a form: folded BN and integer convolutions (the labels say so)."""
     import onnxruntime as ort
 
     _, built = engines
-    qat_onnx, engine_dir = built["qat_fast"]
+    qat_onnx, engine_dir = built["qat"]
+    metadata = json.loads((engine_dir / "engine.json").read_text())
+    assert metadata["precision"] == "int8 (explicit Q/DQ, CPU form fast)"
+    assert metadata["label"] == "onnxruntime cpu int8"
+    assert json.loads((built["fp32"][1] / "engine.json").read_text())["label"] == "onnxruntime cpu fp32"
     graph = onnx.load(engine_dir / "model.onnx").graph
     assert not [n for n in graph.node if n.op_type == "BatchNormalization"]  # folded, as TensorRT does
     inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
@@ -144,8 +149,9 @@ def test_latency_harness_and_bench_report_schema(engines, tmp_path):
     spec.engine.bench.batch_sizes, spec.engine.bench.iterations, spec.engine.bench.min_seconds = [1, 2], 3, 0.0
     report = bench_engine(spec, built["qat"][1], tmp_path / "bench.json")
     assert json.loads((tmp_path / "bench.json").read_text()) == report
-    assert set(report) == {"engine", "backend", "precision", "device", "runtime_version", "model_size_mb",
+    assert set(report) == {"engine", "label", "backend", "precision", "device", "runtime_version", "model_size_mb",
                            "engine_size_mb", "peak_memory_mb", "batches"}
+    assert report["label"] == "onnxruntime cpu int8"
     assert [row["batch_size"] for row in report["batches"]] == [1, 2]
     assert set(report["batches"][0]) == {"batch_size", "iterations", "latency_ms_p50", "latency_ms_p95",
                                          "latency_ms_p99", "latency_ms_mean", "throughput"}
@@ -166,15 +172,31 @@ def test_validate_writes_reports_and_the_command_exits_1_on_a_failed_gate(engine
     from qatpipe.stages.validate import validate
 
     spec, built = engines
-    engine_dir = built["qat"][1]
+    engine_dir = built["qat"][1]  # the default (fast) CPU form
     own = evaluate(spec, engine_dir, tmp_path / "own")
+    exact = evaluate(spec, built["qat_exact"][1], tmp_path / "exact")["map50"]  # TensorRT's numbers
     lenient = tmp_path / "lenient.json"
-    lenient.write_text(json.dumps({"map50": own["map50"] + 0.005, "map": own["map"]}))
+    lenient.write_text(json.dumps({"map50": max(own["map50"], exact) + 0.005, "map": own["map"]}))
+    spec = spec.model_copy(deep=True)
+    spec.validate_.max_map_drop = abs(own["map50"] - exact) + 0.006  # both figures pass
     report = validate(spec, engine_dir, lenient, tmp_path / "pass", variant="qat")
-    assert report["passed"] and report["map50_drop"] == pytest.approx(0.005)
+    assert report["passed"] and report["map50"] == own["map50"] and report["engine_label"] == "onnxruntime cpu int8"
+    # the TensorRT-emulated mAP: the source ONNX in the exact form, scored beside the engine's
+    assert report["map50_tensorrt_emulated"] == exact
+    assert report["map50_tensorrt_emulated_drop"] == pytest.approx(max(own["map50"], exact) + 0.005 - exact)
+    assert (tmp_path / "pass" / "tensorrt_emulated" / "detections.json").is_file()
     markdown = (tmp_path / "pass" / "validation.md").read_text()
-    assert markdown.startswith("# Validation of qat: PASSED") and "+0.50 points" in markdown
+    assert markdown.startswith("# Validation of qat: PASSED") and "| qat (onnxruntime cpu int8) |" in markdown
+    assert "| qat, TensorRT's numbers (emulated) |" in markdown
     assert json.loads((tmp_path / "pass" / "validation.json").read_text()) == report
+    record = json.loads((tmp_path / "pass" / "tracking.json").read_text())
+    assert record["metrics"]["map50_tensorrt_emulated"] == exact and record["params"]["engine"] == report["engine_label"]
+    # an engine that computes TensorRT's numbers itself, and a float one, have nothing to emulate
+    for name, why in (("qat_exact", "computes TensorRT's numbers itself"), ("fp32", "fp32 engine")):
+        other = validate(spec, built[name][1], lenient, tmp_path / name, variant=name)
+        assert "map50_tensorrt_emulated" not in other and why in other["tensorrt_emulation"]
+    with pytest.raises(QatpipeError, match="fp32.onnx: not the ONNX model .* was built from"):
+        validate(spec, engine_dir, lenient, tmp_path / "wrong", variant="qat", onnx_model=built["fp32"][0])
 
     strict = tmp_path / "strict.json"
     strict.write_text(json.dumps({"map50": own["map50"] + 0.05, "map": own["map"]}))
@@ -184,6 +206,18 @@ def test_validate_writes_reports_and_the_command_exits_1_on_a_failed_gate(engine
     assert main(args) == 1
     assert "validation gate failed for qat: mAP@0.5" in caplog.text and "5.00 points below" in caplog.text
     assert json.loads((tmp_path / "fail" / "validation.json").read_text())["passed"] is False
+
+
+def test_the_gate_needs_the_tensorrt_emulated_map_too():
+    """An INT8 engine passes only when both its own mAP and TensorRT's numbers are within the allowed drop; the
+    message names the figure that failed."""
+    from qatpipe.stages.validate import gate_message
+
+    report = {"variant": "qat", "map50": 0.80, "map50_drop": 0.005, "map50_tensorrt_emulated": 0.78,
+              "map50_tensorrt_emulated_drop": 0.025, "baseline_map50": 0.805, "max_map_drop": 0.01}
+    message = gate_message(report)
+    assert "TensorRT-emulated mAP@0.5 0.7800 is 2.50 points below the baseline 0.8050" in message
+    assert "mAP@0.5 0.8000 is" not in message
 
 
 def test_bad_engine_folders_and_baselines_are_named(engines, tmp_path):
@@ -270,7 +304,7 @@ def test_tensorrt_builds_a_strongly_typed_int8_engine_that_matches_onnx_runtime(
     from qatpipe.stages.evaluate import evaluate
 
     spec, built = engines
-    qat_onnx, ort_engine = built["qat"]
+    qat_onnx, ort_engine = built["qat_exact"]  # TensorRT's numbers
     info = build_engine(spec, qat_onnx, tmp_path / "trt", backend="tensorrt")
     assert info["precision"].startswith("int8") and (tmp_path / "trt" / "timing.cache").is_file()
     ours, reference = evaluate(spec, tmp_path / "trt", tmp_path / "e1"), evaluate(spec, ort_engine, tmp_path / "e2")

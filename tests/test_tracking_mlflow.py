@@ -43,8 +43,11 @@ def test_parent_and_stage_runs(mlflow_server, tmp_path, monkeypatch):
     assert open(downloaded, "rb").read() == b"weights"
     assert client.get_run(parent).data.params["dataset.classes"] == "['a']"
 
-    tracker.log_variants(parent, {"fp32": {"map50": 0.9, "map": 0.6, "latency_ms_p50": None}})
-    assert tracker.read_variants(parent) == {"fp32": {"map50": 0.9, "map": 0.6}}
+    tracker.log_variants(parent, {"fp32": {"engine": "onnxruntime cpu fp32", "map50": 0.9, "map": 0.6,
+                                           "latency_ms_p50": None}})
+    # the engine label as a tag (qatpipe.engine.fp32), read back with the figures
+    assert tracker.read_variants(parent) == {"fp32": {"engine": "onnxruntime cpu fp32", "map50": 0.9, "map": 0.6}}
+    assert client.get_run(parent).data.tags["qatpipe.engine.fp32"] == "onnxruntime cpu fp32"
     compared = tmp_path / "compare"
     StageRecord(stage="compare").write(compared)
     tracker.log_comparison(parent, {"fp32": {"map50": 0.9}}, compared,

@@ -180,7 +180,8 @@ def cmd_bench_engine(args) -> int:
 def cmd_validate(args) -> int:
     from qatpipe.stages.validate import gate_message, validate
 
-    report = validate(_load(args), args.model, args.baseline, args.output, variant=args.variant)
+    report = validate(_load(args), args.model, args.baseline, args.output, variant=args.variant,
+                      onnx_model=args.onnx)
     if not report["passed"]:
         log.error("%s", gate_message(report))
         return 1
@@ -315,12 +316,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench_engine)
 
     validate = sub.add_parser("validate", help="mAP of an engine vs the FP32 baseline, and the gate",
-                              description="Exits 1 when mAP@0.5 drops more than validate.max_map_drop.")
+                              description="Exits 1 when mAP@0.5 (and, for an INT8 engine, the TensorRT-emulated "
+                              "mAP@0.5) drops more than validate.max_map_drop.")
     _add_spec_args(validate)
     validate.add_argument("-m", "--model", required=True, type=Path, help="the engine folder")
     validate.add_argument("--baseline", required=True, type=Path, help="the FP32 model's metrics.json")
     validate.add_argument("-o", "--output", type=Path, help="report folder (default ENGINE/validate)")
     validate.add_argument("--variant", default="int8", help="name in the report (e.g. qat, ptq)")
+    validate.add_argument("--onnx", type=Path, help="the ONNX the engine was built from, for the TensorRT-emulated "
+                          "mAP (default: the path in engine.json)")
     validate.set_defaults(func=cmd_validate)
 
     prune = sub.add_parser("prune", help="structured pruning of a trained model (TAO `prune`)",

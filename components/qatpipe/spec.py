@@ -292,8 +292,9 @@ class EngineSpec(_Section):
     workspace_mb: int = Field(2048, ge=64, description="TensorRT builder workspace limit")
     fp16: bool = Field(True, description="the FP32 model in FP16 on TensorRT 10 (TensorRT 11: TF32)")
     cpu_form: Literal["exact", "fast"] = Field(
-        "exact", description="ONNX Runtime CPU engine of a Q/DQ model: exact (TensorRT's numbers) or fast "
-        "(BN folded, ReLU absorbed: more integer kernels; engines/cpu_qdq.py)")
+        "fast", description="ONNX Runtime CPU engine of a Q/DQ model: fast (BN folded, ReLU absorbed: integer "
+        "kernels; engines/cpu_qdq.py) or exact (TensorRT's numbers, mostly float kernels); validate scores a fast "
+        "engine's exact form too, as map50_tensorrt_emulated")
     bench: EngineBenchSpec = Field(default_factory=EngineBenchSpec)
 
     @model_validator(mode="after")

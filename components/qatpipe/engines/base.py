@@ -33,6 +33,11 @@ class EngineMetadata:
     batch_profile: dict  # min / opt / max batch
     built_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     extra: dict = field(default_factory=dict)
+    label: str = ""  # what the engine is, for tables: "onnxruntime cpu int8", "tensorrt fp16"
+
+    def __post_init__(self):
+        if not self.label:  # engine.json written before labels: the backend and the precision's first word
+            self.label = engine_label(self.backend, "", self.precision)
 
     def write(self, folder: Path) -> Path:
         path = Path(folder) / METADATA_FILE
@@ -76,6 +81,11 @@ class EngineBackend(abc.ABC):
 
     @abc.abstractmethod
     def load(self, folder: Path, metadata: EngineMetadata) -> EngineRunner: ...
+
+
+def engine_label(backend: str, device_kind: str, precision: str) -> str:
+    """`backend [device kind] precision` with the precision's first word: "onnxruntime cpu int8", "tensorrt fp16"."""
+    return " ".join(part for part in (backend, device_kind, precision.split()[0] if precision else "") if part)
 
 
 def file_sha256(path: Path) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qatpipe.engines.base import (EngineBackend, EngineMetadata, EngineRunner, file_sha256,
+from qatpipe.engines.base import (EngineBackend, EngineMetadata, EngineRunner, engine_label, file_sha256,
                                   is_explicitly_quantized)
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,13 @@ class OnnxRuntimeBackend(EngineBackend):
                     else dict.fromkeys(CPU_FORM_REWRITES, 0))
         folder.mkdir(parents=True, exist_ok=True)
         save_onnx(model, folder / ENGINE_FILE)
+        precision = (f"int8 (explicit Q/DQ, CPU form {settings.cpu_form})" if explicit and on_cpu else
+                     "int8 (explicit Q/DQ)" if explicit else "fp32")
         metadata = EngineMetadata(
             backend=self.name, engine_file=ENGINE_FILE, source_onnx=str(onnx_path),
-            source_sha256=file_sha256(onnx_path),
-            precision=(f"int8 (explicit Q/DQ, CPU form {settings.cpu_form})" if explicit and on_cpu else
-                       "int8 (explicit Q/DQ)" if explicit else "fp32"),
+            source_sha256=file_sha256(onnx_path), precision=precision,
+            label=engine_label(self.name, "cpu" if on_cpu else providers[0].removesuffix("ExecutionProvider").lower(),
+                               precision),
             runtime_version=ort.__version__, device=_cpu_name() if on_cpu else providers[0],
             input_name=model.graph.input[0].name,
             batch_profile={"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch},

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qatpipe.engines.base import (EngineBackend, EngineMetadata, EngineRunner, file_sha256,
+from qatpipe.engines.base import (EngineBackend, EngineMetadata, EngineRunner, engine_label, file_sha256,
                                   is_explicitly_quantized)
 from qatpipe.devices import gpu_names
 from qatpipe.errors import ModelFileError, QatpipeError
@@ -129,7 +129,8 @@ class TensorRTBackend(EngineBackend):
         cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
         metadata = EngineMetadata(
             backend=self.name, engine_file=ENGINE_FILE, source_onnx=str(onnx_path),
-            source_sha256=file_sha256(onnx_path), precision=precision, runtime_version=trt.__version__,
+            source_sha256=file_sha256(onnx_path), precision=precision, label=engine_label(self.name, "", precision),
+            runtime_version=trt.__version__,
             device=gpu_name() or "unknown GPU", input_name=input_tensor.name,
             batch_profile={"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch},
             extra={"workspace_mb": settings.workspace_mb, "timing_cache": TIMING_CACHE_FILE},

@@ -28,7 +28,9 @@ PAIRS = (("qat", "fp32"), ("ptq", "fp32"), ("qat", "ptq"))
 
 # column -> (header, format); latency at batch 1, throughput at the largest benchmarked batch
 VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
+    "engine": ("engine", "{}"),  # the backend, device and precision the row's figures were measured with
     "map50": ("mAP@0.5", "{:.4f}"),
+    "map50_tensorrt_emulated": ("mAP@0.5, TensorRT's numbers", "{:.4f}"),  # a fast CPU INT8 engine's exact form
     "map": ("mAP@[.5:.95]", "{:.4f}"),
     "latency_ms_p50": ("p50 latency (ms)", "{:.2f}"),
     "latency_ms_p99": ("p99 latency (ms)", "{:.2f}"),
@@ -38,6 +40,7 @@ VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
     "params": ("params", "{:,.0f}"),
     "gflops": ("GFLOPs", "{:.3f}"),
 }
+OPTIONAL_COLUMNS = ("engine", "map50_tensorrt_emulated")  # shown when some variant has them
 BENCH_FILE = "bench.json"  # written beside the evaluation by the validate stage (the engine's benchmark)
 VALIDATION_FILE = "validation.json"
 
@@ -53,11 +56,16 @@ def variant_row(evaluation_dir: str | Path) -> dict[str, Any]:
     """One variant's figures from its evaluation (or validation) folder and, when there, its engine benchmark."""
     folder = Path(evaluation_dir)
     metrics = _read_json(folder / METRICS_FILE, "evaluation metrics")
-    batches = _read_json(folder / BENCH_FILE, "engine benchmark")["batches"] if (folder / BENCH_FILE).is_file() else []
+    bench = _read_json(folder / BENCH_FILE, "engine benchmark") if (folder / BENCH_FILE).is_file() else {}
+    validation = (_read_json(folder / VALIDATION_FILE, "validation report")
+                  if (folder / VALIDATION_FILE).is_file() else {})
+    batches = bench.get("batches", [])
     single = min(batches, key=lambda row: row["batch_size"], default={})
     largest = max(batches, key=lambda row: row["batch_size"], default={})
     return {
+        "engine": validation.get("engine_label") or bench.get("label"),
         "map50": metrics["map50"],
+        "map50_tensorrt_emulated": validation.get("map50_tensorrt_emulated"),
         "map": metrics["map"],
         "latency_ms_p50": single.get("latency_ms_p50"),
         "latency_ms_p99": single.get("latency_ms_p99"),
@@ -158,12 +166,14 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path,
     tradeoff = plot_tradeoff(variants, output_dir / TRADEOFF_CHART_FILE)
     charts += [tradeoff] if tradeoff else []
     atomic_write_text(output_dir / HTML_FILE, png_page("Variants", charts, table))
-    metrics = {f"{name}.{key}": value for name, row in variants.items() for key, value in row.items()}
+    metrics = {f"{name}.{key}": value for name, row in variants.items() for key, value in row.items()
+               if not isinstance(value, str)}
     metrics.update({f"pruning.{key}": value for key, value in summary.get("pruning", {}).items()})
     metrics.update(pair_metrics(summary.get("comparisons", {})))
+    engines = {f"{name}.engine": row["engine"] for name, row in variants.items() if row.get("engine")}
     StageRecord(
         stage="compare", params={"variants": ",".join(variants), "bootstrap_resamples": resamples,
-                                 "bootstrap_seed": seed},
+                                 "bootstrap_seed": seed, **engines},
         metrics={key: value for key, value in metrics.items() if value is not None},
         artifacts=[SUMMARY_FILE, TABLE_FILE, *(chart.name for chart in charts)],
     ).write(output_dir)
@@ -230,10 +240,11 @@ def pruning_line(block: dict) -> str:
 def format_table(variants: dict[str, dict[str, Any]], markdown: bool = False) -> str:
     """One row per variant; an mAP with a confidence interval (`map50_ci95_lo`/`_hi`) shows it in brackets."""
     with_ci = any(row.get(f"{key}_ci95_lo") is not None for row in variants.values() for key in VARIANT_COLUMNS)
+    columns = {key: column for key, column in VARIANT_COLUMNS.items()
+               if key not in OPTIONAL_COLUMNS or any(row.get(key) is not None for row in variants.values())}
     headers = ["variant", *(f"{header} [95% CI]" if with_ci and key in ("map50", "map") else header
-                            for key, (header, _) in VARIANT_COLUMNS.items())]
-    rows = [[name, *(_cell(row, key, fmt) for key, (_, fmt) in VARIANT_COLUMNS.items())]
-            for name, row in variants.items()]
+                            for key, (header, _) in columns.items())]
+    rows = [[name, *(_cell(row, key, fmt) for key, (_, fmt) in columns.items())] for name, row in variants.items()]
     return _render(headers, rows, markdown)
 
 
@@ -318,11 +329,12 @@ def plot_tradeoff(variants: dict[str, dict[str, Any]], path: str | Path) -> Path
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for name, row in timed.items():
         ax.errorbar(row["latency_ms_p50"], row["map50"], yerr=_error_bars([row], "map50"), fmt="o", capsize=4)
-        ax.annotate(name, (row["latency_ms_p50"], row["map50"]), textcoords="offset points", xytext=(6, 6))
+        ax.annotate(f"{name} ({row['engine']})" if row.get("engine") else name, (row["latency_ms_p50"], row["map50"]),
+                    textcoords="offset points", xytext=(6, 6), fontsize=8)
     with_ci = any(row.get("map50_ci95_lo") is not None for row in timed.values())
     ax.set(xlabel=VARIANT_COLUMNS["latency_ms_p50"][0] + ", batch 1",
            ylabel="mAP@0.5 (val)" + (", 95% CI" if with_ci else ""), title="Accuracy vs latency")
-    ax.set_xlim(0, 1.25 * max(row["latency_ms_p50"] for row in timed.values()))  # room for the labels
+    ax.set_xlim(0, 1.6 * max(row["latency_ms_p50"] for row in timed.values()))  # room for the labels
     ax.grid(alpha=0.3)
     return _save(fig, path)
 

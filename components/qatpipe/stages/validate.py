@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 
 REPORT_FILE = "validation.json"
 MARKDOWN_FILE = "validation.md"
+EMULATED_FOLDER = "tensorrt_emulated"  # the exact CPU form of a fast engine, and its evaluation
 
 
 class GateFailed(QatpipeError):
@@ -39,47 +40,102 @@ def gate(map50: float, baseline_map50: float, max_drop: float) -> tuple[bool, fl
     return drop <= max_drop + 1e-12, drop
 
 
+def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: Path,
+                            onnx_model: str | Path | None = None) -> tuple[float | None, str]:
+    """(mAP@0.5 of TensorRT's numbers, how it was had) for a Q/DQ engine; (None, why) for a float one.
+
+    A TensorRT engine, or an ONNX Runtime one that computes TensorRT's numbers (the `exact` CPU form, or a GPU
+    provider taking the symmetric int8 as is), gives its own mAP. A `fast` CPU engine rounds differently
+    (engines/cpu_qdq.py), so its source ONNX (`onnx_model`, else the one engine.json names, checked by its
+    SHA-256) is built in the exact form into output_dir/tensorrt_emulated and scored there."""
+    from qatpipe.engines.base import EngineMetadata, file_sha256
+    from qatpipe.stages.build_engine import build_engine
+    from qatpipe.stages.evaluate import evaluate
+
+    metadata = EngineMetadata.read(engine_dir)
+    if not metadata.precision.startswith("int8"):
+        return None, f"a {metadata.precision.split()[0]} engine: no quantisation to emulate"
+    if "CPU form fast" not in metadata.precision:
+        return None, "the engine computes TensorRT's numbers itself"
+    source = Path(onnx_model) if onnx_model else Path(metadata.source_onnx)
+    if not source.is_file():
+        raise QatpipeError(f"{engine_dir}: its source ONNX {source} is not here, and the TensorRT-emulated mAP "
+                           "needs it: pass the model the engine was built from")
+    if file_sha256(source) != metadata.source_sha256:
+        raise QatpipeError(f"{source}: not the ONNX model {engine_dir} was built from (SHA-256 differs from "
+                           "engine.json's source_sha256)")
+    exact = spec.model_copy(deep=True)
+    exact.engine.cpu_form = "exact"
+    folder = output_dir / EMULATED_FOLDER
+    build_engine(exact, source, folder / "engine", backend="onnxruntime", stage_name="build_tensorrt_emulated")
+    scored = evaluate(exact, folder / "engine", folder, stage_name="validate_tensorrt_emulated")
+    return scored["map50"], f"the source ONNX in ONNX Runtime's exact CPU form ({EMULATED_FOLDER}/)"
+
+
 def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str | Path,
-             output_dir: str | Path | None = None, variant: str = "int8", bench: dict | None = None) -> dict:
-    """Evaluate the engine, compare with the baseline, write validation.json / .md; never raises on a failed
-    gate (the result says `passed`: the caller decides, the CLI exits non-zero)."""
+             output_dir: str | Path | None = None, variant: str = "int8", bench: dict | None = None,
+             onnx_model: str | Path | None = None) -> dict:
+    """Evaluate the engine, and for a Q/DQ engine TensorRT's numbers too (`map50_tensorrt_emulated`: what the
+    model will score on TensorRT, where the engine here runs a faster CPU form); compare both with the
+    baseline; write validation.json / .md. The gate passes only when both are within validate.max_map_drop.
+    Never raises on a failed gate (the result says `passed`: the caller decides, the CLI exits non-zero)."""
+    from qatpipe.engines.base import EngineMetadata
     from qatpipe.stages.evaluate import evaluate
 
     engine_dir = Path(engine_dir)
     baseline = read_baseline(baseline_metrics)
     output_dir = Path(output_dir) if output_dir else engine_dir / "validate"
+    label = EngineMetadata.read(engine_dir).label
     evaluation = evaluate(spec, engine_dir, output_dir, stage_name=f"validate_{variant}")
-    passed, drop = gate(evaluation["map50"], baseline["map50"], spec.validate_.max_map_drop)
+    emulated, emulation = tensorrt_emulated_map50(spec, engine_dir, output_dir, onnx_model)
+    max_drop = spec.validate_.max_map_drop
+    passed, drop = gate(evaluation["map50"], baseline["map50"], max_drop)
     report = {
-        "variant": variant, "engine": str(engine_dir), "map50": evaluation["map50"], "map": evaluation["map"],
-        "baseline": str(baseline_metrics), "baseline_map50": baseline["map50"], "baseline_map": baseline.get("map"),
-        "map50_drop": drop, "max_map_drop": spec.validate_.max_map_drop, "passed": passed,
-        "engine_size_mb": evaluation["model_size_mb"],
+        "variant": variant, "engine": str(engine_dir), "engine_label": label, "map50": evaluation["map50"],
+        "map": evaluation["map"], "baseline": str(baseline_metrics), "baseline_map50": baseline["map50"],
+        "baseline_map": baseline.get("map"), "map50_drop": drop, "max_map_drop": max_drop,
+        "engine_size_mb": evaluation["model_size_mb"], "tensorrt_emulation": emulation,
     }
+    if emulated is not None:
+        emulated_passed, emulated_drop = gate(emulated, baseline["map50"], max_drop)
+        report.update(map50_tensorrt_emulated=emulated, map50_tensorrt_emulated_drop=emulated_drop)
+        passed = passed and emulated_passed
+    report["passed"] = passed
     if bench:
         report["benchmark"] = bench
     write_json(output_dir / REPORT_FILE, report)
     verdict = "PASSED" if passed else "FAILED"
+    rows = [f"| {variant} ({label}) | {evaluation['map50']:.4f} | {evaluation['map']:.4f} | {100 * drop:+.2f} |"]
+    if emulated is not None:
+        rows.append(f"| {variant}, TensorRT's numbers (emulated) | {emulated:.4f} | | "
+                    f"{100 * report['map50_tensorrt_emulated_drop']:+.2f} |")
     atomic_write_text(output_dir / MARKDOWN_FILE, "\n".join([
         f"# Validation of {variant}: {verdict}", "",
-        "| | mAP@0.5 | mAP@[.5:.95] |", "|---|---|---|",
-        f"| {variant} (engine) | {evaluation['map50']:.4f} | {evaluation['map']:.4f} |",
-        f"| baseline | {baseline['map50']:.4f} | {baseline.get('map', float('nan')):.4f} |", "",
-        f"mAP@0.5 drop {100 * drop:+.2f} points; allowed {100 * spec.validate_.max_map_drop:.2f} "
-        f"(validate.max_map_drop).", ""]))
+        "| | mAP@0.5 | mAP@[.5:.95] | mAP@0.5 drop (points) |", "|---|---|---|---|", *rows,
+        f"| baseline | {baseline['map50']:.4f} | {baseline.get('map', float('nan')):.4f} | |", "",
+        f"Allowed drop {100 * max_drop:.2f} points (validate.max_map_drop); TensorRT-emulated mAP: {emulation}.",
+        ""]))
     record = StageRecord.read(output_dir)
+    record.params["engine"] = label
     record.metrics.update({"map50_drop": drop, "passed": float(passed)})
+    if emulated is not None:
+        record.metrics.update({"map50_tensorrt_emulated": emulated,
+                               "map50_tensorrt_emulated_drop": report["map50_tensorrt_emulated_drop"]})
     record.artifacts.extend([REPORT_FILE, MARKDOWN_FILE])
     record.write(output_dir)
-    log.info("validation of %s: %s (mAP@0.5 %.4f vs baseline %.4f, drop %+.2f points, allowed %.2f)", variant,
-             verdict, evaluation["map50"], baseline["map50"], 100 * drop, 100 * spec.validate_.max_map_drop)
+    log.info("validation of %s (%s): %s (mAP@0.5 %.4f%s vs baseline %.4f, allowed drop %.2f points)", variant,
+             label, verdict, evaluation["map50"],
+             "" if emulated is None else f", TensorRT-emulated {emulated:.4f}", baseline["map50"], 100 * max_drop)
     return report
 
 
 def gate_message(report: dict) -> str:
-    return (f"validation gate failed for {report['variant']}: mAP@0.5 {report['map50']:.4f} is "
-            f"{100 * report['map50_drop']:.2f} points below the baseline {report['baseline_map50']:.4f}, more than "
-            f"validate.max_map_drop={report['max_map_drop']} ({100 * report['max_map_drop']:.2f} points) allows")
+    failures = [f"{what} {report[key]:.4f} is {100 * report[f'{key}_drop']:.2f} points below"
+                for key, what in (("map50", "mAP@0.5"), ("map50_tensorrt_emulated", "TensorRT-emulated mAP@0.5"))
+                if key in report and report[f"{key}_drop"] > report["max_map_drop"] + 1e-12]
+    return (f"validation gate failed for {report['variant']}: {'; '.join(failures)} the baseline "
+            f"{report['baseline_map50']:.4f}, more than validate.max_map_drop={report['max_map_drop']} "
+            f"({100 * report['max_map_drop']:.2f} points) allows")
 
 
-__all__ = ["validate", "gate", "gate_message", "GateFailed", "read_baseline"]
+__all__ = ["validate", "gate", "gate_message", "GateFailed", "read_baseline", "tensorrt_emulated_map50"]

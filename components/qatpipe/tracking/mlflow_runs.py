@@ -30,6 +30,7 @@ KFP_RUN_TAG = "qatpipe.kfp_run_id"
 JOINED_TAG = "qatpipe.joined"  # the parent run belongs to the KFP backend: it opens and closes it
 VARIANT_PREFIX = "variant."  # parent-run metrics: variant.<name>.<metric>
 COMPARISON_PREFIX = "comparison."  # parent-run metrics: comparison.<a-b>.<metric>, differences between variants
+ENGINE_TAG_PREFIX = "qatpipe.engine."  # parent-run tags: qatpipe.engine.<name> = "onnxruntime cpu int8"
 
 # MLflow's own HTTP retries default to 7 with exponential backoff (minutes of silence against a dead
 # server); ours are few and logged. Users who set these variables keep their values.
@@ -264,7 +265,8 @@ class MlflowTracker:
         flat = {f"{VARIANT_PREFIX}{name}.{key}": value for name, row in variants.items()
                 for key, value in row.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
         self.log_metrics(run_id, flat)
-        self.set_tags(run_id, {"qatpipe.variants": ",".join(variants)})
+        engines = {f"{ENGINE_TAG_PREFIX}{name}": row["engine"] for name, row in variants.items() if row.get("engine")}
+        self.set_tags(run_id, {"qatpipe.variants": ",".join(variants), **engines})
 
     def log_comparison(self, run_id: str, variants: dict[str, dict[str, Any]], folder: str | Path,
                        pruning: dict[str, Any] | None = None, comparisons: dict[str, float] | None = None) -> dict:
@@ -293,6 +295,9 @@ class MlflowTracker:
             if key.startswith(VARIANT_PREFIX):
                 name, metric = key[len(VARIANT_PREFIX):].split(".", 1)
                 variants.setdefault(name, {})[metric] = value
+        for key, value in run.data.tags.items():
+            if key.startswith(ENGINE_TAG_PREFIX):
+                variants.setdefault(key[len(ENGINE_TAG_PREFIX):], {})["engine"] = value
         return variants
 
     def read_comparisons(self, run_id: str) -> dict[str, float]:

@@ -11,7 +11,7 @@ PRUNE_REPORT = {"params_before": 1000, "params_after": 400, "flops_before": 2_00
 
 
 def _evaluation(folder: Path, map50: float, map_: float, size: float, throughput: float | None = None,
-                passed: bool | None = None) -> dsl.Artifact:
+                passed: bool | None = None, engine: str | None = None, emulated: float | None = None) -> dsl.Artifact:
     """An evaluation folder; with `throughput` / `passed` a validation folder (engine benchmark, gate)."""
     folder.mkdir()
     (folder / "metrics.json").write_text(json.dumps({"map50": map50, "map": map_, "model_size_mb": size}))
@@ -21,15 +21,17 @@ def _evaluation(folder: Path, map50: float, map_: float, size: float, throughput
                     "throughput": throughput}]
         (folder / "bench.json").write_text(json.dumps({"batches": batches}))
     if passed is not None:
-        (folder / "validation.json").write_text(json.dumps({"passed": passed}))
+        validation = {"passed": passed, "engine_label": engine}
+        (folder / "validation.json").write_text(json.dumps(
+            validation if emulated is None else {**validation, "map50_tensorrt_emulated": emulated}))
     return dsl.Artifact(uri=str(folder))
 
 
 def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
     inputs = dict(
-        fp32=_evaluation(tmp_path / "fp32", 0.81, 0.52, 1.6, 100.0, True),
-        ptq=_evaluation(tmp_path / "ptq", 0.78, 0.49, 0.5, 250.0, False),
-        qat=_evaluation(tmp_path / "qat", 0.80, 0.51, 0.5, 300.0, True),
+        fp32=_evaluation(tmp_path / "fp32", 0.81, 0.52, 1.6, 100.0, True, "onnxruntime cpu fp32"),
+        ptq=_evaluation(tmp_path / "ptq", 0.78, 0.49, 0.5, 250.0, False, "onnxruntime cpu int8", 0.775),
+        qat=_evaluation(tmp_path / "qat", 0.80, 0.51, 0.5, 300.0, True, "onnxruntime cpu int8", 0.805),
         unpruned=_evaluation(tmp_path / "unpruned", 0.82, 0.53, 4.0))
     (tmp_path / "pruned").mkdir()
     (tmp_path / "pruned" / "prune_report.json").write_text(json.dumps(PRUNE_REPORT))
@@ -39,7 +41,7 @@ def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
     summary = json.loads((Path(outputs["summary"].path) / "summary.json").read_text())
     assert list(summary["variants"]) == ["fp32", "ptq", "qat"]
     assert summary["variants"]["qat"] == {
-        "map50": 0.80, "map": 0.51, "latency_ms_p50": 1000 / 300 * 2, "latency_ms_p99": 9.0, "throughput": 300.0,
+        "engine": "onnxruntime cpu int8", "map50": 0.80, "map50_tensorrt_emulated": 0.805, "map": 0.51, "latency_ms_p50": 1000 / 300 * 2, "latency_ms_p99": 9.0, "throughput": 300.0,
         "throughput_batch": 8, "speedup_vs_fp32": 3.0, "size_mb": 0.5, "params": 400, "gflops": 0.9}
     assert summary["variants"]["fp32"]["speedup_vs_fp32"] == 1.0
     assert summary["pruning"] == {**{k: v for k, v in PRUNE_REPORT.items() if k != "groups"},
@@ -49,11 +51,18 @@ def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
     assert summary["gate_passed"] is True  # the QAT model passed
     assert "mlflow" not in summary  # tracking off
     table = Path(outputs["table"].path).read_text()
-    assert "| qat | 0.8000 | 0.5100 | 6.67 | 9.00 | 300.0 | 3.00x | 0.50 | 400 | 0.900 |" in table
+    # every row says what it is: the engine's backend, device and precision; and TensorRT's numbers for INT8
+    assert "| variant | engine | mAP@0.5 | mAP@0.5, TensorRT's numbers | mAP@[.5:.95] |" in table
+    assert ("| qat | onnxruntime cpu int8 | 0.8000 | 0.8050 | 0.5100 | 6.67 | 9.00 | 300.0 | 3.00x | 0.50 | 400 | "
+            "0.900 |") in table
+    assert "| fp32 | onnxruntime cpu fp32 | 0.8100 | n/a | 0.5200 |" in table
     assert "ptq FAILED, qat passed; gate (QAT): PASSED" in table
     assert "2.000 → 0.900 GFLOPs (x0.450)" in table and "retrained FP32 -1.00 points" in table
     assert "data:image/png;base64," in Path(outputs["chart"].path).read_text()
     assert outputs["metrics"].metadata["qat.map50"] == 0.80
+    assert outputs["metrics"].metadata["qat.map50_tensorrt_emulated"] == 0.805
+    record = json.loads((Path(outputs["summary"].path) / "tracking.json").read_text())
+    assert record["params"]["qat.engine"] == "onnxruntime cpu int8"
     assert outputs["metrics"].metadata["pruning.flops_ratio"] == 0.45
 
 

@@ -25,19 +25,20 @@ def validate(validate_spec: str, variant: str, dataset: Input[Dataset], engine: 
         spec = spec_with_prepared_dataset(load_stage_spec(validate_spec), dataset.path)
         bench_path = Path(engine.path) / BENCH_FILE
         bench = json.loads(bench_path.read_text()) if bench_path.is_file() else None
-        result = validate_stage(spec, engine.path, Path(baseline.path) / METRICS_FILE, results.path, variant, bench)
+        onnx_file = Path(onnx_model.path) / onnx_model.metadata.get("file", "model.onnx")
+        result = validate_stage(spec, engine.path, Path(baseline.path) / METRICS_FILE, results.path, variant, bench,
+                                onnx_model=onnx_file)
         if bench:
             (Path(results.path) / BENCH_FILE).write_text(json.dumps(bench, indent=2) + "\n")
         if result["passed"]:
-            onnx_file = Path(onnx_model.path) / onnx_model.metadata.get("file", "model.onnx")
             write_nvinfer_config(spec, onnx_file, Path(results.path) / "deepstream", variant,
                                  "fp16" if variant == "fp32" else "int8")
         else:
             from qatpipe_kfp.runtime import log
 
             log.warning("%s", gate_message(result))
-        results.metadata.update({"variant": variant, "passed": result["passed"]})
-        write_metrics(metrics, {"map50": result["map50"], "map": result["map"], "map50_drop": result["map50_drop"],
-                                "passed": float(result["passed"])})
+        results.metadata.update({"variant": variant, "passed": result["passed"], "engine": result["engine_label"]})
+        write_metrics(metrics, {key: float(result[key]) for key in
+                                ("map50", "map", "map50_drop", "map50_tensorrt_emulated", "passed") if key in result})
         write_text(report, (Path(results.path) / MARKDOWN_FILE).read_text())
         return bool(result["passed"])
