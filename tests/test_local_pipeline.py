@@ -44,9 +44,15 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert json.loads((out / "summary.json").read_text()) == summary
     assert list(summary["variants"]) == ["fp32", "ptq", "qat"]  # all three scored in ONNX Runtime
     fp32 = summary["variants"]["fp32"]
-    assert set(fp32) == {"map50", "map", "latency_ms_p50", "latency_ms_p99", "throughput", "throughput_batch",
-                         "speedup_vs_fp32", "size_mb", "params", "gflops",
+    assert set(fp32) == {"engine", "map50", "map50_tensorrt_emulated", "map", "latency_ms_p50", "latency_ms_p99",
+                         "throughput", "throughput_batch", "speedup_vs_fp32", "size_mb", "params", "gflops",
                          "map50_ci95_lo", "map50_ci95_hi", "map_ci95_lo", "map_ci95_hi"}
+    # every row says what ran it; the INT8 ones (the fast CPU form) also carry TensorRT's numbers
+    assert fp32["engine"] == "onnxruntime cpu fp32" and fp32["map50_tensorrt_emulated"] is None
+    for variant in ("ptq", "qat"):
+        row = summary["variants"][variant]
+        assert row["engine"] == "onnxruntime cpu int8"
+        assert row["map50_tensorrt_emulated"] == pytest.approx(row["map50"], abs=0.05)
     assert fp32["map50_ci95_lo"] <= fp32["map50"] <= fp32["map50_ci95_hi"]
     # the variants' differences with their bootstrap CIs, over the evaluations' own detections
     assert summary["bootstrap"] == {"images": 48, "resamples": 1000, "seed": 0}
@@ -100,6 +106,9 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     qat_files = {a.path for a in client.list_artifacts(children["export_qat"].info.run_id)}
     assert {"model.onnx", "model.cache", "model_implicit.onnx", "model_scales.json"} <= qat_files
     assert children["validate_qat"].data.metrics["passed"] == 1.0
+    assert children["validate_qat"].data.metrics["map50_tensorrt_emulated"] == pytest.approx(
+        summary["variants"]["qat"]["map50_tensorrt_emulated"])
+    assert parent.data.tags["qatpipe.engine.qat"] == "onnxruntime cpu int8"
     assert "batch1.latency_ms_p50" in children["build_engine_qat"].data.metrics
     # the gate passed: the QAT model is in the registry, pointing at the parent run's deployment files
     (version,) = client.search_model_versions("name = 'qatpipe-detectnet-v2'")
@@ -123,6 +132,7 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert main(["run", "--local", "--spec", "tiny", "--output", str(out), *sets]) == 0
     printed = capsys.readouterr().out
     assert "Pruning: " in printed and "gate (QAT): PASSED" in printed and f"{fp32['map50']:.4f}" in printed
+    assert "onnxruntime cpu int8" in printed and "mAP@0.5, TensorRT's numbers" in printed
     assert "Differences, paired bootstrap over the val images (48 images, 1000 resamples, seed 0)" in printed
     again = json.loads((out / "summary.json").read_text())
     assert again["variants"] == summary["variants"]

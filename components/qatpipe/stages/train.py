@@ -281,16 +281,23 @@ def _validation_summary(spec: ExperimentSpec, results_dir: Path, kept: dict | No
             "diagnostics": {"epoch": kept["epoch"], **diagnostics}}
 
 
+def summary_metrics(summary: dict) -> dict[str, float]:
+    """A training summary's figures for MLflow and the KFP UI: throughput, time, size, final losses, the kept
+    and best epochs, the best val mAP@0.5 and the learning check's tracked metrics."""
+    metrics = numeric_leaves({key: summary.get(key) for key in ("images_per_second", "wall_seconds", "params",
+                                                                "final_losses", "kept_epoch", "best_epoch",
+                                                                "best_val_map50")
+                              if summary.get(key) is not None})
+    metrics.update(diagnostics_metrics(summary.get("diagnostics") or {}))
+    return metrics
+
+
 def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dict, stage_name: str) -> None:
     view = STAGE_SECTIONS["train" if not stage_name.startswith("retrain") else
                           "retrain_qat" if spec.qat.enabled else "retrain"]
     sections = {key: value for key, value in spec.to_dict().items() if key in view}
     diagnostics = summary["diagnostics"] or {}
-    metrics = numeric_leaves({key: summary[key] for key in ("images_per_second", "wall_seconds", "params",
-                                                            "final_losses", "kept_epoch", "best_epoch",
-                                                            "best_val_map50")
-                              if summary[key] is not None})
-    metrics.update(diagnostics_metrics(diagnostics))
+    metrics = summary_metrics(summary)
     StageRecord(
         stage=stage_name, params={**flatten(sections), "precision": summary["precision"]}, metrics=metrics,
         history=history_from_csv(results_dir / LOG_FILE),
@@ -299,4 +306,4 @@ def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dic
     ).write(results_dir)
 
 
-__all__ = ["train", "MODEL_FILE"]
+__all__ = ["train", "summary_metrics", "MODEL_FILE"]

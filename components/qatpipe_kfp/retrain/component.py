@@ -15,7 +15,7 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
 
     from qatpipe.data.prepare import spec_with_prepared_dataset
     from qatpipe.stages.scale_out import run_training_stage
-    from qatpipe.tracking.records import numeric_leaves
+    from qatpipe.stages.train import summary_metrics
     from qatpipe_kfp.runtime import cluster_settings, load_stage_spec, stage, write_metrics
 
     variant = "qat" if qat else "fp32"
@@ -29,5 +29,4 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
                                      nodes=workers, cluster=cluster, use_mpijob=mpijob)
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],
                                "variant": variant, "processes": summary.get("processes", 1)})
-        write_metrics(metrics, numeric_leaves({key: summary[key] for key in (
-            "params", "images_per_second", "wall_seconds", "final_losses")}))
+        write_metrics(metrics, summary_metrics(summary))

@@ -12,7 +12,7 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
           credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [], mpijob: bool = False):
     from qatpipe.data.prepare import spec_with_prepared_dataset
     from qatpipe.stages.scale_out import run_training_stage
-    from qatpipe.tracking.records import numeric_leaves
+    from qatpipe.stages.train import summary_metrics
     from qatpipe_kfp.runtime import cluster_settings, load_stage_spec, stage, write_metrics
 
     with stage("train"):
@@ -23,5 +23,4 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
                                      cluster=cluster, use_mpijob=mpijob)
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],
                                "processes": summary.get("processes", 1)})
-        write_metrics(metrics, numeric_leaves({key: summary[key] for key in (
-            "params", "images_per_second", "wall_seconds", "final_losses")}))
+        write_metrics(metrics, summary_metrics(summary))
