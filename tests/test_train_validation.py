@@ -93,6 +93,26 @@ def test_every_epoch_is_validated_and_the_best_weights_survive_a_resume(tiny_spe
     assert record.metrics["best_val_map50"] == summary["best_val_map50"]
 
 
+def test_val_targets_keep_every_object_beyond_the_training_batch_limit(tiny_spec):
+    """dataset.max_boxes_per_image bounds a training batch; validation, like evaluate, takes crowded val images
+    whole (it used to refuse them)."""
+    from qatpipe.data.pipeline import eval_targets
+    from qatpipe.data.splits import load_split
+    from qatpipe.models import get_architecture
+
+    spec = tiny_spec()
+    samples = load_split(spec, "val")
+    most = max(len(s.classes) for s in samples)
+    assert most > 1
+    arch = get_architecture(spec)
+    expected = [b for b in eval_targets(samples, spec, arch)]
+    spec.dataset.max_boxes_per_image = 1
+    for batch, want in zip(eval_targets(samples, spec, arch), expected, strict=True):
+        assert set(batch) == set(want) == set(arch.output_names)
+        for name in want:
+            np.testing.assert_array_equal(batch[name].numpy(), want[name].numpy())
+
+
 @pytest.mark.slow
 def test_validation_scores_as_evaluate_does_and_leaves_the_training_alone(tiny_spec, tmp_path):
     import tensorflow as tf

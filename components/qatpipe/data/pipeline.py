@@ -180,9 +180,12 @@ def eval_dataset(samples: list[KittiSample], spec: ExperimentSpec, batch_size: i
 def eval_targets(samples: list[KittiSample], spec: ExperimentSpec, arch: DetectorArchitecture,
                  batch_size: int | None = None) -> tf.data.Dataset:
     """The training targets of `samples` at the network input size, without augmentation, batched as
-    `eval_dataset` batches their images: what the losses compare a model's outputs on those images with."""
+    `eval_dataset` batches their images: what the losses compare a model's outputs on those images with.
+    Every object counts: an image with more than `dataset.max_boxes_per_image` (a training-batch limit) widens
+    the padding here, as `evaluate` scores all of its objects."""
     size = spec.dataset.image_size
-    packed = pack_samples(samples, spec.dataset.max_boxes_per_image)
+    packed = pack_samples(samples, max(spec.dataset.max_boxes_per_image,
+                                       max((len(s.classes) for s in samples), default=0)))
     scale = np.array([[size.width / s.width, size.height / s.height] * 2 for s in samples], np.float32)
     limits = np.array([size.width, size.height] * 2, np.float32)
     boxes = np.clip(packed["boxes"] * scale[:, None, :], 0, limits)  # as training clips them (padding stays 0)
