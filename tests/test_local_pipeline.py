@@ -52,7 +52,7 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     for variant in ("ptq", "qat"):
         row = summary["variants"][variant]
         assert row["engine"] == "onnxruntime cpu int8"
-        assert row["map50_tensorrt_emulated"] == pytest.approx(row["map50"], abs=0.05)
+        assert row["map50_tensorrt_emulated"] is not None
     assert fp32["map50_ci95_lo"] <= fp32["map50"] <= fp32["map50_ci95_hi"]
     # the variants' differences with their bootstrap CIs, over the evaluations' own detections
     assert summary["bootstrap"] == {"images": 48, "resamples": 1000, "seed": 0}
@@ -108,6 +108,9 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert children["validate_qat"].data.metrics["passed"] == 1.0
     assert children["validate_qat"].data.metrics["map50_tensorrt_emulated"] == pytest.approx(
         summary["variants"]["qat"]["map50_tensorrt_emulated"])
+    for variant in ("ptq", "qat"):  # TensorRT's numbers: what evaluate gives for the ONNX as exported
+        assert summary["variants"][variant]["map50_tensorrt_emulated"] == pytest.approx(
+            children[f"evaluate_{variant}"].data.metrics["map50"], abs=0.01), variant
     assert parent.data.tags["qatpipe.engine.qat"] == "onnxruntime cpu int8"
     assert "batch1.latency_ms_p50" in children["build_engine_qat"].data.metrics
     # the gate passed: the QAT model is in the registry, pointing at the parent run's deployment files

@@ -12,12 +12,13 @@ nothing sits between Conv and Q except a ReLU whose Q has the lowest value as ze
 - `fast`: BatchNormalization folded into the Q/DQ convolution before it, as TensorRT does (per channel: the
   weight scale times |gamma / sqrt(var + eps)|, int8 weights negated where that factor is negative, the new
   bias quantised to int32 at input scale x weight scale), and zero point 0 for activations that follow a
-  ReLU, so ORT absorbs the ReLU, the output of a convolution that feeds a residual Add quantised with the
+  ReLU, so ORT absorbs the ReLU, with 127/255 of the scale so that uint8's 255 steps end where TensorRT's
+  int8 saturates (127 steps): a QAT model never saw activations above its ranges, the output of a convolution that feeds a residual Add quantised with the
   scale of the Add's other (quantised) input (TensorRT keeps it float: it fuses Conv+Add; ORT cannot, and
   runs conv and Add as integer kernels this way), and float biases of Q/DQ convolutions quantised to int32 (ORT's integer
   convolution needs them so; TensorRT's parser wants them float, so the exported models keep them float).
-  Not exact: float rounding of the folded scales, the bias step, and values
-  above a range's amax, which int8 saturates at 127 steps and uint8 at 255. Also merges requantisation
+  Not exact: float rounding of the folded scales, the bias step, and steps half as coarse after a ReLU,
+  and a residual conv output clipped to its Add's other input's range. Also merges requantisation
   chains Q(s1) -> DQ -> [ReLU] -> Q(s2), which ONNX Runtime's PTQ writes after every convolution, into one
   Q(s2): one rounding instead of two.
 """
@@ -159,13 +160,19 @@ def activations_to_uint8(model, zero_point_0_after_relu: bool = False) -> int:
         name = f"{node.output[0]}_zero_point_u8"
         graph.initializer.append(numpy_helper.from_array(np.full(zero_point.shape, offset, np.uint8), name))
         node.input[2] = name
+        scale = node.input[1]
+        if offset == 0:  # [0, 255] steps of 127/255 the scale: TensorRT's saturation point, 127 steps above 0
+            scale = f"{node.output[0]}_scale_u8"
+            value = numpy_helper.to_array(inits[node.input[1]]).astype(np.float64) * 127 / 255
+            graph.initializer.append(numpy_helper.from_array(value.astype(np.float32), scale))
+            node.input[1] = scale
         frontier = [node.output[0]]
         while frontier:  # the quantised tensor, through layout ops, to every DequantizeLinear reading it
             tensor = frontier.pop()
             changed.add(tensor)
             for consumer in consumers[tensor]:
                 if consumer.op_type == "DequantizeLinear":
-                    consumer.input[2] = name
+                    consumer.input[1], consumer.input[2] = scale, name
                 elif consumer.op_type in SIGN_KEEPING_OPS:
                     frontier.extend(consumer.output)
                 else:
