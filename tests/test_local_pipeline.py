@@ -112,6 +112,11 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
         assert summary["variants"][variant]["map50_tensorrt_emulated"] == pytest.approx(
             children[f"evaluate_{variant}"].data.metrics["map50"], abs=0.01), variant
     assert parent.data.tags["qatpipe.engine.qat"] == "onnxruntime cpu int8"
+    # nvinfer's network-mode follows the engine's precision: INT8 (1) for the Q/DQ models, FP16 (2) for FP32
+    modes = {path.stem.removeprefix("config_infer_primary_"): dict(
+                 line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)["network-mode"]
+             for path in out.rglob("deepstream/config_infer_primary_*.txt")}
+    assert modes == {"fp32": "2", "ptq": "1", "qat": "1"}
     assert "batch1.latency_ms_p50" in children["build_engine_qat"].data.metrics
     # the gate passed: the QAT model is in the registry, pointing at the parent run's deployment files
     (version,) = client.search_model_versions("name = 'qatpipe-detectnet-v2'")

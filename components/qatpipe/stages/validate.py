@@ -19,10 +19,6 @@ MARKDOWN_FILE = "validation.md"
 EMULATED_FOLDER = "tensorrt_emulated"  # the exact CPU form of a fast engine, and its evaluation
 
 
-class GateFailed(QatpipeError):
-    """The engine lost more mAP@0.5 than validate.max_map_drop allows."""
-
-
 def read_baseline(path: str | Path) -> dict:
     path = Path(path)
     try:
@@ -138,4 +134,4 @@ def gate_message(report: dict) -> str:
             f"({100 * report['max_map_drop']:.2f} points) allows")
 
 
-__all__ = ["validate", "gate", "gate_message", "GateFailed", "read_baseline", "tensorrt_emulated_map50"]
+__all__ = ["validate", "gate", "gate_message", "read_baseline", "tensorrt_emulated_map50"]

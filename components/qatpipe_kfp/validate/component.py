@@ -31,8 +31,9 @@ def validate(validate_spec: str, variant: str, dataset: Input[Dataset], engine: 
         if bench:
             (Path(results.path) / BENCH_FILE).write_text(json.dumps(bench, indent=2) + "\n")
         if result["passed"]:
+            # nvinfer's network-mode from what the engine is, not from the variant's name
             write_nvinfer_config(spec, onnx_file, Path(results.path) / "deepstream", variant,
-                                 "fp16" if variant == "fp32" else "int8")
+                                 "int8" if result["engine_label"].endswith("int8") else "fp16")
         else:
             from qatpipe_kfp.runtime import log
 
