@@ -41,6 +41,23 @@ def _worse(detections: list[Detections]) -> list[Detections]:
     return shifted
 
 
+def test_differences_in_tensorrts_numbers_beside_the_engines(tmp_path):
+    """Where validation scored a fast CPU INT8 engine's exact form (tensorrt_emulated/), compare gives the
+    differences in those numbers too: the CPU engine can be worse while TensorRT's numbers are not."""
+    truth, detections = random_evaluation(10, images=40, max_detections=8)
+    fp32, _ = _evaluation(tmp_path / "fp32", truth, detections)
+    qat, _ = _evaluation(tmp_path / "qat", truth, _worse(detections))  # the CPU engine: worse
+    _evaluation(qat / "tensorrt_emulated", truth, detections)  # TensorRT's numbers: as FP32
+    summary = compare_variants({"fp32": fp32, "qat": qat}, tmp_path / "out", resamples=200, seed=0)
+    assert summary["comparisons"]["qat-fp32"]["map50"]["ci95"][1] < 0  # the engine: fp32 better
+    assert summary["comparisons_tensorrt_emulated"]["qat-fp32"]["map50"] == {"diff": 0.0, "ci95": [0.0, 0.0]}
+    table = (tmp_path / "out" / "comparison.md").read_text()
+    assert "The same in TensorRT's numbers (INT8 engines in the exact form), paired bootstrap" in table
+    assert StageRecord.read(tmp_path / "out").metrics["tensorrt.qat-fp32.map50_diff"] == 0.0
+    plain = compare_variants({"fp32": fp32, "ptq": fp32}, tmp_path / "plain", resamples=50)
+    assert "comparisons_tensorrt_emulated" not in plain  # nothing emulated: no second table
+
+
 def test_compare_reports_differences_with_their_confidence_intervals(tmp_path, caplog):
     truth, detections = random_evaluation(10, images=60, max_detections=8)
     fp32, fp32_metrics = _evaluation(tmp_path / "fp32", truth, detections, latency_ms=4.0)

@@ -40,6 +40,7 @@ VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
     "params": ("params", "{:,.0f}"),
     "gflops": ("GFLOPs", "{:.3f}"),
 }
+TENSORRT_PREFIX = "tensorrt."  # metrics of the differences in TensorRT's numbers: tensorrt.qat-fp32.map50_diff
 OPTIONAL_COLUMNS = ("engine", "map50_tensorrt_emulated")  # shown when some variant has them
 BENCH_FILE = "bench.json"  # written beside the evaluation by the validate stage (the engine's benchmark)
 VALIDATION_FILE = "validation.json"
@@ -114,6 +115,17 @@ def uncertainty(evaluations: dict[str, str | Path], resamples: int = DEFAULT_RES
     return paired_bootstrap(matched, [(a, b) for a, b in PAIRS if a in matched and b in matched], resamples, seed)
 
 
+def tensorrt_emulated_folders(evaluations: dict[str, str | Path]) -> dict[str, Path] | None:
+    """The evaluations as TensorRT would score them: a validation folder's `tensorrt_emulated/` (the exact form
+    of a fast CPU INT8 engine) where there is one, the folder itself elsewhere (float engines, engines that
+    compute TensorRT's numbers); None when no variant has one."""
+    from qatpipe.stages.validate import EMULATED_FOLDER
+
+    emulated = {name: Path(folder) / EMULATED_FOLDER for name, folder in evaluations.items()
+                if (Path(folder) / EMULATED_FOLDER / DETECTIONS_FILE).is_file()}
+    return {name: emulated.get(name, Path(folder)) for name, folder in evaluations.items()} if emulated else None
+
+
 def per_class_ap50(evaluations: dict[str, str | Path]) -> dict[str, dict[str, Any]]:
     """class -> {"objects": ground-truth count, variant: AP@0.5, ...} from the variants' metrics.json."""
     table: dict[str, dict[str, Any]] = {}
@@ -130,7 +142,9 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path,
     With the prune report (and the unpruned model's evaluation) the variants get their params and FLOPs
     (all variants are the pruned network) and the summary a `pruning` block. Where the evaluations hold their
     detections, each variant's mAP gets a 95% CI (`map50_ci95_lo`, ...) and the summary `comparisons`: the
-    differences of PAIRS with theirs (paired bootstrap over the val images, `resamples` times, `seed`)."""
+    differences of PAIRS with theirs (paired bootstrap over the val images, `resamples` times, `seed`); where
+    validation scored TensorRT's numbers too, `comparisons_tensorrt_emulated` holds the same differences in
+    those."""
     if not evaluations:
         raise QatpipeError("compare: no evaluated variants")
     output_dir = Path(output_dir)
@@ -156,6 +170,9 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path,
                 variants[name][f"{metric}_ci95_lo"], variants[name][f"{metric}_ci95_hi"] = estimate["ci95"]
         summary["bootstrap"] = {key: bootstrap[key] for key in ("images", "resamples", "seed")}
         summary["comparisons"] = bootstrap["pairs"]
+    emulated = tensorrt_emulated_folders(evaluations)
+    if bootstrap is not None and emulated is not None:  # the same differences in what TensorRT will compute
+        summary["comparisons_tensorrt_emulated"] = uncertainty(emulated, resamples, seed)["pairs"]
     classes = per_class_ap50(evaluations)
     if classes:
         summary["per_class_ap50"] = classes
@@ -170,6 +187,8 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path,
                if not isinstance(value, str)}
     metrics.update({f"pruning.{key}": value for key, value in summary.get("pruning", {}).items()})
     metrics.update(pair_metrics(summary.get("comparisons", {})))
+    metrics.update({f"{TENSORRT_PREFIX}{key}": value
+                    for key, value in pair_metrics(summary.get("comparisons_tensorrt_emulated", {})).items()})
     engines = {f"{name}.engine": row["engine"] for name, row in variants.items() if row.get("engine")}
     StageRecord(
         stage="compare", params={"variants": ",".join(variants), "bootstrap_resamples": resamples,
@@ -215,6 +234,9 @@ def report(summary: dict[str, Any], markdown: bool = False) -> str:
         parts.append(validation_line(summary["validation"]))
     if summary.get("comparisons"):
         parts.append(comparison_table(summary["comparisons"], summary.get("bootstrap"), markdown))
+    if summary.get("comparisons_tensorrt_emulated"):
+        parts.append(comparison_table(summary["comparisons_tensorrt_emulated"], summary.get("bootstrap"), markdown,
+                                      title="The same in TensorRT's numbers (INT8 engines in the exact form)"))
     if summary.get("per_class_ap50"):
         parts.append(per_class_table(summary["per_class_ap50"], list(summary["variants"]), markdown))
     return "\n\n".join(parts)
@@ -249,14 +271,14 @@ def format_table(variants: dict[str, dict[str, Any]], markdown: bool = False) ->
 
 
 def comparison_table(comparisons: dict[str, dict[str, dict]], bootstrap: dict | None = None,
-                     markdown: bool = False) -> str:
+                     markdown: bool = False, title: str = "Differences") -> str:
     """The differences of the pairs in mAP points with their 95% CIs and a plain verdict."""
     how = (f" ({bootstrap['images']} images, {bootstrap['resamples']} resamples, seed {bootstrap['seed']})"
            if bootstrap else "")
     rows = [[pair, VARIANT_COLUMNS[metric][0], f"{100 * e['diff']:+.2f}",
              f"[{100 * e['ci95'][0]:+.2f}, {100 * e['ci95'][1]:+.2f}]", verdict(pair, e["ci95"])]
             for pair, metrics in comparisons.items() for metric, e in metrics.items()]
-    return _titled(f"Differences, paired bootstrap over the val images{how}:",
+    return _titled(f"{title}, paired bootstrap over the val images{how}:",
                    _render(["pair", "metric", "difference (points)", "95% CI (points)", "verdict"], rows, markdown),
                    markdown)
 

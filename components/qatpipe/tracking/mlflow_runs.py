@@ -30,6 +30,7 @@ KFP_RUN_TAG = "qatpipe.kfp_run_id"
 JOINED_TAG = "qatpipe.joined"  # the parent run belongs to the KFP backend: it opens and closes it
 VARIANT_PREFIX = "variant."  # parent-run metrics: variant.<name>.<metric>
 COMPARISON_PREFIX = "comparison."  # parent-run metrics: comparison.<a-b>.<metric>, differences between variants
+TENSORRT_COMPARISON_PREFIX = "comparison_tensorrt."  # the same differences in TensorRT's numbers
 ENGINE_TAG_PREFIX = "qatpipe.engine."  # parent-run tags: qatpipe.engine.<name> = "onnxruntime cpu int8"
 
 # MLflow's own HTTP retries default to 7 with exponential backoff (minutes of silence against a dead
@@ -269,15 +270,18 @@ class MlflowTracker:
         self.set_tags(run_id, {"qatpipe.variants": ",".join(variants), **engines})
 
     def log_comparison(self, run_id: str, variants: dict[str, dict[str, Any]], folder: str | Path,
-                       pruning: dict[str, Any] | None = None, comparisons: dict[str, float] | None = None) -> dict:
-        """The compare stage's output on the parent run: variant metrics (and `pruning.*`, and the flat
-        differences between variants as `comparison.*`) plus its files under comparison/. Returns where it
-        went (summary.json's `mlflow` block)."""
+                       pruning: dict[str, Any] | None = None, comparisons: dict[str, float] | None = None,
+                       tensorrt_comparisons: dict[str, float] | None = None) -> dict:
+        """The compare stage's output on the parent run: variant metrics (and `pruning.*`, the flat
+        differences between variants as `comparison.*`, and the same in TensorRT's numbers as
+        `comparison_tensorrt.*`) plus its files under comparison/. Returns where it went (summary.json's
+        `mlflow` block)."""
         self.log_variants(run_id, variants)
         if pruning:
             self.log_metrics(run_id, {f"pruning.{key}": value for key, value in pruning.items()})
-        if comparisons:
-            self.log_metrics(run_id, {f"{COMPARISON_PREFIX}{key}": value for key, value in comparisons.items()})
+        for prefix, flat in ((COMPARISON_PREFIX, comparisons), (TENSORRT_COMPARISON_PREFIX, tensorrt_comparisons)):
+            if flat:
+                self.log_metrics(run_id, {f"{prefix}{key}": value for key, value in flat.items()})
         for relative in StageRecord.read(folder).artifacts:
             self.log_artifact(run_id, Path(folder) / relative, "comparison")
         run = self._call(f"reading run {run_id}", lambda: self.client.get_run(run_id))

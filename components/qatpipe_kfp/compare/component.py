@@ -31,6 +31,8 @@ def compare(parent_run_id: str, fp32: Input[Artifact], ptq: Input[Artifact], qat
         write_metrics(metrics, StageRecord.read(folder).metrics)
         tracker = MlflowTracker.from_env()
         if parent_run_id and tracker is not None:
-            result["mlflow"] = tracker.log_comparison(parent_run_id, result["variants"], folder, result["pruning"],
-                                                      pair_metrics(result.get("comparisons", {})))
+            result["mlflow"] = tracker.log_comparison(
+                parent_run_id, result["variants"], folder, result["pruning"],
+                pair_metrics(result.get("comparisons", {})),
+                pair_metrics(result.get("comparisons_tensorrt_emulated", {})))
         write_json(folder / SUMMARY_FILE, result)
