@@ -7,9 +7,9 @@ takes the newest run's three ONNX models, builds each into an ONNX Runtime engin
 --backend onnxruntime`), and times them with the latency harness of `qatpipe bench-engine` on random inputs of
 the spec's image size, every engine in this one process; the INT8 models in both CPU forms (`engine.cpu_form`
 fast, the default, and exact, TensorRT's numbers). With `--openvino` the same ONNX models also run in
-OpenVINO (if installed), the candidate CPU runtime the issue asked to measure. Prints p50 / p99 latency and throughput per batch size, the speed-up over FP32, how many
-convolutions run as integer kernels, and each engine's mAP@0.5 on the run's val set; writes
-DIR/bench_engines.json.
+OpenVINO (if installed), the candidate CPU runtime the issue asked to measure. Prints p50 / p99 latency and
+throughput per batch size, the speed-up over FP32, how many convolutions run as integer kernels, and each
+engine's mAP@0.5 on the run's val set; writes DIR/bench_engines.json.
 
 Targets: deployment issue, INT8 at least 2x FP32's throughput at batch 8 on this 2-core CPU; "Speed where the
 work is", the default QAT engine at least 3x (the limit of int8 VNNI over fp32 FMA is 4x).

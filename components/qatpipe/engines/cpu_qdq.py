@@ -11,12 +11,13 @@ nothing sits between Conv and Q except a ReLU whose Q has the lowest value as ze
   Q/DQ sit after ReLU, as TensorRT wants them).
 - `fast`: BatchNormalization folded into the Q/DQ convolution before it, as TensorRT does (per channel: the
   weight scale times |gamma / sqrt(var + eps)|, int8 weights negated where that factor is negative, the new
-  bias quantised to int32 at input scale x weight scale), and zero point 0 for activations that follow a
+  bias quantised to int32 at input scale x weight scale); zero point 0 for activations that follow a
   ReLU, so ORT absorbs the ReLU, with 127/255 of the scale so that uint8's 255 steps end where TensorRT's
-  int8 saturates (127 steps): a QAT model never saw activations above its ranges, the output of a convolution that feeds a residual Add quantised with the
-  scale of the Add's other (quantised) input (TensorRT keeps it float: it fuses Conv+Add; ORT cannot, and
-  runs conv and Add as integer kernels this way), and float biases of Q/DQ convolutions quantised to int32 (ORT's integer
-  convolution needs them so; TensorRT's parser wants them float, so the exported models keep them float).
+  int8 saturates (127 steps: a QAT model never saw activations above its ranges); the output of a
+  convolution that feeds a residual Add quantised with the scale of the Add's other (quantised) input
+  (TensorRT keeps it float: it fuses Conv+Add; ORT cannot, and runs conv and Add as integer kernels this
+  way); and float biases of Q/DQ convolutions quantised to int32 (ORT's integer convolution needs them so;
+  TensorRT's parser wants them float, so the exported models keep them float).
   Not exact: float rounding of the folded scales, the bias step, and steps half as coarse after a ReLU,
   and a residual conv output clipped to its Add's other input's range. Also merges requantisation
   chains Q(s1) -> DQ -> [ReLU] -> Q(s2), which ONNX Runtime's PTQ writes after every convolution, into one

@@ -36,8 +36,8 @@ def bench_engine(spec: ExperimentSpec, engine_dir: str | Path, output: str | Pat
         results.append(result.to_dict())
     source = Path(metadata.source_onnx)
     report = {
-        "engine": str(engine_dir), "label": metadata.label, "backend": metadata.backend, "precision": metadata.precision,
-        "device": metadata.device, "runtime_version": metadata.runtime_version,
+        "engine": str(engine_dir), "label": metadata.label, "backend": metadata.backend,
+        "precision": metadata.precision, "device": metadata.device, "runtime_version": metadata.runtime_version,
         "model_size_mb": round(source.stat().st_size / 2**20, 3) if source.is_file() else None,
         "engine_size_mb": round((engine_dir / metadata.engine_file).stat().st_size / 2**20, 3),
         "peak_memory_mb": peak_rss_mb(), "batches": results,

@@ -26,8 +26,9 @@ def build_engine(spec: ExperimentSpec, onnx_path: str | Path, output: str | Path
     metadata = engine.build(onnx_path, output, spec.engine)
     size_mb = round((output / metadata.engine_file).stat().st_size / 2**20, 3)
     StageRecord(
-        stage=stage_name, params={"engine.backend": metadata.backend, "engine": metadata.label, "precision": metadata.precision,
-                                  "runtime_version": metadata.runtime_version, "device": metadata.device},
+        stage=stage_name, params={"engine.backend": metadata.backend, "engine": metadata.label,
+                                  "precision": metadata.precision, "runtime_version": metadata.runtime_version,
+                                  "device": metadata.device},
         metrics={"engine_size_mb": size_mb}, artifacts=["engine.json"],
     ).write(output)
     log.info("engine %s: %s (%s), %.2f MB", output, metadata.label, metadata.precision, size_mb)

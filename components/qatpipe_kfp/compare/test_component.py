@@ -41,7 +41,8 @@ def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
     summary = json.loads((Path(outputs["summary"].path) / "summary.json").read_text())
     assert list(summary["variants"]) == ["fp32", "ptq", "qat"]
     assert summary["variants"]["qat"] == {
-        "engine": "onnxruntime cpu int8", "map50": 0.80, "map50_tensorrt_emulated": 0.805, "map": 0.51, "latency_ms_p50": 1000 / 300 * 2, "latency_ms_p99": 9.0, "throughput": 300.0,
+        "engine": "onnxruntime cpu int8", "map50": 0.80, "map50_tensorrt_emulated": 0.805, "map": 0.51,
+        "latency_ms_p50": 1000 / 300 * 2, "latency_ms_p99": 9.0, "throughput": 300.0,
         "throughput_batch": 8, "speedup_vs_fp32": 3.0, "size_mb": 0.5, "params": 400, "gflops": 0.9}
     assert summary["variants"]["fp32"]["speedup_vs_fp32"] == 1.0
     assert summary["pruning"] == {**{k: v for k, v in PRUNE_REPORT.items() if k != "groups"},
