@@ -288,7 +288,7 @@ def summary_metrics(summary: dict) -> dict[str, float]:
                                                                 "final_losses", "kept_epoch", "best_epoch",
                                                                 "best_val_map50")
                               if summary.get(key) is not None})
-    metrics.update(diagnostics_metrics(summary.get("diagnostics") or {}))
+    metrics.update(diagnostics_metrics(summary.get("diagnostics")))
     return metrics
 
 

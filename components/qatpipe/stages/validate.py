@@ -33,7 +33,12 @@ def read_baseline(path: str | Path) -> dict:
 def gate(map50: float, baseline_map50: float, max_drop: float) -> tuple[bool, float]:
     """(passed, drop): the drop is baseline - engine in mAP@0.5 (negative: the engine is better)."""
     drop = round(baseline_map50 - map50, 6)
-    return drop <= max_drop + 1e-12, drop
+    return within(drop, max_drop), drop
+
+
+def within(drop: float, max_drop: float) -> bool:
+    """Whether an mAP drop is one the gate allows (float rounding of the two mAPs forgiven)."""
+    return drop <= max_drop + 1e-12
 
 
 def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: Path,
@@ -128,7 +133,7 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
 def gate_message(report: dict) -> str:
     failures = [f"{what} {report[key]:.4f} is {100 * report[f'{key}_drop']:.2f} points below"
                 for key, what in (("map50", "mAP@0.5"), ("map50_tensorrt_emulated", "TensorRT-emulated mAP@0.5"))
-                if key in report and report[f"{key}_drop"] > report["max_map_drop"] + 1e-12]
+                if key in report and not within(report[f"{key}_drop"], report["max_map_drop"])]
     return (f"validation gate failed for {report['variant']}: {'; '.join(failures)} the baseline "
             f"{report['baseline_map50']:.4f}, more than validate.max_map_drop={report['max_map_drop']} "
             f"({100 * report['max_map_drop']:.2f} points) allows")
