@@ -63,18 +63,10 @@ def throughput(work: Path, train_images: int, repeats: int) -> dict:
 
 
 def _evaluation_folders(run: Path) -> dict[str, Path]:
-    """The unpruned model's and the retrained FP32 model's evaluation folders of a `qatpipe run --local` folder
-    (the evaluations are told apart by the task that made the model they scored)."""
-    found = {}
-    for metrics_path in (run / "kfp").rglob("metrics.json"):
-        model = json.loads(metrics_path.read_text()).get("model")
-        if not model:
-            continue
-        task = Path(model).parent.parent
-        if task.name == "train":
-            found["unpruned"] = metrics_path.parent
-        elif task.name.startswith("export") and "QAT" not in (task / "onnx_model" / "model_export.json").read_text():
-            found["fp32"] = metrics_path.parent
+    """The unpruned model's and the retrained FP32 model's evaluation folders of a `qatpipe run --local` folder."""
+    from runs import evaluation_folders  # bench/runs.py, beside this script
+
+    found = evaluation_folders(run / "kfp")
     missing = {"unpruned", "fp32"} - set(found)
     if missing:
         raise SystemExit(f"{run}: no evaluation of the {', '.join(sorted(missing))} model found")

@@ -52,10 +52,10 @@ def collect(kind: str, work: Path, sets: list[str], wall: float | None) -> dict:
     summary = _json(work / kind / "summary.json")
     kfp_root = work / kind / "kfp"
     train_summary = _json(_find(kfp_root, "train_summary.json", "train") or Path("-"))
-    # the evaluations by the task that made the model they scored: train (unpruned), export (the FP32 ONNX)
-    evaluations = {Path(m["model"]).parent.parent.name: m for m in map(_json, kfp_root.rglob("metrics.json"))
-                   if "model" in m}
-    fp32_metrics = evaluations.get("export", {})
+    from runs import evaluation_folders  # bench/runs.py, beside this script
+
+    evaluations = {model: _json(folder / "metrics.json") for model, folder in evaluation_folders(kfp_root).items()}
+    fp32_metrics = evaluations.get("fp32", {})
     return {
         "kind": kind, "overrides": sets, "wall_seconds": None if wall is None else round(wall, 1),
         "variants": {name: {"map50": row["map50"], "map": row["map"],
@@ -69,7 +69,7 @@ def collect(kind: str, work: Path, sets: list[str], wall: float | None) -> dict:
         "train_precision": train_summary.get("precision"),
         "train_images_per_second": train_summary.get("images_per_second"),
         "diagnostics": fp32_metrics.get("diagnostics", {}),
-        "unpruned_diagnostics": evaluations.get("train", {}).get("diagnostics", {}),
+        "unpruned_diagnostics": evaluations.get("unpruned", {}).get("diagnostics", {}),
     }
 
 
