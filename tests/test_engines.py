@@ -7,6 +7,7 @@ TensorRT cannot be installed here (PyPI has only stub wheels) and there is no GP
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import numpy as np
@@ -199,6 +200,12 @@ def test_validate_writes_reports_and_the_command_exits_1_on_a_failed_gate(engine
         assert "map50_tensorrt_emulated" not in other and why in other["tensorrt_emulation"]
     with pytest.raises(QatpipeError, match="fp32.onnx: not the ONNX model .* was built from"):
         validate(spec, engine_dir, lenient, tmp_path / "wrong", variant="qat", onnx_model=built["fp32"][0])
+    moved = tmp_path / "moved_engine"  # an engine whose source ONNX is no longer where engine.json says
+    shutil.copytree(engine_dir, moved)
+    metadata = json.loads((moved / "engine.json").read_text())
+    (moved / "engine.json").write_text(json.dumps({**metadata, "source_onnx": str(tmp_path / "gone.onnx")}))
+    with pytest.raises(QatpipeError, match="moved_engine: its source ONNX .*gone.onnx is not here"):
+        validate(spec, moved, lenient, tmp_path / "moved", variant="qat")
 
     strict = tmp_path / "strict.json"
     strict.write_text(json.dumps({"map50": own["map50"] + 0.05, "map": own["map"]}))
