@@ -134,11 +134,15 @@ if ((!dry_run)); then
     export DOCKER_BUILDKIT=1  # RUN --mount in the Dockerfiles; BuildKit is the default from Docker 23 on
 fi
 
+# the commit the images are built from: their revision label, and MLflow's mlflow.source.git.commit tag
+git_commit="$(git rev-parse HEAD 2>/dev/null || true)"
+
 images=()
 for kind in "${selected[@]}"; do
     image="$(image_of "$kind")"
     images+=("$image")
-    command=("$docker" build -f "images/$kind/Dockerfile" -t "$image" --build-arg "QATPIPE_VERSION=${image##*:}")
+    command=("$docker" build -f "images/$kind/Dockerfile" -t "$image" --build-arg "QATPIPE_VERSION=${image##*:}"
+             --build-arg "QATPIPE_GIT_COMMIT=$git_commit")
     if [[ -n "$platform" ]]; then command+=(--platform "$platform"); fi
     run "${command[@]}" .
 done

@@ -322,6 +322,9 @@ def option(words: list[str], *names: str) -> str:
 REPOSITORY, TAG = "registry.example.com:5000/team", "1.2.3-rc1"
 
 
+GIT_COMMIT = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
 def test_dry_run_builds_the_names_the_pipeline_uses():
     result = build("--dry-run", "--tag", TAG, "--repository", REPOSITORY)
     assert result.returncode == 0, result.stderr
@@ -337,6 +340,8 @@ def test_dry_run_builds_the_names_the_pipeline_uses():
         dockerfile = option(words, "-f", "--file")
         assert dockerfile == f"images/{kind}/Dockerfile" and (ROOT / dockerfile).is_file()
         assert words[-1] == ".", "the build context must be the repository root"
+        # the images record the commit they were built from (MLflow's git commit tag on every run)
+        assert f"QATPIPE_GIT_COMMIT={GIT_COMMIT}" in words, words
     # and it says how to compile or run the pipeline with these names
     assert f"QATPIPE_IMAGE_REPOSITORY={REPOSITORY}" in result.stdout and f"QATPIPE_IMAGE_TAG={TAG}" in result.stdout
     assert f"training_image={expected['training']}" in result.stdout

@@ -19,7 +19,8 @@ HEAVY_STAGES = {"prepare-data", "train", "evaluate-unpruned", "prune", "retrain-
 # nested MLflow runs: one per stage record
 STAGE_RUNS = {"prepare_data", "train", "evaluate_unpruned", "prune", "retrain_fp32", "retrain_qat", "export_fp32",
               "export_qat", "ptq", *(f"{stage}_{v}" for v in VARIANTS
-                                     for stage in ("evaluate", "build_engine", "validate"))}
+                                     for stage in ("evaluate", "build_engine", "validate")),
+              *(f"model-{v}" for v in VARIANTS)}  # the register stage's: a run per variant's MLflow model
 # the tiny model's INT8 drop is not what this test is about: a lenient gate, so the registration runs
 OVERRIDES = ["tracking.experiment=pipeline-test", "validate.max_map_drop=1.0"]
 
@@ -123,12 +124,24 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
              for path in out.rglob("deepstream/config_infer_primary_*.txt")}
     assert modes == {"fp32": "2", "ptq": "1", "qat": "1"}
     assert "batch1.latency_ms_p50" in children["build_engine_qat"].data.metrics
-    # the gate passed: the QAT model is in the registry, pointing at the parent run's deployment files
-    (version,) = client.search_model_versions("name = 'qatpipe-detectnet-v2'")
-    assert version.run_id == parent.info.run_id and version.source.endswith("deployment")
-    deployed = {a.path for a in client.list_artifacts(parent.info.run_id, "deployment")}
-    assert {"deployment/model.onnx", "deployment/model.cache", "deployment/engine.json",
-            "deployment/validation.json", "deployment/config_infer_primary_qat.txt"} <= deployed
+    # the gate passed: the QAT model is the registry's champion, an MLflow model that finds objects in an image
+    # and carries the deployment files
+    import mlflow.artifacts
+    import mlflow.pyfunc
+    import numpy as np
+
+    version = client.get_model_version_by_alias("qatpipe-detectnet-v2", "champion")
+    assert version.run_id == children["model-qat"].info.run_id and version.source.startswith("models:/m-")
+    assert version.tags["qatpipe.gate"] == "passed" and version.tags["qatpipe.engine"] == "onnxruntime cpu int8"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    image = next((out / "kfp").rglob("prepare-data/dataset/val/images/*.jpg"))
+    found = mlflow.pyfunc.load_model("models:/qatpipe-detectnet-v2@champion").predict(
+        np.array([str(image)], dtype=object))
+    assert len(found) > 0 and set(found["class_name"]) <= {"car", "pedestrian", "cyclist"}
+    folder = mlflow.artifacts.download_artifacts("models:/qatpipe-detectnet-v2@champion", dst_path=str(tmp_path / "m"))
+    carried = {path.name for path in (tmp_path / "m" / "artifacts").iterdir()}
+    assert {"model.onnx", "spec.yaml", "model.cache", "model_implicit.onnx", "engine.json", "validation.json",
+            "deepstream"} <= carried, folder
 
     # `qatpipe compare` reads the same table back from MLflow
     assert main(["compare", "--tracking-uri", mlflow_server, "--experiment", "pipeline-test",
@@ -136,6 +149,7 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     printed = capsys.readouterr().out
     assert f"{fp32['map50']:.4f}" in printed  # and the differences, from the run's comparison.* metrics:
     assert "qat-fp32  mAP@0.5" in printed and f"{100 * qat_fp32['diff']:+.2f}" in printed
+    assert 'mlflow.pyfunc.load_model("models:/qatpipe-detectnet-v2@champion")' in printed  # how to run it
     assert (tmp_path / "chart.png").stat().st_size > 1000
 
     # a re-run into the same folder, from the command line, reuses every finished stage, prints the table
@@ -153,6 +167,9 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert again["mlflow"]["run_id"] != summary["mlflow"]["run_id"]
     second = _pipeline_runs(client, "pipeline-test")[-1]
     assert set(_children(client, second)) == STAGE_RUNS
+    # the second run's QAT model passed too: it is the champion now, and the first one is kept
+    assert client.get_registered_model("qatpipe-detectnet-v2").aliases == {
+        "champion": "2", "previous-champion": version.version}
 
 
 def test_failed_stage_names_itself_and_how_to_resume(tmp_path, monkeypatch):

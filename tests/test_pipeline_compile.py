@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ def test_dag_shape(compiled):
     handler = spec["components"][root["exit-handler-1"]["componentRef"]["name"]]["dag"]["tasks"]
     logged = {f"log-{stage}" for stage in STAGES}
     assert {task["taskInfo"]["name"] for task in handler.values()} == (
-        STAGES | logged | {"resolve-spec", "start-tracking", "compare", "gate-passed"})
+        STAGES | logged | {"resolve-spec", "start-tracking", "compare", "register"})
     tasks = _all_tasks(spec)
 
     def upstream(name):
@@ -85,13 +86,11 @@ def test_dag_shape(compiled):
         assert upstream(f"validate-{v}") == {"prepare-data", f"build-engine-{v}", onnx_task, "evaluate-fp32"}
     assert upstream("compare") == {"start-tracking", "prune", "evaluate-unpruned",
                                    *(f"validate-{v}" for v in VARIANTS)}
-    # the gate: register runs only when the QAT engine passed validation
-    gate = tasks["gate-passed"]
-    assert gate["triggerPolicy"]["condition"] == (
-        "inputs.parameter_values['pipelinechannel--validate-3-Output'] == true")
-    assert upstream("gate-passed") == {"start-tracking", "export-qat", "build-engine-qat", "validate-qat"}
-    gate_dag = spec["components"][gate["componentRef"]["name"]]["dag"]["tasks"]
-    assert [task["taskInfo"]["name"] for task in gate_dag.values()] == ["register"]
+    # register logs every variant's model and registers the QAT one (the gate decides its alias, so it runs
+    # whether the gate passed or not)
+    assert "triggerPolicy" not in tasks["register"]
+    assert upstream("register") == {"start-tracking", "prepare-data", "export-fp32", "ptq", "export-qat",
+                                    "build-engine-qat", *(f"validate-{v}" for v in VARIANTS)}
     for stage in STAGES:
         assert upstream(f"log-{stage}") == {stage, "start-tracking"}, stage
     # every stage receives only its spec view; the QAT retrain gets the view with the qat section
@@ -110,6 +109,7 @@ def test_parameters(compiled):
         "spec_uri": "STRING", "spec_overrides": "LIST", "run_name": "STRING", "gpus": "NUMBER_INTEGER",
         "workers": "NUMBER_INTEGER", "mpijob_api_version": "STRING", "training_image": "STRING",
         "engine_image": "STRING", "node_selector": "STRUCT", "tolerations": "LIST", "credentials_secret": "STRING",
+        "kfp_ui_url": "STRING",
     }
     # the image defaults are the names images/build.sh builds
     from qatpipe_kfp.settings import IMAGES
@@ -224,3 +224,19 @@ def test_mpijob_option_runs_training_as_mpijobs_from_tasks_without_gpus(tmp_path
     # the other GPU stages keep their GPUs
     executor = pipeline_spec["components"][tasks["evaluate-qat"]["componentRef"]["name"]]["executorLabel"]
     assert executors[executor]["container"]["resources"]["accelerator"]["resourceType"] == "nvidia.com/gpu"
+
+
+def test_training_tasks_know_the_kfp_run_without_a_cache_busting_input(compiled):
+    """Live training curves: train and retrain read the KFP run id from their pod's labels (both label names
+    KFP backends use), so no per-run value enters their inputs and cached training stays cached."""
+    _, spec, platform = compiled
+    tasks = _all_tasks(spec)
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    for name in ("train", "retrain-fp32", "retrain-qat"):
+        executor = spec["components"][tasks[name]["componentRef"]["name"]]["executorLabel"]
+        assert {item["name"]: item["fieldPath"] for item in k8s[executor]["fieldPathAsEnv"]} == {
+            "QATPIPE_KFP_RUN_ID": "metadata.labels['pipeline/runid']",
+            "QATPIPE_KFP_RUN_ID_V2": "metadata.labels['pipelines.kubeflow.org/run_id']"}, name
+        params = tasks[name]["inputs"].get("parameters", {})
+        assert not any("PIPELINE_JOB" in json.dumps(value) or "start-tracking" in json.dumps(value)
+                       for value in params.values()), name

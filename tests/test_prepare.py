@@ -36,6 +36,19 @@ def test_a_bad_label_stops_preparation_with_file_and_line(tmp_path):
     assert not (tmp_path / "prepared" / "dataset.json").exists()
 
 
+def test_the_digest_follows_the_files_bytes(tmp_path):
+    """dataset.json's digests (MLflow's data set versions) change when one image changes, and only then."""
+    val = write_kitti(tmp_path / "val", {"a": kitti_line()})
+    train = write_kitti(tmp_path / "train", {"a": kitti_line(), "b": kitti_line(cls="cyclist")})
+    spec = _tiny(f"dataset.train={train}", f"dataset.val={val}")
+    first = prepare_dataset(spec, tmp_path / "one")["digests"]
+    assert prepare_dataset(spec, tmp_path / "two")["digests"] == first and len(first["train"]) == 16
+    image = train / "images" / "b.jpg"
+    image.write_bytes(image.read_bytes() + b"\0")  # same name, same labels, other bytes
+    changed = prepare_dataset(spec, tmp_path / "three")["digests"]
+    assert changed["train"] != first["train"] and changed["val"] == first["val"]
+
+
 def test_synthetic_default_is_made_once_and_reused(tmp_path):
     spec = _tiny("dataset.synthetic.train_images=4", "dataset.synthetic.val_images=2",
                  f"dataset.cache_dir={tmp_path / 'cache'}")

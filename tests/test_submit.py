@@ -90,6 +90,7 @@ def test_submit_creates_a_run(kfp_api, monkeypatch, capsys):
     assert run["runtime_config"]["parameters"] == {
         "spec_uri": "s3://specs/kitti.yaml", "gpus": 2, "spec_overrides": ["train.epochs=3"],
         "node_selector": {"nvidia.com/gpu.product": "A100"},
+        "kfp_ui_url": host,  # MLflow links back to the run's page
     }
     assert "test-token" not in json.dumps(run)  # the token travels only in the header
 

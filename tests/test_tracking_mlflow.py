@@ -60,18 +60,6 @@ def test_parent_and_stage_runs(mlflow_server, tmp_path, monkeypatch):
     assert client.get_run(parent).info.status == "FINISHED"
 
 
-def test_register_model(mlflow_server, tmp_path, monkeypatch):
-    monkeypatch.delenv(INJECTED_RUN_ENV, raising=False)
-    tracker = MlflowTracker(mlflow_server)
-    parent = tracker.start_pipeline_run("test-registry", "p", {})
-    child = tracker.log_stage(parent, _record(tmp_path), tmp_path)
-    first = tracker.register_model(child, "model.keras", "detector-test")
-    second = tracker.register_model(child, "model.keras", "detector-test", tags={"variant": "qat"})
-    assert (int(first.version), int(second.version)) == (1, 2)
-    versions = tracker.client.search_model_versions("name='detector-test'")
-    assert {v.run_id for v in versions} == {child}
-
-
 def test_joins_the_run_the_kfp_backend_injects(mlflow_server, monkeypatch):
     """KFP's MLflow integration makes a root run per pipeline run and injects each task's nested run."""
     tracker = MlflowTracker(mlflow_server)

@@ -226,6 +226,7 @@ def cmd_compare(args) -> int:
 
     from qatpipe.stages.compare import comparisons_from_metrics, plot_variants, report
     from qatpipe.tracking.mlflow_runs import TRACKING_URI_ENV, MlflowTracker
+    from qatpipe.tracking.registry import loading_snippet, pipeline_models
 
     uri = args.tracking_uri or os.environ.get(TRACKING_URI_ENV)
     if not uri:
@@ -240,6 +241,14 @@ def cmd_compare(args) -> int:
     chart = plot_variants(variants, args.output)
     log.info("pipeline run %s; chart: %s", run_id, chart)
     print(report({"variants": variants, "comparisons": comparisons_from_metrics(tracker.read_comparisons(run_id))}))
+    models, version = pipeline_models(tracker, run_id)
+    if models:
+        print("\nMLflow models: " + ", ".join(f"{name} {uri}" for name, uri in models.items()))
+    if version is not None:
+        alias = next(iter(sorted(version.aliases)), None)
+        uri = f"models:/{version.name}@{alias}" if alias else f"models:/{version.name}/{version.version}"
+        print(f"QAT: {version.name} version {version.version} ({version.tags.get('qatpipe.gate', '?')} the gate)"
+              f"{f', @{alias}' if alias else ''}. To run it on an image:\n\n{loading_snippet(uri)}")
     return 0
 
 

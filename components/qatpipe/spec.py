@@ -312,6 +312,9 @@ class ValidateSpec(_Section):
 class TrackingSpec(_Section):
     experiment: str = "qatpipe"
     registered_model: str = Field("qatpipe-detectnet-v2", description="MLflow registry name of the validated model")
+    champion_alias: str = Field("champion", pattern=r"^[A-Za-z][\w-]*$",
+                                description="registry alias of the QAT version that passed the gate (the one it "
+                                            "replaces keeps previous-<alias>; a failed one gets challenger)")
 
 
 # ------------------------------------------------------------------------------------------------ root

@@ -98,3 +98,8 @@ def write_metrics(metrics_artifact, values: dict[str, float]) -> None:
 def write_text(artifact, text: str) -> None:
     Path(artifact.path).parent.mkdir(parents=True, exist_ok=True)
     Path(artifact.path).write_text(text, encoding="utf-8")
+
+
+def kfp_run_url(kfp_ui_url: str, kfp_run_id: str) -> str:
+    """The run's page in the KFP UI ("" when the UI's address is not known: `qatpipe submit` passes it)."""
+    return f"{kfp_ui_url.rstrip('/')}/#/runs/details/{kfp_run_id}" if kfp_ui_url and kfp_run_id else ""

@@ -4,7 +4,8 @@ prepare data → train (unpruned) → evaluate (unpruned) and prune →
   [retrain FP32 → export → evaluate FP32; export → PTQ calibrate → evaluate PTQ]
   [retrain QAT → export (explicit Q/DQ + calibration cache) → evaluate QAT]
 → per variant: build engine (+ latency benchmark) → validate against the FP32 baseline
-→ compare (FP32 / PTQ / QAT table, pruning block, gate) and, under dsl.If(QAT passed), register.
+→ compare (FP32 / PTQ / QAT table, pruning block, gate) → register (each variant an MLflow model; the QAT one
+  a registry version: alias champion when it passed the gate, challenger when not).
 
 Adding a stage: a component folder under components/qatpipe_kfp/, its spec sections in
 qatpipe.spec.STAGE_SECTIONS (and an output of resolve-spec), then here one call wrapped in `run.cpu(...)` or
@@ -33,6 +34,7 @@ from qatpipe_kfp.runtime import CREDENTIAL_KEYS
 from qatpipe_kfp.settings import ENGINE_IMAGE, TRAINING_IMAGE
 from qatpipe_kfp.start_tracking.component import start_tracking
 from qatpipe_kfp.train.component import train
+from qatpipe.tracking.live import KFP_RUN_ID_ENVS
 from qatpipe_kfp.validate.component import validate
 
 PIPELINE_NAME = "qatpipe"
@@ -125,6 +127,7 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         node_selector: dict = {},
         tolerations: list = [],
         credentials_secret: str = "qatpipe-credentials",
+        kfp_ui_url: str = "",
     ):
         """
         spec_uri: bundled spec name (default, tiny), a path inside the image, or s3://bucket/key.
@@ -141,6 +144,8 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         tolerations: Kubernetes tolerations for GPU stages, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists",
             "effect": "NoSchedule"}].
         credentials_secret: Kubernetes Secret with the S3 / MLflow credentials (keys: SECRET_KEYS_TO_ENV).
+        kfp_ui_url: the KFP UI's address (`qatpipe submit` sets it): MLflow runs and model versions then link
+            to this run's page.
         """
         run = _TaskSettings(training_image, engine_image, credentials_secret, gpus, node_selector, tolerations,
                             cache_pvc=cache_pvc, network_retries=network_retries, gpu_placement=gpu_placement,
@@ -153,9 +158,9 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             specs = run.cpu(resolve_spec(spec_uri=spec_uri, overrides=spec_overrides), network=True,
                             per_run=True)  # per run: the URI's content may change
             tracking = run.cpu(start_tracking(spec=specs.outputs["spec"], run_name=run_name,
-                                              kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER),
+                                              kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_ui_url=kfp_ui_url),
                                network=True, per_run=True)
-            parent_run_id = tracking.output
+            parent_run_id = tracking.outputs["Output"]
 
             data = run.cpu(prepare_data(data_spec=specs.outputs["data_spec"]), network=True, reads_data=True)
             run.logged(data.outputs["dataset"], parent_run_id, "log-prepare-data")
@@ -165,6 +170,10 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
                              node_selector=node_selector, tolerations=tolerations, mpijob=mpijob)
 
             def training_task(task: dsl.PipelineTask) -> dsl.PipelineTask:
+                # the KFP run id from the pod's labels, not a task input (that would defeat the cache): the
+                # task finds the MLflow run with it and logs its curves there while it trains
+                for env, label in zip(KFP_RUN_ID_ENVS, ("pipeline/runid", "pipelines.kubeflow.org/run_id")):
+                    kubernetes.use_field_path_as_env(task, env, f"metadata.labels['{label}']")
                 # an MPIJob does the training: the task that follows it needs no GPU
                 return run.cpu(task, reads_data=True) if mpijob else run.gpu(task)
 
@@ -229,11 +238,14 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
                             unpruned=unpruned_eval.outputs["results"], pruned=pruned.outputs["pruned"]),
                     network=True, per_run=True)
 
-            # the gate: the QAT model is registered only when its engine kept the accuracy
-            with dsl.If(validations["qat"].outputs["Output"] == True, name="gate-passed"):  # noqa: E712
-                run.cpu(register(parent_run_id=parent_run_id, model_name=specs.outputs["registry_name"],
-                                 onnx_model=onnx_models["qat"], engine=engines["qat"].outputs["engine"],
-                                 validation=validations["qat"].outputs["results"]), network=True, per_run=True)
+            # every variant as an MLflow model; the QAT one registered, as champion only when it passed the gate
+            run.cpu(register(parent_run_id=parent_run_id, spec=specs.outputs["spec"],
+                             kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_ui_url=kfp_ui_url,
+                             dataset=data.outputs["dataset"], fp32_onnx=onnx_models["fp32"],
+                             ptq_onnx=onnx_models["ptq"], qat_onnx=onnx_models["qat"],
+                             qat_engine=engines["qat"].outputs["engine"],
+                             **{f"{name}_validation": validations[name].outputs["results"]
+                                for name in ("fp32", "ptq", "qat")}), network=True, per_run=True)
 
     return qat_pipeline
 

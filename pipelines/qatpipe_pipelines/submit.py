@@ -88,6 +88,7 @@ def submit(host: str, arguments: dict[str, Any], experiment: str = DEFAULT_EXPER
     import kfp
 
     host = host.rstrip("/")
+    arguments = {"kfp_ui_url": host, **arguments}  # MLflow runs and model versions link to the run's page
     token = kfp_token()
     _check_reachable(host, token)
     with tempfile.TemporaryDirectory() as tmp:

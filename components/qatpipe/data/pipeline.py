@@ -54,7 +54,8 @@ def pack_samples(samples: list[KittiSample], max_boxes: int) -> dict[str, np.nda
     }
 
 
-def _decode(path):
+def decode_image_file(path):
+    """An image file as float32 [0, 1], HxWx3: how training, evaluation and the MLflow model read images."""
     image = tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
     return tf.image.convert_image_dtype(image, tf.float32)  # [0, 1]
 
@@ -153,7 +154,7 @@ def train_dataset(
         return tf.data.Dataset.from_tensor_slices(order).map(lambda i: (epoch, i))
 
     def load(epoch, index):
-        image = _decode(table["path"][index])
+        image = decode_image_file(table["path"][index])
         boxes, classes = table["boxes"][index], table["classes"][index]
         sample_seed = tf.stack([tf.cast(seed, tf.int64) + 1, epoch * n + index])
         image, boxes, classes = _augment(image, boxes, classes, aug, size.height, size.width, sample_seed)
@@ -170,7 +171,7 @@ def eval_dataset(samples: list[KittiSample], spec: ExperimentSpec, batch_size: i
     paths = tf.constant([str(s.image_path) for s in samples])
 
     def load(path):
-        image = _decode(path)
+        image = decode_image_file(path)
         return tf.image.resize(image, (size.height, size.width))
 
     ds = tf.data.Dataset.from_tensor_slices(paths).map(load, num_parallel_calls=_PARALLEL_CALLS)

@@ -1,7 +1,9 @@
 """The prepare-data stage's library part: make the spec's data set available and checked, once.
 
 A prepared data set is a folder with `dataset.json`:
-  {"source": "synthetic" | "spec", "train": PATH_OR_URI, "val": PATH_OR_URI, "counts": {...}}
+  {"source": "synthetic" | "spec", "train": PATH_OR_URI, "val": PATH_OR_URI, "counts": {...},
+   "digests": {"train": HEX, "val": HEX}}
+(a digest covers every image's and label's bytes: MLflow records it as the data set's version)
 Synthetic data lives inside the folder (paths relative to it), so the folder itself can travel as a
 pipeline artifact; a named data set (local or s3://) stays where it is and the manifest records its URIs.
 Later stages call `spec_with_prepared_dataset` to point their spec at it.
@@ -10,6 +12,7 @@ Later stages call `spec_with_prepared_dataset` to point their spec at it.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -48,8 +51,11 @@ def prepare_dataset(spec: ExperimentSpec, out_dir: str | Path) -> dict:
     else:  # named folders stay where they are; local ones recorded absolute (later stages run elsewhere)
         source, train, val = "spec", _absolute(ds.train), _absolute(ds.val)
     resolved = spec_with_prepared_dataset(spec, out_dir, {"train": train, "val": val})
-    counts = {split: _split_counts(resolved, split) for split in ("train", "val")}
-    manifest = {"source": source, "train": train, "val": val, "classes": list(ds.classes), "counts": counts}
+    samples = {split: load_split(resolved, split) for split in ("train", "val")}  # the strict KITTI checks
+    counts = {split: _counts(resolved, found) for split, found in samples.items()}
+    digests = {split: split_digest(found) for split, found in samples.items()}
+    manifest = {"source": source, "train": train, "val": val, "classes": list(ds.classes), "counts": counts,
+                "digests": digests}
     write_json(out_dir / MANIFEST, manifest)
     log.info("dataset ready: %s", json.dumps(counts))
     return manifest
@@ -74,11 +80,19 @@ def with_default_dataset(spec: ExperimentSpec) -> ExperimentSpec:
     return spec_with_prepared_dataset(spec, folder)
 
 
-def _split_counts(spec: ExperimentSpec, split: str) -> dict:
-    """Parse every label of the split (the strict KITTI checks run here) and count images and objects."""
-    samples = load_split(spec, split)
+def _counts(spec: ExperimentSpec, samples: list) -> dict:
+    """Images and objects per class of one split."""
     objects = collections.Counter(spec.dataset.classes[int(c)] for sample in samples for c in sample.classes)
     return {"images": len(samples), "objects": {name: objects.get(name, 0) for name in spec.dataset.classes}}
+
+
+def split_digest(samples: list) -> str:
+    """16 hex digits of SHA-256 over every image's and label's name and bytes, in name order."""
+    total = hashlib.sha256()
+    for sample in sorted(samples, key=lambda s: s.image_path.name):
+        for path in (sample.image_path, sample.label_path):
+            total.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return total.hexdigest()[:16]
 
 
 def read_manifest(dataset_dir: str | Path) -> dict:

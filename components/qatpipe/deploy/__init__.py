@@ -1,1 +1,1 @@
-"""Hand-off to deployment stacks (DeepStream)."""
+"""Hand-off to deployment stacks: DeepStream (deepstream.py) and MLflow models (mlflow_model.py)."""

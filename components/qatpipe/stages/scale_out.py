@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import shutil
 import signal
 import tempfile
@@ -163,7 +164,7 @@ def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster
         workers=nodes, gpus_per_worker=processes, api_version=cluster.api_version,
         secret_env=cluster.secret_env, secret_env_keys=list(cluster.secret_env_keys), pvc=PvcMount(cluster.shared_pvc, cluster.shared_mount),
         node_selector=dict(cluster.node_selector), tolerations=list(cluster.tolerations),
-        timeout_seconds=cluster.timeout_seconds, env={"TF_USE_LEGACY_KERAS": "1"},
+        timeout_seconds=cluster.timeout_seconds, env={"TF_USE_LEGACY_KERAS": "1", **_live_curves_env()},
     )
     log.info("%s: MPIJob %s/%s, %d workers x %d processes, working in %s", stage, namespace, request.name, nodes,
              processes, shared)
@@ -197,3 +198,10 @@ def _sigterm_as_exit():
 
 
 __all__ = ["ClusterSettings", "run_training_stage"]
+
+
+def _live_curves_env() -> dict[str, str]:
+    """The pipeline's MLflow run, for the job's rank 0 to log its curves to (tracking/live.py)."""
+    from qatpipe.tracking.live import PARENT_RUN_ENV
+
+    return {PARENT_RUN_ENV: os.environ[PARENT_RUN_ENV]} if os.environ.get(PARENT_RUN_ENV) else {}

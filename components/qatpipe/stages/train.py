@@ -110,6 +110,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
 
     from qatpipe.data.pipeline import steps_per_epoch, train_dataset
     from qatpipe.models import get_architecture
+    from qatpipe.tracking.live import live_curves
     from qatpipe.training.callbacks import CheckpointEveryN, EpochLog, ProgressLogger
     from qatpipe.training.distributed import init_world
     from qatpipe.training.precision import FLOAT32, cast_model, configure_precision, model_policy
@@ -187,6 +188,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
             EpochLog(results_dir / LOG_FILE),
             CheckpointEveryN(manager, epoch_var, spec.train.checkpoint_interval, spec.train.epochs),
             keras.callbacks.TensorBoard(str(results_dir / "tensorboard"), update_freq="epoch", profile_batch=0),
+            *([curves] if (curves := live_curves(stage_name, steps, spec.train.batch_size * world.size)) else []),
             *(extra_callbacks or []),
         ]
         history = model.fit(

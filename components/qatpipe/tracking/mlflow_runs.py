@@ -1,5 +1,5 @@
-"""MLflow runs for a pipeline: one parent run per pipeline run, a nested run per stage, the model registry
-(`register_model`; the pipeline registers the model that passes the validation gate once that stage exists).
+"""MLflow runs for a pipeline: one parent run per pipeline run, a nested run per stage (tracking/registry.py
+puts the models and the registry on top of these).
 
 Processes and pods find the parent through its run id (a pipeline value). When the KFP backend's MLflow
 integration injects `MLFLOW_RUN_ID`, that run is joined as the parent instead of creating one.
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from qatpipe.errors import TrackingError
+from qatpipe.tracking.lineage import source_tags
 from qatpipe.tracking.records import StageRecord
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,12 @@ TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 INJECTED_RUN_ENV = "MLFLOW_RUN_ID"  # set by the KFP backend's MLflow integration
 PARENT_TAG = "mlflow.parentRunId"
 STAGE_TAG = "qatpipe.stage"
+KIND_TAG = "qatpipe.kind"  # "pipeline" on parent runs
 KFP_RUN_TAG = "qatpipe.kfp_run_id"
+KFP_RUN_URL_TAG = "qatpipe.kfp_run_url"  # the run's page in the KFP UI, when known
+UI_URL_ENV = "QATPIPE_MLFLOW_UI_URL"  # the MLflow UI as a browser reaches it, when not the tracking URI
 JOINED_TAG = "qatpipe.joined"  # the parent run belongs to the KFP backend: it opens and closes it
+LIVE_TAG = "qatpipe.live"  # a stage run the training stage opened to log its curves while it trains
 VARIANT_PREFIX = "variant."  # parent-run metrics: variant.<name>.<metric>
 COMPARISON_PREFIX = "comparison."  # parent-run metrics: comparison.<a-b>.<metric>, differences between variants
 TENSORRT_COMPARISON_PREFIX = "comparison_tensorrt."  # the same differences in TensorRT's numbers
@@ -73,7 +78,7 @@ class MlflowTracker:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
+    def call(self, what: str, fn: Callable[[], T]) -> T:
         """fn(), retried while the failure looks transient (connection, 5xx, 429); TrackingError otherwise."""
         for attempt in range(1, self.attempts + 1):
             try:
@@ -94,9 +99,15 @@ class MlflowTracker:
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
+    def run_url(self, run_id: str) -> str:
+        """The run's page in the MLflow UI ($QATPIPE_MLFLOW_UI_URL, else the tracking URI; no credentials)."""
+        run = self.call(f"reading run {run_id}", lambda: self.client.get_run(run_id))
+        base = re.sub(r"//[^/@]*@", "//", os.environ.get(UI_URL_ENV, "").strip() or self.tracking_uri).rstrip("/")
+        return f"{base}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+
     def check(self) -> None:
         """Fail early, and clearly, when the server cannot be reached."""
-        self._call("connecting", lambda: self.client.search_experiments(max_results=1))
+        self.call("connecting", lambda: self.client.search_experiments(max_results=1))
 
     def experiment_id(self, name: str, artifact_location: str | None = None) -> str:
         def get_or_create() -> str:
@@ -111,7 +122,7 @@ class MlflowTracker:
                     raise
                 return found.experiment_id
 
-        return self._call(f"opening experiment {name!r}", get_or_create)
+        return self.call(f"opening experiment {name!r}", get_or_create)
 
     # ------------------------------------------------------------------ runs
 
@@ -124,56 +135,82 @@ class MlflowTracker:
         - a run tagged with this KFP run id exists (a retried start-tracking task): that run, not a second one.
         - else a new run in `experiment`.
         """
-        tags = {"qatpipe.kind": "pipeline", **(tags or {})}
+        tags = {KIND_TAG: "pipeline", **source_tags("qatpipe pipeline"), **(tags or {})}
         injected = os.environ.get(INJECTED_RUN_ENV, "").strip()
         if injected:
-            task_run = self._call(f"reading the injected run {injected}", lambda: self.client.get_run(injected))
+            task_run = self.call(f"reading the injected run {injected}", lambda: self.client.get_run(injected))
             run_id = task_run.data.tags.get(PARENT_TAG, injected)
             self.set_tags(run_id, {**tags, JOINED_TAG: "true"})
             log.info("joining the KFP backend's MLflow run %s", run_id)
         else:
             experiment_id = self.experiment_id(experiment, artifact_location)
             kfp_run_id = tags.get(KFP_RUN_TAG)
-            existing = self._find_runs([experiment_id], f"tags.`{KFP_RUN_TAG}` = '{kfp_run_id}'") if kfp_run_id \
+            existing = self.find_runs([experiment_id], f"tags.`{KFP_RUN_TAG}` = '{kfp_run_id}'") if kfp_run_id \
                 else []
             if existing:
                 run_id = existing[0].info.run_id
                 log.info("MLflow pipeline run %s exists for KFP run %s (a retry): reusing it", run_id, kfp_run_id)
             else:
-                run = self._call("creating the pipeline run", lambda: self.client.create_run(
+                run = self.call("creating the pipeline run", lambda: self.client.create_run(
                     experiment_id, run_name=run_name, tags=tags))
                 run_id = run.info.run_id
                 log.info("MLflow pipeline run %s in experiment %r", run_id, experiment)
         self.log_params(run_id, params)
         return run_id
 
-    def _find_runs(self, experiment_ids: list[str], filter_string: str, max_results: int = 100) -> list:
-        return self._call("searching runs", lambda: self.client.search_runs(
+    def find_runs(self, experiment_ids: list[str], filter_string: str, max_results: int = 100) -> list:
+        return self.call("searching runs", lambda: self.client.search_runs(
             experiment_ids, filter_string, max_results=max_results))
 
     def start_stage_run(self, parent_run_id: str, stage: str, tags: dict[str, str] | None = None) -> str:
-        parent = self._call("reading the pipeline run", lambda: self.client.get_run(parent_run_id))
-        run = self._call(f"creating the {stage} run", lambda: self.client.create_run(
+        parent = self.call("reading the pipeline run", lambda: self.client.get_run(parent_run_id))
+        run = self.call(f"creating the {stage} run", lambda: self.client.create_run(
             parent.info.experiment_id, run_name=stage,
-            tags={PARENT_TAG: parent_run_id, STAGE_TAG: stage, **(tags or {})}))
+            tags={**source_tags(f"qatpipe {stage}"), PARENT_TAG: parent_run_id, STAGE_TAG: stage, **(tags or {})}))
         return run.info.run_id
+
+    def stage_runs(self, parent_run_id: str, stage: str) -> list:
+        """The runs of `stage` under the parent run, whatever their status."""
+        parent = self.call("reading the pipeline run", lambda: self.client.get_run(parent_run_id))
+        return self.find_runs([parent.info.experiment_id], f"tags.`{PARENT_TAG}` = '{parent_run_id}' "
+                               f"and tags.`{STAGE_TAG}` = '{stage}'")
+
+    def finished_stage_run(self, parent_run_id: str, stage: str):
+        """The FINISHED run of `stage` under the parent, or None."""
+        return next((run for run in self.stage_runs(parent_run_id, stage) if run.info.status == "FINISHED"), None)
+
+    def live_stage_run(self, parent_run_id: str, stage: str) -> str:
+        """The run a training stage logs its curves to while it trains: the one an earlier attempt of the
+        stage left RUNNING (a resumed training continues its steps), else a new one tagged live. log_stage
+        later completes and closes it."""
+        for run in self.stage_runs(parent_run_id, stage):
+            if run.info.status == "RUNNING" and run.data.tags.get(LIVE_TAG) == "true":
+                return run.info.run_id
+        return self.start_stage_run(parent_run_id, stage, {LIVE_TAG: "true"})
 
     def log_stage(self, parent_run_id: str, record: StageRecord, folder: str | Path) -> str:
         """Log a stage's record (params, metrics, history, artifacts under `folder`) as a nested run.
 
         Idempotent per (parent, stage): a retried task finds the finished run and stops, or replaces the
-        half-logged one."""
-        parent = self._call("reading the pipeline run", lambda: self.client.get_run(parent_run_id))
-        for earlier in self._find_runs([parent.info.experiment_id], f"tags.`{PARENT_TAG}` = '{parent_run_id}' "
-                                       f"and tags.`{STAGE_TAG}` = '{record.stage}'"):
+        half-logged one. A run the stage opened live (live_stage_run) is completed instead: its curves are
+        there already, so only the history's metrics it lacks are added."""
+        live_run = None
+        for earlier in self.stage_runs(parent_run_id, record.stage):
             if earlier.info.status == "FINISHED":
                 log.info("stage %s is already logged (run %s)", record.stage, earlier.info.run_id)
                 return earlier.info.run_id
-            self._call("removing a half-logged run", lambda: self.client.delete_run(earlier.info.run_id))
-        run_id = self.start_stage_run(parent_run_id, record.stage, record.tags)
+            if earlier.data.tags.get(LIVE_TAG) == "true" and live_run is None:
+                live_run = earlier.info.run_id
+                continue
+            self.call("removing a half-logged run", lambda: self.client.delete_run(earlier.info.run_id))
+        run_id = live_run or self.start_stage_run(parent_run_id, record.stage, record.tags)
         try:
+            history = record.history
+            if live_run:
+                self.set_tags(run_id, record.tags)
+                history = self._points_not_logged(run_id, history or {})
             self.log_params(run_id, record.params)
-            self.log_metrics(run_id, record.metrics, record.history)
+            self.log_metrics(run_id, record.metrics, history)
             for relative in record.artifacts:
                 self.log_artifact(run_id, Path(folder) / relative)
         except TrackingError:
@@ -183,13 +220,22 @@ class MlflowTracker:
         log.info("logged stage %s to MLflow run %s", record.stage, run_id)
         return run_id
 
+    def _points_not_logged(self, run_id: str, history: dict[str, list[list[float]]]) -> dict:
+        """The (step, value) points of `history` whose step the run does not have yet, per metric."""
+        missing = {}
+        for name, points in history.items():
+            logged = {m.step for m in self.call("reading a metric's history",
+                                                 lambda: self.client.get_metric_history(run_id, _metric_key(name)))}
+            missing[name] = [point for point in points if int(point[0]) not in logged]
+        return missing
+
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
         items = [Param(key, _param_value(value)) for key, value in sorted(params.items())]
         for start in range(0, len(items), _PARAMS_PER_CALL):
             chunk = items[start:start + _PARAMS_PER_CALL]
-            self._call("logging params", lambda: self.client.log_batch(run_id, params=chunk))
+            self.call("logging params", lambda: self.client.log_batch(run_id, params=chunk))
 
     def log_metrics(self, run_id: str, metrics: dict[str, float],
                     history: dict[str, list[list[float]]] | None = None) -> None:
@@ -201,28 +247,36 @@ class MlflowTracker:
             items += [Metric(_metric_key(name), float(v), now, int(step)) for step, v in points if _finite(v)]
         for start in range(0, len(items), _METRICS_PER_CALL):
             chunk = items[start:start + _METRICS_PER_CALL]
-            self._call("logging metrics", lambda: self.client.log_batch(run_id, metrics=chunk))
+            self.call("logging metrics", lambda: self.client.log_batch(run_id, metrics=chunk))
 
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
         path = Path(path)
         if path.is_dir():
             target = artifact_path or path.name
-            self._call(f"uploading {path.name}/", lambda: self.client.log_artifacts(run_id, str(path), target))
+            self.call(f"uploading {path.name}/", lambda: self.client.log_artifacts(run_id, str(path), target))
         elif path.is_file():
-            self._call(f"uploading {path.name}", lambda: self.client.log_artifact(run_id, str(path), artifact_path))
+            self.call(f"uploading {path.name}", lambda: self.client.log_artifact(run_id, str(path), artifact_path))
         else:
             log.warning("artifact %s does not exist; not uploaded", path)
 
+    def log_datasets(self, run_ids: list[str], manifest: dict) -> None:
+        """A prepared data set's train and val splits (dataset.json) as MLflow dataset inputs of the runs."""
+        from qatpipe.tracking.lineage import dataset_inputs
+
+        inputs = dataset_inputs(manifest)
+        for run_id in run_ids:
+            self.call("logging the data set", lambda: self.client.log_inputs(run_id, datasets=inputs))
+
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():
-            self._call(f"setting tag {key}", lambda: self.client.set_tag(run_id, key, value))
+            self.call(f"setting tag {key}", lambda: self.client.set_tag(run_id, key, value))
 
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
-        self._call(f"closing run {run_id}", lambda: self.client.set_terminated(run_id, status))
+        self.call(f"closing run {run_id}", lambda: self.client.set_terminated(run_id, status))
 
     def finish_pipeline_run(self, kfp_run_id: str, status: str, pipeline_state: str) -> str | None:
         """Close the parent run tagged with `kfp_run_id` (unless the KFP backend owns it); returns its id."""
-        runs = self._call("finding the pipeline run", lambda: self._runs_tagged(KFP_RUN_TAG, kfp_run_id)) \
+        runs = self.call("finding the pipeline run", lambda: self.pipeline_runs_tagged(KFP_RUN_TAG, kfp_run_id)) \
             if kfp_run_id else []
         if not runs:
             log.warning("no MLflow run tagged %s=%s; nothing to close", KFP_RUN_TAG, kfp_run_id)
@@ -238,8 +292,9 @@ class MlflowTracker:
             closed = run_id
         return closed
 
-    def _runs_tagged(self, tag: str, value: str) -> list:
-        """Runs with tag=value in any active experiment (the exit handler does not know the experiment)."""
+    def pipeline_runs_tagged(self, tag: str, value: str) -> list:
+        """Pipeline (parent) runs with tag=value in any active experiment (the exit handler does not know the
+        experiment). Stage runs may carry the same tag (the model runs carry the KFP run id): never these."""
         experiment_ids, token = [], None
         while True:
             page = self.client.search_experiments(max_results=1000, page_token=token)
@@ -249,7 +304,8 @@ class MlflowTracker:
                 break
         runs = []
         for start in range(0, len(experiment_ids), 100):
-            runs += self.client.search_runs(experiment_ids[start:start + 100], f"tags.`{tag}` = '{value}'",
+            runs += self.client.search_runs(experiment_ids[start:start + 100],
+                                            f"tags.`{KIND_TAG}` = 'pipeline' and tags.`{tag}` = '{value}'",
                                             max_results=10)
         return runs
 
@@ -284,13 +340,13 @@ class MlflowTracker:
                 self.log_metrics(run_id, {f"{prefix}{key}": value for key, value in flat.items()})
         for relative in StageRecord.read(folder).artifacts:
             self.log_artifact(run_id, Path(folder) / relative, "comparison")
-        run = self._call(f"reading run {run_id}", lambda: self.client.get_run(run_id))
-        experiment = self._call("reading the experiment",
+        run = self.call(f"reading run {run_id}", lambda: self.client.get_run(run_id))
+        experiment = self.call("reading the experiment",
                                 lambda: self.client.get_experiment(run.info.experiment_id))
         return {"tracking_uri": redact_uri(self.tracking_uri), "experiment": experiment.name, "run_id": run_id}
 
     def read_variants(self, run_id: str) -> dict[str, dict[str, float]]:
-        run = self._call(f"reading run {run_id}", lambda: self.client.get_run(run_id))
+        run = self.call(f"reading run {run_id}", lambda: self.client.get_run(run_id))
         variants: dict[str, dict[str, float]] = {}
         for name in run.data.tags.get("qatpipe.variants", "").split(","):
             if name:
@@ -306,7 +362,7 @@ class MlflowTracker:
 
     def read_comparisons(self, run_id: str) -> dict[str, float]:
         """The `comparison.*` metrics log_comparison put on the parent run, without the prefix."""
-        run = self._call(f"reading run {run_id}", lambda: self.client.get_run(run_id))
+        run = self.call(f"reading run {run_id}", lambda: self.client.get_run(run_id))
         return {key[len(COMPARISON_PREFIX):]: value for key, value in run.data.metrics.items()
                 if key.startswith(COMPARISON_PREFIX)}
 
@@ -315,7 +371,7 @@ class MlflowTracker:
             found = self.client.get_experiment_by_name(experiment)
             if found is None:
                 raise TrackingError(f"no MLflow experiment named {experiment!r}")
-            runs = self.client.search_runs([found.experiment_id], "tags.`qatpipe.kind` = 'pipeline'",
+            runs = self.client.search_runs([found.experiment_id], f"tags.`{KIND_TAG}` = 'pipeline'",
                                            order_by=["attributes.start_time DESC"], max_results=1)
             if not runs:
                 raise TrackingError(f"experiment {experiment!r} has no pipeline runs")
@@ -326,21 +382,7 @@ class MlflowTracker:
         except TrackingError:
             raise
         except Exception:
-            return self._call(f"searching experiment {experiment!r}", find)
-
-    def register_model(self, run_id: str, artifact_path: str, name: str, tags: dict[str, str] | None = None):
-        """Register `runs:/<run_id>/<artifact_path>` as a new version of model `name`; returns the version."""
-        def register():
-            try:
-                self.client.create_registered_model(name)
-            except Exception:  # exists already
-                pass
-            source = f"runs:/{run_id}/{artifact_path}"
-            return self.client.create_model_version(name, source, run_id=run_id, tags=tags or {})
-
-        version = self._call(f"registering model {name!r}", register)
-        log.info("registered %s version %s from run %s", name, version.version, run_id)
-        return version
+            return self.call(f"searching experiment {experiment!r}", find)
 
 
 def _param_value(value: Any) -> str:
@@ -357,6 +399,8 @@ def _is_transient(exc: Exception) -> bool:
     """Worth a retry: no answer, or a 5xx / 429 answer. A 4xx (no such run, bad value) will not change."""
     from mlflow.exceptions import MlflowException
 
+    if isinstance(exc, (TypeError, AttributeError, KeyError, ValueError)) and not isinstance(exc, MlflowException):
+        return False  # a mistake in the call, not the network
     if isinstance(exc, MlflowException):
         status = exc.get_http_status_code()
         return status >= 500 or status == 429  # connection failures come wrapped as INTERNAL_ERROR (500)

@@ -12,6 +12,7 @@ def log_stage(parent_run_id: str, stage_output: Input[Artifact]):
     import json
     from pathlib import Path
 
+    from qatpipe.data.prepare import MANIFEST, read_manifest
     from qatpipe.tracking.mlflow_runs import MlflowTracker
     from qatpipe.tracking.records import RECORD_FILE, StageRecord
     from qatpipe_kfp.runtime import log, stage
@@ -26,4 +27,6 @@ def log_stage(parent_run_id: str, stage_output: Input[Artifact]):
         if not parent_run_id or tracker is None:
             log.info("tracking is off; %s not logged", record.stage)
             return
-        tracker.log_stage(parent_run_id, record, stage_output.path)
+        run_id = tracker.log_stage(parent_run_id, record, stage_output.path)
+        if (Path(stage_output.path) / MANIFEST).is_file():  # the prepared data set: MLflow dataset inputs
+            tracker.log_datasets([parent_run_id, run_id], read_manifest(stage_output.path))

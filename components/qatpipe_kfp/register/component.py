@@ -1,33 +1,49 @@
-"""register: the validated QAT model (explicit-quantisation ONNX, its engine metadata, the DeepStream config)
-as a new version in the MLflow model registry. The pipeline runs it only when the gate passed (dsl.If)."""
+"""register: every variant as an MLflow model (ONNX flavour + a pyfunc that returns detections), and the QAT one
+as a new version of the registered model: alias `tracking.champion_alias` when its validation passed, else
+`challenger` with the gate's reason (qatpipe.stages.register)."""
 
-from kfp.dsl import Artifact, Input, Model
+from kfp.dsl import Artifact, Dataset, Input, Markdown, Model, Output
 
 from qatpipe_kfp.settings import component
 
 
 @component
-def register(parent_run_id: str, model_name: str, onnx_model: Input[Model], engine: Input[Model],
-             validation: Input[Artifact]) -> str:
+def register(parent_run_id: str, spec: str, kfp_run_id: str, kfp_ui_url: str, dataset: Input[Dataset],
+             fp32_onnx: Input[Model], ptq_onnx: Input[Model], qat_onnx: Input[Model], qat_engine: Input[Model],
+             fp32_validation: Input[Artifact], ptq_validation: Input[Artifact], qat_validation: Input[Artifact],
+             report: Output[Markdown]) -> str:
     from pathlib import Path
 
+    from qatpipe.data.prepare import read_manifest
+    from qatpipe.stages.register import VariantFiles, deployment_files, register_models
     from qatpipe.tracking.mlflow_runs import MlflowTracker
-    from qatpipe_kfp.runtime import log, stage
+    from qatpipe.tracking.registry import loading_snippet
+    from qatpipe_kfp.runtime import kfp_run_url, load_stage_spec, log, stage, write_text
 
     with stage("register"):
         tracker = MlflowTracker.from_env()
         if tracker is None or not parent_run_id:
             log.warning("no MLflow tracking server: nothing to register")
+            write_text(report, "No MLflow tracking server: no models were logged or registered.\n")
             return ""
-        folder = "deployment"
-        for path in sorted(Path(onnx_model.path).iterdir()):
-            if path.is_file() and path.suffix in (".onnx", ".cache", ".json"):
-                tracker.log_artifact(parent_run_id, path, folder)
-        tracker.log_artifact(parent_run_id, Path(engine.path) / "engine.json", folder)
-        for name in ("validation.json", "validation.md", "deepstream"):
-            if (Path(validation.path) / name).exists():
-                tracker.log_artifact(parent_run_id, Path(validation.path) / name, folder)
-        version = tracker.register_model(parent_run_id, folder, model_name,
-                                         tags={"variant": validation.metadata.get("variant", "qat"),
-                                               "engine_backend": engine.metadata.get("backend", "")})
-        return str(version.version)
+
+        def files(onnx_model, validation, engine=None) -> VariantFiles:
+            folder = Path(onnx_model.path)
+            extra = deployment_files(folder, Path(engine.path), Path(validation.path)) if engine else []
+            return VariantFiles(folder / onnx_model.metadata.get("file", "model.onnx"), Path(validation.path), extra)
+
+        result = register_models(
+            tracker, parent_run_id, load_stage_spec(spec),
+            {"fp32": files(fp32_onnx, fp32_validation), "ptq": files(ptq_onnx, ptq_validation),
+             "qat": files(qat_onnx, qat_validation, qat_engine)},
+            read_manifest(dataset.path), kfp_run_id, kfp_run_url(kfp_ui_url, kfp_run_id))
+        registered = result["registered"]
+        lines = ["| variant | MLflow model |", "|---|---|"]
+        lines += [f"| {name} | `{uri}` |" for name, uri in result["models"].items()]
+        if registered:
+            verdict = "passed the gate" if registered["passed"] else f"failed the gate: {registered['reason']}"
+            lines += ["", f"QAT: version {registered['version']} of `{registered['name']}`, "
+                          f"`{registered['uri']}` ({verdict})",
+                      "", "```python", loading_snippet(registered["uri"]), "```"]
+        write_text(report, "\n".join(lines) + "\n")
+        return registered["version"] if registered else ""

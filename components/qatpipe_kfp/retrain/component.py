@@ -15,12 +15,14 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
 
     from qatpipe.data.prepare import spec_with_prepared_dataset
     from qatpipe.stages.scale_out import run_training_stage
+    from qatpipe.tracking.live import parent_run_from_kfp
     from qatpipe.stages.train import summary_metrics
     from qatpipe_kfp.runtime import cluster_settings, load_stage_spec, stage, write_metrics
 
     variant = "qat" if qat else "fp32"
     with stage(f"retrain-{variant}"):
         spec = spec_with_prepared_dataset(load_stage_spec(retrain_spec), dataset.path)
+        parent_run_from_kfp()  # live training curves in MLflow (tracking/live.py)
         spec.qat.enabled = qat
         source = Path(pruned.path) / pruned.metadata.get("file", "model.keras")
         cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,

@@ -12,11 +12,13 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
           credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [], mpijob: bool = False):
     from qatpipe.data.prepare import spec_with_prepared_dataset
     from qatpipe.stages.scale_out import run_training_stage
+    from qatpipe.tracking.live import parent_run_from_kfp
     from qatpipe.stages.train import summary_metrics
     from qatpipe_kfp.runtime import cluster_settings, load_stage_spec, stage, write_metrics
 
     with stage("train"):
         spec = spec_with_prepared_dataset(load_stage_spec(train_spec), dataset.path)
+        parent_run_from_kfp()  # live training curves in MLflow (tracking/live.py)
         cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
                                    mpijob_api_version)
         summary = run_training_stage("train", spec, model.path, processes_per_node=gpus, nodes=workers,

@@ -1,0 +1,77 @@
+"""Stage: the variants as MLflow models, and the QAT one in the model registry (tracking/registry.py).
+
+Every variant (fp32, ptq, qat) is logged as an MLflow model over the ONNX file its evaluation scored, with its
+validated figures; the QAT model also carries what deployment needs (calibration cache, implicit ONNX, engine
+metadata, validation report, DeepStream config). The QAT model becomes a new registered version: alias
+`tracking.champion_alias` when its validation passed, `challenger` with the gate's reason when it did not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qatpipe.spec import ExperimentSpec, spec_to_yaml
+from qatpipe.stages.compare import VALIDATION_FILE, variant_row
+from qatpipe.stages.validate import gate_message
+from qatpipe.tracking.mlflow_runs import KFP_RUN_TAG, KFP_RUN_URL_TAG, MlflowTracker
+from qatpipe.tracking.registry import log_variant_model, register_variant, spec_digest
+
+log = logging.getLogger(__name__)
+
+REGISTERED_VARIANT = "qat"
+
+
+@dataclass
+class VariantFiles:
+    onnx: Path  # the model the variant's evaluation scored
+    validation: Path  # the validate stage's folder (validation.json, metrics.json, bench.json)
+    deployment: list[Path] = field(default_factory=list)  # further files the MLflow model carries
+
+
+def deployment_files(onnx_dir: Path, engine_dir: Path | None, validation_dir: Path) -> list[Path]:
+    """What a deployment job needs beside the ONNX: calibration cache, implicit ONNX and export reports,
+    engine.json, the validation report and the DeepStream config."""
+    files = [p for p in sorted(onnx_dir.iterdir()) if p.is_file() and p.suffix in (".cache", ".json", ".onnx")
+             and p.name != "model.onnx"]
+    if engine_dir is not None and (engine_dir / "engine.json").is_file():
+        files.append(engine_dir / "engine.json")
+    files += [validation_dir / name for name in ("validation.json", "validation.md", "deepstream")
+              if (validation_dir / name).exists()]
+    return files
+
+
+def register_models(tracker: MlflowTracker, parent_run_id: str, spec: ExperimentSpec,
+                    variants: dict[str, VariantFiles], manifest: dict | None = None, kfp_run_id: str = "",
+                    kfp_run_url: str = "") -> dict:
+    """Log every variant's MLflow model and register the QAT one; returns what was done (also for the UI)."""
+    digest = spec_digest(spec_to_yaml(spec))
+    run_tags = {"qatpipe.spec_digest": digest, **({KFP_RUN_TAG: kfp_run_id} if kfp_run_id else {}),
+                **({KFP_RUN_URL_TAG: kfp_run_url} if kfp_run_url else {})}
+    logged, figures = {}, {}
+    for name, files in variants.items():
+        figures[name] = {k: v for k, v in variant_row(files.validation).items() if v is not None}
+        logged[name] = log_variant_model(tracker, parent_run_id, name, files.onnx, spec, figures[name], manifest,
+                                         files.deployment, tags=run_tags)
+    result = {"models": {name: item.model_uri for name, item in logged.items()}, "registered": None}
+    if REGISTERED_VARIANT not in logged:
+        return result
+    report = json.loads((variants[REGISTERED_VARIANT].validation / VALIDATION_FILE).read_text())
+    passed = bool(report["passed"])
+    reason = "" if passed else gate_message(report)
+    tags = {**run_tags, "qatpipe.engine": str(report.get("engine_label", "")),
+            **{f"qatpipe.{key}": f"{value:.6g}" for key, value in figures[REGISTERED_VARIANT].items()
+               if isinstance(value, float)},
+            "qatpipe.baseline_map50": f"{report['baseline_map50']:.6g}", "qatpipe.map50_drop": str(report["map50_drop"])}
+    alias = spec.tracking.champion_alias
+    version = register_variant(tracker, spec.tracking.registered_model, logged[REGISTERED_VARIANT], passed, reason,
+                               champion_alias=alias, tags=tags)
+    result["registered"] = {"name": spec.tracking.registered_model, "version": str(version.version),
+                            "alias": alias if passed else "challenger", "passed": passed, "reason": reason,
+                            "uri": f"models:/{spec.tracking.registered_model}@{alias if passed else 'challenger'}"}
+    return result
+
+
+__all__ = ["VariantFiles", "deployment_files", "register_models"]

@@ -1,0 +1,88 @@
+"""Training curves in MLflow while a training stage runs: loss (each head's too), learning rate, throughput and
+val mAP per epoch, as stepped metrics (step = epochs done, as training_log.csv's history is logged), from rank 0.
+
+The training process finds the pipeline's MLflow run through $QATPIPE_MLFLOW_PARENT_RUN, which the KFP
+training task sets (`parent_run_from_kfp`) from the KFP run id in its pod's labels: the run id never becomes a
+task input, so training stays cacheable. The stage run is opened live (MlflowTracker.live_stage_run); the log
+task that follows adds the model's record and closes it. A resumed training continues the same run and steps.
+Tracking trouble never stops training: after one failed call the curves stop, with a warning, and the log task
+logs the whole history from training_log.csv at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+log = logging.getLogger(__name__)
+
+PARENT_RUN_ENV = "QATPIPE_MLFLOW_PARENT_RUN"
+# Where KFP puts the run id on a task's pod (the pipeline sets these from the pod's labels): Argo-based
+# backends label pods pipeline/runid, newer ones pipelines.kubeflow.org/run_id.
+KFP_RUN_ID_ENVS = ("QATPIPE_KFP_RUN_ID", "QATPIPE_KFP_RUN_ID_V2")
+
+
+def parent_run_from_kfp() -> str:
+    """Set $QATPIPE_MLFLOW_PARENT_RUN for this process and its children from the pod's KFP run id, when
+    tracking is on; returns it ("" when there is none)."""
+    from qatpipe.tracking.mlflow_runs import KFP_RUN_TAG, MlflowTracker
+
+    if os.environ.get(PARENT_RUN_ENV):
+        return os.environ[PARENT_RUN_ENV]
+    kfp_run_id = next((os.environ[name] for name in KFP_RUN_ID_ENVS if os.environ.get(name, "").strip()), "")
+    tracker = MlflowTracker.from_env(attempts=1)
+    if not kfp_run_id or tracker is None:
+        return ""
+    try:
+        runs = tracker.pipeline_runs_tagged(KFP_RUN_TAG, kfp_run_id)
+    except Exception as exc:  # live curves are a convenience: the log task still logs the history
+        log.warning("MLflow: no live training curves (finding the pipeline run failed: %s)", exc)
+        return ""
+    if not runs:
+        return ""
+    os.environ[PARENT_RUN_ENV] = runs[0].info.run_id
+    return runs[0].info.run_id
+
+
+def live_curves(stage: str, steps_per_epoch: int, images_per_step: int):
+    """The Keras callback that logs `stage`'s curves to MLflow, or None when there is no parent run."""
+    import tf_keras as keras
+
+    from qatpipe.tracking.mlflow_runs import MlflowTracker
+
+    parent = os.environ.get(PARENT_RUN_ENV, "").strip()
+    tracker = MlflowTracker.from_env(attempts=2, backoff_s=1.0) if parent else None
+    if tracker is None:
+        return None
+
+    class LiveCurves(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.run_id, self.failed = None, False
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.started = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            if self.failed:
+                return
+            seconds = time.perf_counter() - self.started
+            lr = self.model.optimizer.learning_rate
+            values = {**{key: float(value) for key, value in (logs or {}).items()},
+                      "lr": float(lr(self.model.optimizer.iterations)) if callable(lr) else float(lr),
+                      "images_per_second": steps_per_epoch * images_per_step / max(seconds, 1e-9)}
+            try:
+                if self.run_id is None:
+                    self.run_id = tracker.live_stage_run(parent, stage)
+                    log.info("MLflow: live curves of %s in run %s", stage, self.run_id)
+                tracker.log_metrics(self.run_id, {}, {key: [[epoch + 1, value]] for key, value in values.items()})
+            except Exception as exc:
+                self.failed = True
+                log.warning("MLflow: live curves of %s stop (%s); the whole history is logged when the stage "
+                            "ends", stage, exc)
+
+    return LiveCurves()
+
+
+__all__ = ["PARENT_RUN_ENV", "live_curves", "parent_run_from_kfp"]
