@@ -1,5 +1,6 @@
 """A small HTTP server that plays the Kubernetes API for the MPIJob tests (no cluster can run on this
-machine). It stores the MPIJob it is sent, answers status reads, lists the launcher pod and serves its log.
+machine). It stores the MPIJob it is sent, answers status reads, lists the launcher pod and serves its log;
+it also serves the Secrets a test puts in `secrets` (the credentials check).
 What an operator would do is scripted: the MPIJob's conditions advance one step per status read, and the
 launcher's log grows a few characters per read. `on_create` lets a test act as the operator's pods (run the
 job's command) when a job is created."""
@@ -42,6 +43,8 @@ class PlayedKubernetes:
         self.log_error: tuple[int, str] | None = None  # ... and the log reads
         self.selectors: list[str] = []
         self.on_create = None  # callable(job body), run in a thread when a job is created: the job's pods
+        self.secrets: dict[tuple[str, str], dict[str, str]] = {}  # (namespace, name) -> data (base64 values)
+        self.secret_error: tuple[int, str] | None = None  # (HTTP status, body) to answer Secret reads with
         self.lock = threading.Lock()
 
     def conditions(self) -> list[dict]:
@@ -62,6 +65,7 @@ def status_body(code: int, reason: str, message: str, details: dict | None = Non
 def make_handler(kube: PlayedKubernetes):
     jobs_path = re.compile(r"^/apis/kubeflow\.org/(v1|v2beta1)/namespaces/([^/]+)/mpijobs(?:/([^/]+))?$")
     pods_path = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)/log)?$")
+    secret_path = re.compile(r"^/api/v1/namespaces/([^/]+)/secrets/([^/]+)$")
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):  # keep the test output clean
@@ -96,6 +100,15 @@ def make_handler(kube: PlayedKubernetes):
 
         def do_GET(self):
             url = urlsplit(self.path)
+            if match := secret_path.match(url.path):
+                with kube.lock:
+                    if kube.secret_error:
+                        return self.reply(*kube.secret_error)
+                    data = kube.secrets.get((match.group(1), match.group(2)))
+                if data is None:
+                    return self.reply(404, status_body(404, "NotFound", f'secrets "{match.group(2)}" not found'))
+                return self.reply(200, json.dumps({"kind": "Secret", "apiVersion": "v1", "type": "Opaque", "data": data,
+                                                   "metadata": {"name": match.group(2), "namespace": match.group(1)}}))
             if match := jobs_path.match(url.path):
                 with kube.lock:
                     job = kube.jobs.get(match.group(3))

@@ -13,6 +13,7 @@ from kfp import dsl, local
 from mlflow import MlflowClient
 
 from qatpipe_kfp.compare.component import compare
+from qatpipe_kfp.fingerprint_data.component import fingerprint_data
 from qatpipe_kfp.finish_tracking.component import finish_tracking
 from qatpipe_kfp.log_stage.component import log_stage
 from qatpipe_kfp.prepare_data.component import prepare_data
@@ -46,12 +47,13 @@ def test_light_components_run_from_their_shipped_source(tmp_path, monkeypatch, e
             specs = resolve_spec(spec_uri="tiny", overrides=["dataset.synthetic.train_images=6",
                                                              "dataset.synthetic.val_images=3"])
             parent = start_tracking(spec=specs.outputs["spec"], run_name="shipped",
-                                    kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
-            data = prepare_data(data_spec=specs.outputs["data_spec"])
-            log_stage(parent_run_id=parent.output, stage_output=data.outputs["dataset"])
+                                    kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER).outputs["Output"]
+            fingerprint = fingerprint_data(data_spec=specs.outputs["data_spec"])
+            data = prepare_data(data_spec=specs.outputs["data_spec"], data_fingerprint=fingerprint.output)
+            log_stage(parent_run_id=parent, stage_output=data.outputs["dataset"])
             evaluation = dsl.importer(artifact_uri=str(evaluation_dir), artifact_class=dsl.Artifact).output
             pruned = dsl.importer(artifact_uri=str(evaluation_dir.parent / "pruned"), artifact_class=dsl.Model)
-            compare(parent_run_id=parent.output, fp32=evaluation, ptq=evaluation, qat=evaluation,
+            compare(parent_run_id=parent, fp32=evaluation, ptq=evaluation, qat=evaluation,
                     unpruned=evaluation, pruned=pruned.output)
 
     local.init(local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "kfp"))
@@ -65,3 +67,6 @@ def test_light_components_run_from_their_shipped_source(tmp_path, monkeypatch, e
     assert run.data.metrics["pruning.flops_ratio"] == 0.4
     (child,) = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
     assert child.info.run_name == "prepare_data" and child.data.metrics["train.images"] == 6
+    # the synthetic data set's splits are the pipeline run's dataset inputs
+    assert {i.dataset.name for i in client.get_run(run.info.run_id).inputs.dataset_inputs} == {
+        "synthetic/train", "synthetic/val"}

@@ -84,14 +84,20 @@ def test_gpus_on_one_host_runs_horovod_processes_and_a_resume_must_use_the_same_
     from qatpipe.stages.scale_out import run_training_stage
 
     spec = tiny_spec("train.epochs=1")
-    # what the train component does with gpus=2: `qatpipe train --gpus 2` on a spec file (horovodrun)
-    summary = run_training_stage("train", spec, tmp_path / "run", processes_per_node=2)
-    assert summary["processes"] == 2 and (tmp_path / "run" / "model.keras").is_file()
+    # what the train component does with gpus=2: `qatpipe train --gpus 2` on a spec file (horovodrun), in a
+    # work folder; the model comes to the results, the resume state does not
+    summary = run_training_stage("train", spec, tmp_path / "model", processes_per_node=2)
+    assert summary["processes"] == 2 and (tmp_path / "model" / "model.keras").is_file()
+    assert not (tmp_path / "model" / "checkpoints").exists()
 
-    # extending the run on one process would change the learning rate and the schedule under it
+    # a TAO-style results folder (the command line's -r) keeps its checkpoints: extending that run on one
+    # process would change the learning rate and the schedule under it
     data = Path(spec.dataset.train).parent
     command = [sys.executable, "-m", "qatpipe.cli", "train", "-e", "tiny", "--set", f"dataset.train={data / 'train'}",
                "--set", f"dataset.val={data / 'val'}", "-r", str(tmp_path / "run")]
+    first = subprocess.run(command + ["--set", "train.epochs=1", "--gpus", "2"], env=_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
     again = subprocess.run(command + ["--set", "train.epochs=2"], env=_env(), capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 2

@@ -179,7 +179,7 @@ def test_failed_stage_names_itself_and_how_to_resume(tmp_path, monkeypatch):
     with pytest.raises(PipelineFailed) as caught:
         run_local(out, "tiny", [f"dataset.train={missing}/train", f"dataset.val={missing}/val"])
     message = str(caught.value)
-    assert message.startswith("pipeline stage prepare-data failed: ")
+    assert message.startswith("pipeline stage fingerprint-data failed: ")  # the first task to look at the data
     assert f"{missing}/train: dataset.train: dataset folder not found" in message
     assert f"re-run `qatpipe run --local --spec tiny --output {out}" in message
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")

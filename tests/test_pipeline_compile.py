@@ -17,8 +17,11 @@ VARIANTS = ("fp32", "ptq", "qat")
 STAGES = {"prepare-data", "train", "evaluate-unpruned", "prune", "retrain-fp32", "retrain-qat", "export-fp32",
           "export-qat", "ptq", *(f"{stage}-{v}" for v in VARIANTS for stage in ("evaluate", "build-engine",
                                                                                 "validate"))}
+# the ONNX evaluations run ONNX Runtime's CPU build: no GPU for them
 GPU_TASKS = {"train", "retrain-fp32", "retrain-qat", "evaluate-unpruned",
-             *(f"{stage}-{v}" for v in VARIANTS for stage in ("evaluate", "build-engine", "validate"))}
+             *(f"{stage}-{v}" for v in VARIANTS for stage in ("build-engine", "validate"))}
+TRAINING_TASKS = {"train", "retrain-fp32", "retrain-qat"}
+LIGHT_TASKS = {"resolve-spec", "start-tracking", "finish-tracking", "fingerprint-data"}  # and every log-* task
 CACHED_TASKS = STAGES
 
 
@@ -61,13 +64,17 @@ def test_dag_shape(compiled):
     handler = spec["components"][root["exit-handler-1"]["componentRef"]["name"]]["dag"]["tasks"]
     logged = {f"log-{stage}" for stage in STAGES}
     assert {task["taskInfo"]["name"] for task in handler.values()} == (
-        STAGES | logged | {"resolve-spec", "start-tracking", "compare", "register"})
+        STAGES | logged | {"resolve-spec", "start-tracking", "fingerprint-data", "compare", "register"})
     tasks = _all_tasks(spec)
 
     def upstream(name):
         return _upstream(spec, tasks[name]) - {"resolve-spec"}  # every stage reads its spec view
 
-    assert upstream("start-tracking") == set() and upstream("prepare-data") == set()
+    assert upstream("start-tracking") == set() and upstream("fingerprint-data") == set()
+    # the data as it is now keys prepare-data's cache (fingerprint-data runs every time, prepare-data is cached)
+    assert upstream("prepare-data") == {"fingerprint-data"}
+    assert tasks["prepare-data"]["inputs"]["parameters"]["data_fingerprint"]["taskOutputParameter"] == {
+        "producerTask": "fingerprint-data", "outputParameterKey": "Output"}
     assert upstream("train") == {"prepare-data"}
     assert upstream("evaluate-unpruned") == {"prepare-data", "train"}
     # TAO's recipe: prune the trained model, retrain it twice (FP32 and QAT) from the pruned one
@@ -109,7 +116,8 @@ def test_parameters(compiled):
         "spec_uri": "STRING", "spec_overrides": "LIST", "run_name": "STRING", "gpus": "NUMBER_INTEGER",
         "workers": "NUMBER_INTEGER", "mpijob_api_version": "STRING", "training_image": "STRING",
         "engine_image": "STRING", "node_selector": "STRUCT", "tolerations": "LIST", "credentials_secret": "STRING",
-        "kfp_ui_url": "STRING",
+        "kfp_ui_url": "STRING", "gpu_type": "STRING", **{f"{kind}_{what}": "STRING" for kind in ("training", "gpu_stage", "cpu_stage", "light")
+                                   for what in ("cpu", "memory")},
     }
     # the image defaults are the names images/build.sh builds
     from qatpipe_kfp.settings import IMAGES
@@ -164,9 +172,11 @@ def test_secrets_come_from_a_kubernetes_secret(compiled):
 def test_retries_and_caching(compiled):
     _, spec, _ = compiled
     tasks = _all_tasks(spec)
-    for name in ("resolve-spec", "start-tracking", "prepare-data", "compare", "log-train"):
+    for name in ("resolve-spec", "start-tracking", "fingerprint-data", "prepare-data", "compare", "log-train"):
         assert tasks[name]["retryPolicy"]["maxRetryCount"] == 3, name
-    assert "retryPolicy" not in tasks["train"]
+    for name in TRAINING_TASKS:  # pre-emption: retried, resuming from the cache volume's checkpoints
+        assert tasks[name]["retryPolicy"] == {"maxRetryCount": 2, "backoffDuration": "60s", "backoffFactor": 2.0,
+                                              "backoffMaxDuration": "3600s"}, name
     for name, task in tasks.items():  # stages are cached on their inputs; per-run tracking tasks never
         cached = task.get("cachingOptions", {}).get("enableCache", False)
         assert cached == (name in CACHED_TASKS), name
@@ -181,7 +191,7 @@ def test_cache_pvc_option(tmp_path):
                    and "executorLabel" in spec["components"][task["componentRef"]["name"]]}
     mounted = {name for name, executor in executor_of.items() if k8s[executor].get("pvcMount")}
     # the stages that read the data set
-    assert mounted == {"prepare-data", "train", "retrain-fp32", "retrain-qat", "ptq", "evaluate-unpruned",
+    assert mounted == {"fingerprint-data", "prepare-data", "train", "retrain-fp32", "retrain-qat", "ptq", "evaluate-unpruned",
                        *(f"{stage}-{v}" for v in VARIANTS for stage in ("evaluate", "validate"))}
     assert k8s[executor_of["train"]]["pvcMount"][0]["mountPath"] == "/var/cache/qatpipe"
 
@@ -222,7 +232,7 @@ def test_mpijob_option_runs_training_as_mpijobs_from_tasks_without_gpus(tmp_path
         executor = pipeline_spec["components"][tasks[name]["componentRef"]["name"]]["executorLabel"]
         assert "accelerator" not in executors[executor]["container"].get("resources", {}), name
     # the other GPU stages keep their GPUs
-    executor = pipeline_spec["components"][tasks["evaluate-qat"]["componentRef"]["name"]]["executorLabel"]
+    executor = pipeline_spec["components"][tasks["evaluate-unpruned"]["componentRef"]["name"]]["executorLabel"]
     assert executors[executor]["container"]["resources"]["accelerator"]["resourceType"] == "nvidia.com/gpu"
 
 
@@ -240,3 +250,64 @@ def test_training_tasks_know_the_kfp_run_without_a_cache_busting_input(compiled)
         params = tasks[name]["inputs"].get("parameters", {})
         assert not any("PIPELINE_JOB" in json.dumps(value) or "start-tracking" in json.dumps(value)
                        for value in params.values()), name
+
+
+def test_every_task_has_cpu_and_memory_requests_and_limits(compiled):
+    """No BestEffort pods: every executor requests and is limited to its kind's CPU and memory (training: no CPU
+    limit), pipeline parameters a run can override; training tasks get a memory-backed /dev/shm."""
+    from qatpipe_pipelines.qat_pipeline import TASK_SIZES
+
+    _, spec, platform = compiled
+    executors = spec["deploymentSpec"]["executors"]
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    for name, task in _all_tasks(spec).items():
+        executor = spec["components"][task["componentRef"]["name"]].get("executorLabel")
+        if executor is None:
+            continue
+        kind = ("training" if name in TRAINING_TASKS else "light" if name in LIGHT_TASKS or name.startswith("log-")
+                else "gpu_stage" if name in GPU_TASKS else "cpu_stage")
+        resources = executors[executor]["container"]["resources"]
+        for what, keys in (("cpu", ("resourceCpuRequest", "resourceCpuLimit")),
+                           ("memory", ("resourceMemoryRequest", "resourceMemoryLimit"))):
+            for key in keys:
+                if key == "resourceCpuLimit" and kind == "training":  # CFS throttling starves tf.data
+                    assert key not in resources, name
+                    continue
+                assert resources[key] == f"{{{{$.inputs.parameters['pipelinechannel--{kind}_{what}']}}}}", (name, key)
+            assert params[f"{kind}_{what}"]["defaultValue"] == TASK_SIZES[kind][what == "memory"]
+        shm = k8s[executor].get("emptyDirMounts", [])
+        if name in TRAINING_TASKS:
+            assert shm == [{"medium": "Memory", "mountPath": "/dev/shm", "sizeLimit": "8Gi", "volumeName": "shm"}]
+        else:
+            assert shm == [], name
+
+
+def test_shm_size_option_and_the_mpijob_followers(tmp_path):
+    """--shm-size sizes /dev/shm; with --mpijob the training tasks only follow their jobs: light, no GPU, no shm."""
+    path = compile_pipeline(tmp_path / "mpijob.yaml", cache_pvc="qatpipe-cache", mpijob=True)
+    spec, platform = yaml.safe_load_all(path.read_text())
+    tasks = _all_tasks(spec)
+    executors = spec["deploymentSpec"]["executors"]
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    for name in TRAINING_TASKS:
+        executor = spec["components"][tasks[name]["componentRef"]["name"]]["executorLabel"]
+        resources = executors[executor]["container"]["resources"]
+        assert "accelerator" not in resources and "light_memory" in resources["resourceMemoryLimit"], name
+        assert not k8s[executor].get("emptyDirMounts"), name
+    path = compile_pipeline(tmp_path / "shm.yaml", shm_size="16Gi")
+    spec, platform = yaml.safe_load_all(path.read_text())
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    executor = spec["components"][_all_tasks(spec)["train"]["componentRef"]["name"]]["executorLabel"]
+    assert k8s[executor]["emptyDirMounts"][0]["sizeLimit"] == "16Gi"
+
+
+def test_engines_are_cached_per_gpu_model(compiled):
+    """gpu_type is an input of every build-engine task (KFP's cache key), so an engine built on one GPU model
+    is not reused on another; the tasks that only read the engine follow its artifact."""
+    _, spec, _ = compiled
+    tasks = _all_tasks(spec)
+    for variant in VARIANTS:
+        gpu_type = tasks[f"build-engine-{variant}"]["inputs"]["parameters"]["gpu_type"]
+        assert gpu_type == {"componentInputParameter": "pipelinechannel--gpu_type"}, variant
+

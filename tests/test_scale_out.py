@@ -91,7 +91,9 @@ def test_train_on_an_mpijob_stages_data_on_the_shared_volume_and_brings_the_resu
     assert folder.parent == shared / "jobs" and played_cluster.ran[:2] == ["train", "-e"]
     assert played_cluster.staged_spec["dataset"]["train"] == str(folder / "dataset" / "train")
     assert played_cluster.staged_labels == len(list((Path(spec.dataset.train) / "labels").iterdir()))
-    assert json.loads((results / "train_summary.json").read_text())["model"].startswith(str(folder))
+    # the model and its records came back, pointing at where they are now; the resume state stayed behind
+    assert json.loads((results / "train_summary.json").read_text())["model"] == str(results / "model.keras")
+    assert summary["model"] == str(results / "model.keras") and not (results / "checkpoints").exists()
     assert not folder.exists()  # succeeded: the results came back and the job's folder is gone
 
 

@@ -231,19 +231,22 @@ class _VanishingObjectClient:
         return self._client.get_object(**kwargs)
 
 
-def test_failed_sync_keeps_manifest_of_finished_downloads(seeded, tmp_path):
+@pytest.mark.parametrize("threads", [1, 16])
+def test_failed_sync_keeps_manifest_of_finished_downloads(seeded, tmp_path, threads):
     client = _VanishingObjectClient(s3_client(max_attempts=1), seeded)
     with pytest.raises(StorageError, match="NoSuchKey"):
-        sync_s3_prefix(URI, tmp_path, client=client)
-    first, failed = [key[len(PREFIX) + 1:] for key in client.gets]
+        sync_s3_prefix(URI, tmp_path, client=client, threads=threads)
+    failed = client.gets[1][len(PREFIX) + 1:]
+    fetched = {key[len(PREFIX) + 1:] for key in client.gets} - {failed}
+    # every download that finished, also alongside the failure, is in the manifest and on disk; nothing else
     manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
-    assert sorted(manifest) == [first]
-    assert _local_files(tmp_path) == {first: TREE[first]}
+    assert set(manifest) == fetched
+    assert _local_files(tmp_path) == {rel: TREE[rel] for rel in fetched}
 
     # The object comes back; the retry fetches only what is still missing.
     seeded.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{failed}", Body=TREE[failed])
     report = sync_s3_prefix(URI, tmp_path)
-    assert (report.downloaded, report.skipped) == (3, 1)
+    assert (report.downloaded, report.skipped) == (len(TREE) - len(fetched), len(fetched))
     assert _local_files(tmp_path) == TREE
 
 
@@ -359,3 +362,19 @@ def test_spec_with_s3_dataset_reads_through_the_cache(raw, tiny_dataset, tiny_sp
         assert a.image_path.name == b.image_path.name
         assert a.image_path.read_bytes() == b.image_path.read_bytes()
         assert (a.boxes == b.boxes).all() and (a.classes == b.classes).all()
+
+
+def test_the_data_fingerprint_follows_the_s3_listing(seeded, tiny_spec, tmp_path):
+    """prepare-data's cache key: the same URIs give another fingerprint once an object is added or replaced
+    (its ETag), and the same one while nothing changed; nothing is downloaded to compute it."""
+    from qatpipe.data.prepare import data_fingerprint
+
+    spec = tiny_spec(f"dataset.train={URI}", f"dataset.val=s3://{BUCKET}/datasets/val",
+                     f"dataset.cache_dir={tmp_path / 'cache'}")
+    first = data_fingerprint(spec)
+    assert data_fingerprint(spec) == first and not (tmp_path / "cache").exists()
+    old = TREE["labels/000000.txt"]
+    seeded.put_object(Bucket=BUCKET, Key=f"{PREFIX}/labels/000000.txt", Body=old.replace(b"Car", b"Van"))
+    replaced = data_fingerprint(spec)
+    seeded.put_object(Bucket=BUCKET, Key=f"{PREFIX}/labels/000002.txt", Body=old)
+    assert len({first, replaced, data_fingerprint(spec)}) == 3

@@ -73,6 +73,7 @@ def test_submit_creates_a_run(kfp_api, monkeypatch, capsys):
     host, requests = kfp_api
     monkeypatch.setenv("KFP_TOKEN", "test-token")
     code = main(["submit", "--host", host, "--experiment", "detectors", "--run-name", "qat-1",
+                 "--service-account", "default-editor",
                  "spec_uri=s3://specs/kitti.yaml", "gpus=2", "spec_overrides=[train.epochs=3]",
                  'node_selector={"nvidia.com/gpu.product": "A100"}'])
     assert code == 0
@@ -84,6 +85,7 @@ def test_submit_creates_a_run(kfp_api, monkeypatch, capsys):
     assert created[0]["body"]["display_name"] == "detectors"
     run = created[1]["body"]
     assert run["display_name"] == "qat-1" and run["experiment_id"] == "exp-1"
+    assert run["service_account"] == "default-editor"  # the identity the run's pods take
     # the package's two documents travel together: the DAG, and the Kubernetes settings (secrets, GPUs)
     assert run["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "qatpipe"
     assert "kubernetes" in run["pipeline_spec"]["platform_spec"]["platforms"]

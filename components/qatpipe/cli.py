@@ -208,7 +208,7 @@ def cmd_compile(args) -> int:
 
     if args.mpijob and not args.cache_pvc:
         raise QatpipeError("--mpijob needs --cache-pvc: the MPIJobs share their data and results through it")
-    compile_pipeline(args.output, cache_pvc=args.cache_pvc, mpijob=args.mpijob)
+    compile_pipeline(args.output, cache_pvc=args.cache_pvc, mpijob=args.mpijob, shm_size=args.shm_size)
     return 0
 
 
@@ -216,7 +216,8 @@ def cmd_submit(args) -> int:
     from qatpipe_pipelines.submit import parse_arguments, submit
 
     url = submit(args.host, parse_arguments(args.arguments), experiment=args.experiment,
-                 namespace=args.namespace, run_name=args.run_name, package=args.package)
+                 namespace=args.namespace, run_name=args.run_name, package=args.package,
+                 service_account=args.service_account)
     print(url)
     return 0
 
@@ -370,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--mpijob", action="store_true",
                           help="train and retrain always run as MPIJobs (workers x gpus); their own tasks only "
                                "follow the job and request no GPU (needs --cache-pvc)")
+    compile_.add_argument("--shm-size", help="memory-backed /dev/shm of the training tasks (default 8Gi; counted "
+                                             "in their memory limit, training_memory)")
     compile_.set_defaults(func=cmd_compile)
 
     submit = sub.add_parser("submit", help="create a pipeline run on a Kubeflow Pipelines backend",
@@ -377,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kubeflow.example.com/pipeline")
     submit.add_argument("--experiment", default="qatpipe", help="KFP experiment (default: qatpipe)")
     submit.add_argument("--namespace", help="Kubeflow profile namespace (multi-user deployments)")
+    submit.add_argument("--service-account", help="the ServiceAccount the run's pods use (standalone KFP: "
+                                                  "pipeline-runner; Kubeflow profiles: default-editor)")
     submit.add_argument("--run-name", help="KFP run name")
     submit.add_argument("--package", type=Path, help="a compiled pipeline YAML (default: compile now)")
     submit.add_argument("arguments", nargs="*", metavar="NAME=VALUE",

@@ -54,7 +54,7 @@ def run_local(output_dir: str | Path, spec_uri: str = "default", overrides: list
     stage_log.unlink(missing_ok=True)
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(out / "kfp"),
                    enable_caching=True, cache_root=str(out / "kfp-cache"), raise_on_error=True)
-    qat_pipeline = build_pipeline(network_retries=0, gpu_placement=False, code_version=code_version())
+    qat_pipeline = build_pipeline(network_retries=0, placement=False, code_version=code_version())
     started = time.time()
     log.info("running the pipeline locally into %s (spec %s)", out, spec_uri)
     # the stage subprocesses inherit these

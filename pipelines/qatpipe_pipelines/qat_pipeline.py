@@ -1,6 +1,6 @@
 """The qatpipe DAG, TAO's recipe with MLflow tracking around it:
 
-prepare data → train (unpruned) → evaluate (unpruned) and prune →
+fingerprint data → prepare data → train (unpruned) → evaluate (unpruned) and prune →
   [retrain FP32 → export → evaluate FP32; export → PTQ calibrate → evaluate PTQ]
   [retrain QAT → export (explicit Q/DQ + calibration cache) → evaluate QAT]
 → per variant: build engine (+ latency benchmark) → validate against the FP32 baseline
@@ -23,6 +23,7 @@ from qatpipe_kfp.compare.component import compare
 from qatpipe_kfp.evaluate.component import evaluate
 from qatpipe_kfp.export.component import export
 from qatpipe_kfp.finish_tracking.component import finish_tracking
+from qatpipe_kfp.fingerprint_data.component import fingerprint_data
 from qatpipe_kfp.log_stage.component import log_stage
 from qatpipe_kfp.prepare_data.component import prepare_data
 from qatpipe_kfp.prune.component import prune
@@ -43,27 +44,44 @@ CACHE_MOUNT_PATH = "/var/cache/qatpipe"
 # service simply has no keys. Values never pass through pipeline parameters or logs.
 SECRET_KEYS_TO_ENV = {key: key for key in CREDENTIAL_KEYS}
 NETWORK_RETRIES = 3
+TRAINING_RETRIES = 2  # pre-emption, eviction: with --cache-pvc the retry resumes from the last checkpoint
+# CPU and memory per kind of task (requests = limits, so no task is BestEffort: evicted first, OOM-killed
+# without a trace; training has no CPU limit, see _TaskSettings.cpu); each is a pipeline parameter
+# `<kind>_cpu` / `<kind>_memory` with these defaults
+TASK_SIZES = {
+    "training": ("8", "32Gi"),  # train / retrain on a GPU node: TensorFlow plus the tf.data workers
+    "gpu_stage": ("4", "16Gi"),  # evaluate (Keras), build-engine, validate
+    "cpu_stage": ("4", "16Gi"),  # data, pruning, export, PTQ, ONNX evaluations, compare, register
+    "light": ("1", "2Gi"),  # spec, tracking and logging tasks (MLflow client, artifact uploads)
+}
+SHM_SIZE = "8Gi"  # memory-backed /dev/shm of training tasks (NCCL, Horovod with gpus > 1 in one pod)
 
 
 class _TaskSettings:
     """How the pipeline's tasks run: image, credentials, GPU placement, retries, caching.
 
     Made inside the pipeline function from its parameters; each task then says only what kind it is:
-    `cpu(task, network=..., per_run=..., reads_data=...)` or `gpu(task, reads_data=True)`.
+    `cpu(task, network=..., per_run=..., reads_data=..., size=...)` or `gpu(task, reads_data=True, size=...)`.
     """
 
-    def __init__(self, image, engine_image, secret, gpus, node_selector, tolerations, *, cache_pvc,
-                 network_retries, gpu_placement, code_version):
+    def __init__(self, image, engine_image, secret, gpus, node_selector, tolerations, *, sizes, cache_pvc,
+                 network_retries, placement, code_version, shm_size):
         self.image, self.engine_image, self.secret = image, engine_image, secret
         self.gpus, self.node_selector, self.tolerations = gpus, node_selector, tolerations
-        self.cache_pvc, self.network_retries, self.gpu_placement = cache_pvc, network_retries, gpu_placement
-        self.code_version = code_version
+        self.sizes = sizes  # kind -> (cpu, memory), pipeline parameters
+        self.cache_pvc, self.network_retries, self.placement = cache_pvc, network_retries, placement
+        self.code_version, self.shm_size = code_version, shm_size
 
     def cpu(self, task: dsl.PipelineTask, *, network: bool = False, per_run: bool = False,
-            reads_data: bool = False, engine: bool = False) -> dsl.PipelineTask:
+            reads_data: bool = False, engine: bool = False, size: str = "cpu_stage") -> dsl.PipelineTask:
         """network: talks to S3 / MLflow, so retried; per_run: its result belongs to this run (MLflow ids,
         a URI's current content), so never served from cache; reads_data: gets the dataset cache PVC;
-        engine: runs on the engine image (TensorRT) instead of the training image."""
+        engine: runs on the engine image (TensorRT) instead of the training image; size: its TASK_SIZES kind."""
+        if self.placement:
+            cpu, memory = self.sizes[size]
+            task.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(memory)
+            if size != "training":  # as the MPIJob workers: CFS throttling would starve tf.data's input pipeline
+                task.set_cpu_limit(cpu)
         task.set_container_image(self.engine_image if engine else self.image)
         if self.code_version:
             task.set_env_variable("QATPIPE_CODE_VERSION", self.code_version)
@@ -79,9 +97,10 @@ class _TaskSettings:
             task.set_env_variable("QATPIPE_CACHE_PVC", self.cache_pvc)  # MPIJobs mount it too
         return task
 
-    def gpu(self, task: dsl.PipelineTask, reads_data: bool = True, engine: bool = False) -> dsl.PipelineTask:
-        self.cpu(task, reads_data=reads_data, engine=engine)
-        if self.gpu_placement:
+    def gpu(self, task: dsl.PipelineTask, reads_data: bool = True, engine: bool = False,
+            size: str = "gpu_stage") -> dsl.PipelineTask:
+        self.cpu(task, reads_data=reads_data, engine=engine, size=size)
+        if self.placement:
             task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(self.gpus)
             kubernetes.add_node_selector_json(task, node_selector_json=self.node_selector)
             kubernetes.add_toleration_json(task, toleration_json=self.tolerations)
@@ -90,24 +109,43 @@ class _TaskSettings:
     def logged(self, stage_output, parent_run_id, display_name: str) -> dsl.PipelineTask:
         """A log-stage task: the stage's tracking record becomes a nested MLflow run of this pipeline run."""
         task = log_stage(parent_run_id=parent_run_id, stage_output=stage_output).set_display_name(display_name)
-        return self.cpu(task, network=True, per_run=True)
+        return self.cpu(task, network=True, per_run=True, size="light")
+
+    def training(self, task: dsl.PipelineTask, mpijob: bool) -> dsl.PipelineTask:
+        """train / retrain: on a GPU node with a memory-backed /dev/shm, or (mpijob) a task that only follows
+        its MPIJob and holds no GPU. Either reads the KFP run id from its pod's labels, not from a task input
+        (that would defeat the cache), to find the MLflow run and log its curves there while it trains."""
+        for env, label in zip(KFP_RUN_ID_ENVS, ("pipeline/runid", "pipelines.kubeflow.org/run_id")):
+            kubernetes.use_field_path_as_env(task, env, f"metadata.labels['{label}']")
+        # a pre-empted or evicted pod is retried and resumes from its last checkpoint, which lives on the cache
+        # volume (stages/scale_out.py), not in the task's outputs
+        task.set_retry(num_retries=TRAINING_RETRIES, backoff_duration="60s", backoff_factor=2.0)
+        if mpijob:
+            return self.cpu(task, reads_data=True, size="light")
+        if self.placement:
+            kubernetes.empty_dir_mount(task, volume_name="shm", mount_path="/dev/shm", medium="Memory",
+                                       size_limit=self.shm_size)
+        return self.gpu(task, size="training")
 
 
 def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWORK_RETRIES,
-                   gpu_placement: bool = True, code_version: str = "", mpijob: bool = False):
+                   placement: bool = True, code_version: str = "", mpijob: bool = False,
+                   shm_size: str = SHM_SIZE):
     """The pipeline function. Compile-time options:
     cache_pvc: mount this existing PVC as the dataset cache of every stage that reads data (a mount cannot be
         made optional at run time);
     network_retries: retries of the stages that talk to S3 / MLflow (the local run uses 0: a failure there
         is reported at once, and MLflow calls retry on their own);
-    gpu_placement: GPU requests, node selector and tolerations on the GPU stages. The local run turns it off:
-        kfp.local ignores them anyway, and kfp 2.17's local runner cannot resolve a pipeline parameter used
-        in them inside the exit handler;
+    placement: the settings of the tasks' pods: CPU and memory sizes, GPU requests, node selector and
+        tolerations on the GPU stages, /dev/shm. The local run turns it off: kfp.local ignores them anyway,
+        and kfp 2.17's local runner cannot resolve a pipeline parameter used in them inside the exit handler;
     code_version: set as QATPIPE_CODE_VERSION in every task, so that a cache keyed on the task's environment
         (kfp.local's) misses when the library changes. On a cluster the image tag plays that part;
     mpijob: train and retrain always run as MPIJobs of `workers` x `gpus` processes, and their own tasks, which
         only follow the job, request no GPU (else a task with workers > 1 holds `gpus` GPUs while its job runs,
-        a request KFP cannot make depend on a run-time parameter). Needs cache_pvc.
+        a request KFP cannot make depend on a run-time parameter). Needs cache_pvc;
+    shm_size: the size limit of the training tasks' memory-backed /dev/shm (counted in their memory limit; KFP
+        takes no run-time parameter there).
     """
 
     @dsl.pipeline(
@@ -128,6 +166,15 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         tolerations: list = [],
         credentials_secret: str = "qatpipe-credentials",
         kfp_ui_url: str = "",
+        gpu_type: str = "",
+        training_cpu: str = TASK_SIZES["training"][0],
+        training_memory: str = TASK_SIZES["training"][1],
+        gpu_stage_cpu: str = TASK_SIZES["gpu_stage"][0],
+        gpu_stage_memory: str = TASK_SIZES["gpu_stage"][1],
+        cpu_stage_cpu: str = TASK_SIZES["cpu_stage"][0],
+        cpu_stage_memory: str = TASK_SIZES["cpu_stage"][1],
+        light_cpu: str = TASK_SIZES["light"][0],
+        light_memory: str = TASK_SIZES["light"][1],
     ):
         """
         spec_uri: bundled spec name (default, tiny), a path inside the image, or s3://bucket/key.
@@ -146,44 +193,54 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         credentials_secret: Kubernetes Secret with the S3 / MLflow credentials (keys: SECRET_KEYS_TO_ENV).
         kfp_ui_url: the KFP UI's address (`qatpipe submit` sets it): MLflow runs and model versions then link
             to this run's page.
+        gpu_type: the GPU model engines are built for, as nvidia.com/gpu.product names it (e.g.
+            "NVIDIA-A100-SXM4-80GB"): build-engine's cache key, so an engine is reused only on that model, and
+            checked on the node (pin the model with node_selector). Empty: engines are cached for any GPU.
+        training_cpu, training_memory: CPU and memory (request = limit) of train / retrain on GPU nodes.
+        gpu_stage_cpu, gpu_stage_memory: the same for evaluate-unpruned, build-engine and validate.
+        cpu_stage_cpu, cpu_stage_memory: the same for the CPU stages (data, prune, export, PTQ, the ONNX
+            evaluations, compare, register).
+        light_cpu, light_memory: the same for the spec, tracking and logging tasks (and the tasks that follow
+            an MPIJob).
         """
+        sizes = {"training": (training_cpu, training_memory), "gpu_stage": (gpu_stage_cpu, gpu_stage_memory),
+                 "cpu_stage": (cpu_stage_cpu, cpu_stage_memory), "light": (light_cpu, light_memory)}
         run = _TaskSettings(training_image, engine_image, credentials_secret, gpus, node_selector, tolerations,
-                            cache_pvc=cache_pvc, network_retries=network_retries, gpu_placement=gpu_placement,
-                            code_version=code_version)
+                            sizes=sizes, cache_pvc=cache_pvc, network_retries=network_retries,
+                            placement=placement, code_version=code_version, shm_size=shm_size)
 
         # an exit task may not depend on other tasks: it finds the MLflow run by the KFP run id
-        finish = run.cpu(finish_tracking(kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), per_run=True)
+        finish = run.cpu(finish_tracking(kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), per_run=True, size="light")
 
         with dsl.ExitHandler(finish, name="stages"):
-            specs = run.cpu(resolve_spec(spec_uri=spec_uri, overrides=spec_overrides), network=True,
-                            per_run=True)  # per run: the URI's content may change
+            specs = run.cpu(resolve_spec(spec_uri=spec_uri, overrides=spec_overrides,
+                                         credentials_secret=credentials_secret), network=True, per_run=True,
+                            size="light")  # per run: the URI's content may change
             tracking = run.cpu(start_tracking(spec=specs.outputs["spec"], run_name=run_name,
                                               kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_ui_url=kfp_ui_url),
-                               network=True, per_run=True)
+                               network=True, per_run=True, size="light")
             parent_run_id = tracking.outputs["Output"]
 
-            data = run.cpu(prepare_data(data_spec=specs.outputs["data_spec"]), network=True, reads_data=True)
+            # the data as it is now (S3 listing, files' digests) keys prepare-data's cache, beside the spec
+            fingerprint = run.cpu(fingerprint_data(data_spec=specs.outputs["data_spec"]), network=True, per_run=True,
+                                  reads_data=True, size="light")
+            data = run.cpu(prepare_data(data_spec=specs.outputs["data_spec"], data_fingerprint=fingerprint.output),
+                           network=True, reads_data=True)
             run.logged(data.outputs["dataset"], parent_run_id, "log-prepare-data")
 
             scale_out = dict(gpus=gpus, workers=workers, mpijob_api_version=mpijob_api_version,
                              training_image=training_image, credentials_secret=credentials_secret,
                              node_selector=node_selector, tolerations=tolerations, mpijob=mpijob)
 
-            def training_task(task: dsl.PipelineTask) -> dsl.PipelineTask:
-                # the KFP run id from the pod's labels, not a task input (that would defeat the cache): the
-                # task finds the MLflow run with it and logs its curves there while it trains
-                for env, label in zip(KFP_RUN_ID_ENVS, ("pipeline/runid", "pipelines.kubeflow.org/run_id")):
-                    kubernetes.use_field_path_as_env(task, env, f"metadata.labels['{label}']")
-                # an MPIJob does the training: the task that follows it needs no GPU
-                return run.cpu(task, reads_data=True) if mpijob else run.gpu(task)
-
-            trained = training_task(train(train_spec=specs.outputs["train_spec"], dataset=data.outputs["dataset"],
-                                          **scale_out))
+            trained = run.training(train(train_spec=specs.outputs["train_spec"], dataset=data.outputs["dataset"],
+                                         **scale_out), mpijob)
             run.logged(trained.outputs["model"], parent_run_id, "log-train")
 
-            def evaluated(name: str, model) -> dsl.PipelineTask:
-                task = run.gpu(evaluate(evaluate_spec=specs.outputs["evaluate_spec"], variant=name,
-                                        dataset=data.outputs["dataset"], model=model))
+            def evaluated(name: str, model, keras: bool = False) -> dsl.PipelineTask:
+                # a Keras model runs on TensorFlow's GPU; an ONNX one on ONNX Runtime's CPU build
+                task = evaluate(evaluate_spec=specs.outputs["evaluate_spec"], variant=name,
+                                dataset=data.outputs["dataset"], model=model)
+                task = run.gpu(task) if keras else run.cpu(task, reads_data=True)
                 task.set_display_name(f"evaluate-{name}")
                 run.logged(task.outputs["results"], parent_run_id, f"log-evaluate-{name}")
                 return task
@@ -194,16 +251,16 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
                 run.logged(task.outputs["onnx_model"], parent_run_id, f"log-export-{name}")
                 return task
 
-            unpruned_eval = evaluated("unpruned", trained.outputs["model"])
+            unpruned_eval = evaluated("unpruned", trained.outputs["model"], keras=True)
 
             pruned = run.cpu(prune(prune_spec=specs.outputs["prune_spec"], model=trained.outputs["model"]))
             run.logged(pruned.outputs["pruned"], parent_run_id, "log-prune")
 
             retrained = {}
             for name, qat, view in (("fp32", False, "retrain_spec"), ("qat", True, "retrain_qat_spec")):
-                task = training_task(retrain(retrain_spec=specs.outputs[view], qat=qat,
-                                             dataset=data.outputs["dataset"], pruned=pruned.outputs["pruned"],
-                                             **scale_out))
+                task = run.training(retrain(retrain_spec=specs.outputs[view], qat=qat,
+                                            dataset=data.outputs["dataset"], pruned=pruned.outputs["pruned"],
+                                            **scale_out), mpijob)
                 task.set_display_name(f"retrain-{name}")
                 run.logged(task.outputs["model"], parent_run_id, f"log-retrain-{name}")
                 retrained[name] = task
@@ -222,7 +279,7 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             engines, validations = {}, {}
             for name, model in onnx_models.items():
                 built = run.gpu(build_engine(engine_spec=specs.outputs["engine_spec"], variant=name,
-                                             onnx_model=model), reads_data=False, engine=True)
+                                             onnx_model=model, gpu_type=gpu_type), reads_data=False, engine=True)
                 built.set_display_name(f"build-engine-{name}")
                 run.logged(built.outputs["engine"], parent_run_id, f"log-build-engine-{name}")
                 checked = run.gpu(validate(validate_spec=specs.outputs["validate_spec"], variant=name,

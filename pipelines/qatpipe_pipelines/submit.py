@@ -23,14 +23,16 @@ TOKEN_ENV = "KFP_TOKEN"
 DEFAULT_EXPERIMENT = "qatpipe"
 
 
-def compile_pipeline(output: str | Path, cache_pvc: str | None = None, mpijob: bool = False) -> Path:
+def compile_pipeline(output: str | Path, cache_pvc: str | None = None, mpijob: bool = False,
+                     shm_size: str | None = None) -> Path:
     from kfp import compiler
 
-    from qatpipe_pipelines.qat_pipeline import build_pipeline
+    from qatpipe_pipelines.qat_pipeline import SHM_SIZE, build_pipeline
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(build_pipeline(cache_pvc=cache_pvc, mpijob=mpijob), str(output))
+    compiler.Compiler().compile(build_pipeline(cache_pvc=cache_pvc, mpijob=mpijob, shm_size=shm_size or SHM_SIZE),
+                                str(output))
     log.info("compiled pipeline: %s", output)
     return output
 
@@ -83,8 +85,12 @@ def kfp_token() -> str | None:
 
 
 def submit(host: str, arguments: dict[str, Any], experiment: str = DEFAULT_EXPERIMENT,
-           namespace: str | None = None, run_name: str | None = None, package: str | Path | None = None) -> str:
-    """Create a run of the pipeline on the KFP backend at `host`; returns the run's URL."""
+           namespace: str | None = None, run_name: str | None = None, package: str | Path | None = None,
+           service_account: str | None = None) -> str:
+    """Create a run of the pipeline on the KFP backend at `host`; returns the run's URL. `namespace`: the
+    Kubeflow profile the run (and its pods) belongs to; `service_account`: the one its pods run as (standalone
+    KFP: pipeline-runner; Kubeflow profiles: default-editor), which must be able to read the credentials Secret
+    and, for MPIJobs, create them (manifests/)."""
     import kfp
 
     host = host.rstrip("/")
@@ -102,7 +108,7 @@ def submit(host: str, arguments: dict[str, Any], experiment: str = DEFAULT_EXPER
                                     **({"namespace": namespace} if namespace else {}))
                 result = client.create_run_from_pipeline_package(
                     str(package), arguments=arguments, run_name=run_name, experiment_name=experiment,
-                    namespace=namespace,
+                    namespace=namespace, service_account=service_account,
                 )
         except Exception as exc:  # kfp_server_api.ApiException, urllib3 / connection errors
             status = getattr(exc, "status", None)

@@ -95,6 +95,35 @@ def split_digest(samples: list) -> str:
     return total.hexdigest()[:16]
 
 
+def data_fingerprint(spec: ExperimentSpec) -> str:
+    """What a prepared data set depends on beyond the spec: 16 hex digits of SHA-256 over the S3 listing (keys,
+    sizes, ETags) or the local files (paths, sizes, SHA-256 of the bytes) of dataset.train and dataset.val;
+    "synthetic" when the spec names no data (then the spec alone decides it). The pipeline passes it to
+    prepare-data, so new or changed files under the same URI miss the cache."""
+    from qatpipe.data.storage import is_s3_uri, list_objects
+
+    ds = spec.dataset
+    if ds.train is None and ds.val is None:
+        return "synthetic"
+    total = hashlib.sha256()
+    for split in ("train", "val"):
+        where = getattr(ds, split)
+        if where is None:
+            continue  # prepare_dataset reports the missing half
+        total.update(f"{split}\0{where}\0".encode())
+        if is_s3_uri(where):
+            for obj in sorted(list_objects(where), key=lambda o: o["Key"]):
+                total.update(f"{obj['Key']}\0{obj['Size']}\0{obj['ETag']}\n".encode())
+            continue
+        folder = Path(where)
+        if not folder.is_dir():
+            raise DataError(folder, f"dataset.{split}: dataset folder not found")
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            total.update(f"{path.relative_to(folder).as_posix()}\0{path.stat().st_size}\0".encode()
+                         + hashlib.sha256(path.read_bytes()).digest())
+    return total.hexdigest()[:16]
+
+
 def read_manifest(dataset_dir: str | Path) -> dict:
     path = Path(dataset_dir) / MANIFEST
     try:

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST_NAME = ".qatpipe-s3-manifest.json"
 _PROGRESS_EVERY = 50
+DOWNLOAD_THREADS = 16  # objects fetched at once by sync_s3_prefix (bench/s3_sync.py measures 1 vs this)
 _DENIED_CODES = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
 
 
@@ -70,6 +72,7 @@ def s3_client(max_attempts: int = 5):
         connect_timeout=5,
         read_timeout=30,
         s3={"addressing_style": "path"},  # MinIO does not serve virtual-host buckets by default
+        max_pool_connections=2 * DOWNLOAD_THREADS,  # one connection per download thread, and spare
     )
     # A fresh Session re-reads the environment; boto3's default session caches credentials.
     session = boto3.session.Session()
@@ -154,8 +157,23 @@ def _prune(dest: Path, keep: set[str]) -> list[str]:
     return removed
 
 
-def sync_s3_prefix(uri: str, dest_dir: str | Path, *, client=None) -> SyncReport:
-    """Mirror every object under ``uri`` into ``dest_dir``, skipping unchanged ones.
+def list_objects(uri: str, client=None) -> list[dict]:
+    """Every object under the prefix `uri` names (Key, Size, ETag, ...); a StorageError when there is none."""
+    bucket, prefix = parse_s3_uri(uri)
+    client = client or s3_client()
+    list_prefix = f"{prefix}/" if prefix else ""  # trailing slash: "train" must not match "train2"
+    with _s3_errors(uri, client):
+        objects = []
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=list_prefix):
+            objects += [o for o in page.get("Contents", []) if not o["Key"].endswith("/")]
+        if not objects:
+            raise StorageError(f"no objects under {uri} (endpoint: {_describe_endpoint(client)})")
+    return objects
+
+
+def sync_s3_prefix(uri: str, dest_dir: str | Path, *, client=None, threads: int = DOWNLOAD_THREADS) -> SyncReport:
+    """Mirror every object under ``uri`` into ``dest_dir``, skipping unchanged ones, ``threads`` downloads at
+    a time (a boto3 client is thread-safe).
 
     Local files whose object is no longer listed are deleted (``.part`` files excepted).
     """
@@ -168,12 +186,7 @@ def sync_s3_prefix(uri: str, dest_dir: str | Path, *, client=None) -> SyncReport
     list_prefix = f"{prefix}/" if prefix else ""  # trailing slash: "train" must not match "train2"
     report = SyncReport()
 
-    with _s3_errors(uri, client):
-        objects = []
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=list_prefix):
-            objects += [o for o in page.get("Contents", []) if not o["Key"].endswith("/")]
-        if not objects:
-            raise StorageError(f"no objects under {uri} (endpoint: {_describe_endpoint(client)})")
+    objects = list_objects(uri, client)
     log.info("syncing %d objects from %s to %s", len(objects), uri, dest)
 
     # Check every key before touching the disk: one bad key must not leave a half-pruned cache.
@@ -187,23 +200,35 @@ def sync_s3_prefix(uri: str, dest_dir: str | Path, *, client=None) -> SyncReport
     listed = set(rels)
     manifest = {rel: entry for rel, entry in manifest.items() if rel in listed}
 
+    wanted = []
+    for obj, rel, target in zip(objects, rels, targets):
+        if (manifest.get(rel) == {"size": obj["Size"], "etag": obj["ETag"]}
+                and target.is_file() and target.stat().st_size == obj["Size"]):
+            report.skipped += 1
+        else:
+            wanted.append((obj["Key"], rel, target))
+    pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="s3-sync")
+    pending: dict = {}
+
+    def record(done) -> None:
+        size, etag = done.result()
+        manifest[pending.pop(done)] = {"size": size, "etag": etag}
+        report.downloaded += 1
+        report.bytes += size
+
     try:
         with _s3_errors(uri, client):
-            for i, (obj, rel, target) in enumerate(zip(objects, rels, targets), 1):
-                entry = manifest.get(rel)
-                if (entry == {"size": obj["Size"], "etag": obj["ETag"]}
-                        and target.is_file() and target.stat().st_size == obj["Size"]):
-                    report.skipped += 1
-                else:
-                    size, etag = _download(client, bucket, obj["Key"], target)
-                    manifest[rel] = {"size": size, "etag": etag}
-                    report.downloaded += 1
-                    report.bytes += size
-                if i % _PROGRESS_EVERY == 0:
+            pending.update({pool.submit(_download, client, bucket, key, target): rel for key, rel, target in wanted})
+            for done in as_completed(list(pending)):
+                record(done)  # the first failure stops the sync: queued downloads are cancelled
+                if report.downloaded % _PROGRESS_EVERY == 0:
                     write_json(manifest_path, manifest)  # keep progress if killed later
-                    log.info("%s: %d/%d objects (%.1f MB downloaded)",
-                             uri, i, len(objects), report.bytes / 1e6)
+                    log.info("%s: %d/%d objects downloaded (%.1f MB)", uri, report.downloaded, len(wanted),
+                             report.bytes / 1e6)
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # downloads in flight finish or clean up their .part
+        for done in [f for f in pending if f.done() and not f.cancelled() and f.exception() is None]:
+            record(done)  # finished while the failure was being handled: keep them too
         # Also on failure, so files already fetched are not downloaded again by the retry.
         write_json(manifest_path, manifest)
     log.info("synced %s: %d downloaded, %d skipped, %d removed, %.1f MB",

@@ -49,22 +49,74 @@ class ClusterSettings:
 
 def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path, *, pruned_model: Path | None = None,
                        processes_per_node: int = 1, nodes: int = 1, cluster: ClusterSettings | None = None,
-                       use_mpijob: bool = False) -> dict:
+                       use_mpijob: bool = False, work_root: str | Path | None = None) -> dict:
     """Train (`stage` "train") or retrain (`stage` "retrain", from `pruned_model`) into `results_dir`;
-    returns the training summary. `use_mpijob`: an MPIJob even for one node (this process only follows it)."""
+    returns the training summary. `use_mpijob`: an MPIJob even for one node (this process only follows it).
+
+    On this host the training works in a folder of `work_root` (default: $QATPIPE_CACHE_DIR/work, the cache
+    volume, when mounted), named after the KFP run ($QATPIPE_KFP_RUN_ID) and the stage's inputs: a retried
+    task (pre-emption, eviction) resumes from the last checkpoint there. Only the model and its records come
+    to `results_dir` (the Model artifact every later stage downloads), never the checkpoints."""
     if stage not in ("train", "retrain"):
         raise ValueError(stage)
     if processes_per_node < 1 or nodes < 1:
         raise QatpipeError(f"need at least 1 process and 1 node, got {processes_per_node} and {nodes}")
     results_dir = Path(results_dir)
-    if nodes == 1 and processes_per_node == 1 and not use_mpijob:
-        return _in_process(stage, spec, results_dir, pruned_model)
     if nodes == 1 and not use_mpijob:
-        return _on_this_host(stage, spec, results_dir, pruned_model, processes_per_node)
+        with _work_folder(stage, spec, pruned_model, processes_per_node, work_root) as work:
+            if processes_per_node == 1:
+                _in_process(stage, spec, work, pruned_model)
+            else:
+                _on_this_host(stage, spec, work, pruned_model, processes_per_node)
+            return _keep_results(work, results_dir)
     if cluster is None or not cluster.shared_pvc:
         raise QatpipeError(f"{nodes} node(s) as an MPIJob: it needs a shared ReadWriteMany volume for its data and "
                            "results; compile the pipeline with --cache-pvc NAME (manifests/ makes qatpipe-cache)")
     return _on_mpijob(stage, spec, results_dir, pruned_model, processes_per_node, nodes, cluster)
+
+
+# what stays in the work folder and never reaches the Model artifact: resume state
+RESUME_STATE = ("checkpoints", "best")
+WORK_ROOT_ENV = "QATPIPE_CACHE_DIR"
+
+
+@contextlib.contextmanager
+def _work_folder(stage, spec, pruned_model, processes, work_root):
+    """The training's working folder (see run_training_stage); removed once the results are kept. Without a
+    durable root, a temporary one (nothing to resume from, as before)."""
+    root = Path(work_root) if work_root else (Path(os.environ[WORK_ROOT_ENV]) / "work"
+                                              if os.environ.get(WORK_ROOT_ENV) else None)
+    if root is None:
+        with tempfile.TemporaryDirectory(prefix=f"qatpipe-{stage}-") as tmp:
+            yield Path(tmp)
+        return
+    run = os.environ.get("QATPIPE_KFP_RUN_ID") or os.environ.get("QATPIPE_KFP_RUN_ID_V2") or "no-run-id"
+    folder = root / run / _job_folder_name(stage, spec, pruned_model, f"1x{processes}")
+    if (folder / "checkpoints").is_dir():
+        log.info("%s: resuming in %s (an earlier attempt of this task left checkpoints)", stage, folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)  # done: only an interrupted training's folder stays, for the retry
+
+
+def _keep_results(work: Path, results_dir: Path) -> dict:
+    """Copy the trained model and its records (not the resume state) to `results_dir`; returns the training
+    summary, its model path pointing there."""
+    from qatpipe.fileio import write_json
+    from qatpipe.stages.train import SUMMARY_FILE
+
+    summary = _summary(work)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    for path in work.iterdir():
+        if path.name in RESUME_STATE:
+            continue
+        if path.is_dir():
+            shutil.copytree(path, results_dir / path.name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(path, results_dir / path.name)
+    summary["model"] = str(results_dir / Path(summary["model"]).name)
+    write_json(results_dir / SUMMARY_FILE, summary)
+    return summary
 
 
 def _in_process(stage, spec, results_dir, pruned_model) -> dict:
@@ -173,8 +225,7 @@ def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster
         # the job's name is its folder's: a job left by an earlier attempt of this work is replaced, and the
         # new one resumes from the checkpoints in the folder
         launcher.run(mpijob_manifest(request), timeout_seconds=cluster.timeout_seconds, replace_existing=True)
-    summary = _summary(job_results)
-    shutil.copytree(job_results, results_dir, dirs_exist_ok=True)
+    summary = _keep_results(job_results, results_dir)
     shutil.rmtree(shared, ignore_errors=True)  # done: only a failed job's folder stays, for the retry
     log.info("%s: results of MPIJob %s copied to %s", stage, request.name, results_dir)
     return summary
@@ -197,11 +248,11 @@ def _sigterm_as_exit():
         signal.signal(signal.SIGTERM, previous)
 
 
-__all__ = ["ClusterSettings", "run_training_stage"]
-
-
 def _live_curves_env() -> dict[str, str]:
     """The pipeline's MLflow run, for the job's rank 0 to log its curves to (tracking/live.py)."""
     from qatpipe.tracking.live import PARENT_RUN_ENV
 
     return {PARENT_RUN_ENV: os.environ[PARENT_RUN_ENV]} if os.environ.get(PARENT_RUN_ENV) else {}
+
+
+__all__ = ["ClusterSettings", "run_training_stage"]

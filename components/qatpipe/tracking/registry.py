@@ -136,7 +136,9 @@ def pipeline_models(tracker: MlflowTracker, parent_run_id: str) -> tuple[dict[st
             if stage == MODEL_STAGE_PREFIX + "qat":
                 found = tracker.call("reading the registry", lambda: tracker.client.search_model_versions(
                     f"run_id = '{run.info.run_id}'"))
-                version = found[0] if found else None
+                if found:  # a search leaves the aliases out: read the version itself
+                    version = tracker.call("reading the registry", lambda: tracker.client.get_model_version(
+                        found[0].name, found[0].version))
     return models, version
 
 

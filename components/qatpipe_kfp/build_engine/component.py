@@ -8,21 +8,24 @@ from qatpipe_kfp.settings import component
 
 @component
 def build_engine(engine_spec: str, variant: str, onnx_model: Input[Model], engine: Output[Model],
-                 metrics: Output[Metrics]):
+                 metrics: Output[Metrics], gpu_type: str = ""):
+    # gpu_type (a pipeline parameter) keys the cache: an engine is reused only for the GPU model it was built on
     from pathlib import Path
 
+    from qatpipe.devices import check_gpu_type
     from qatpipe.stages.bench_engine import BENCH_FILE, bench_engine
     from qatpipe.stages.build_engine import build_engine as build_stage
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics
 
     with stage(f"build-engine-{variant}"):
+        check_gpu_type(gpu_type)
         spec = load_stage_spec(engine_spec)
         source = Path(onnx_model.path) / onnx_model.metadata.get("file", "model.onnx")
         info = build_stage(spec, source, engine.path, stage_name=f"build_engine_{variant}")
         report = bench_engine(spec, engine.path)
         engine.metadata.update({"backend": info["backend"], "precision": info["precision"], "variant": variant,
                                 "device": info["device"], "runtime_version": info["runtime_version"],
-                                "source_onnx_file": source.name})
+                                "source_onnx_file": source.name, "gpu_type": gpu_type})
         figures = {"engine_size_mb": report["engine_size_mb"], "peak_memory_mb": report["peak_memory_mb"]}
         for row in report["batches"]:
             for key in ("latency_ms_p50", "latency_ms_p99", "throughput"):

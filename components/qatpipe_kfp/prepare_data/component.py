@@ -6,7 +6,8 @@ from qatpipe_kfp.settings import component
 
 
 @component
-def prepare_data(data_spec: str, dataset: Output[Dataset], report: Output[Markdown]):
+def prepare_data(data_spec: str, dataset: Output[Dataset], report: Output[Markdown], data_fingerprint: str = ""):
+    # data_fingerprint (fingerprint-data's output) is here for the cache key: changed data, another key
     from qatpipe.data.prepare import prepare_dataset
     from qatpipe.tracking.records import StageRecord, numeric_leaves
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_text
@@ -16,7 +17,7 @@ def prepare_data(data_spec: str, dataset: Output[Dataset], report: Output[Markdo
         manifest = prepare_dataset(spec, dataset.path)
         counts = manifest["counts"]
         dataset.metadata.update({"source": manifest["source"], "train_images": counts["train"]["images"],
-                                 "val_images": counts["val"]["images"]})
+                                 "val_images": counts["val"]["images"], "fingerprint": data_fingerprint})
         rows = [f"| {name} | {counts['train']['objects'][name]} | {counts['val']['objects'][name]} |"
                 for name in manifest["classes"]]
         write_text(report, "\n".join([

@@ -29,3 +29,17 @@ def test_unrelated_change_keeps_the_training_input_identical():
     # nor does a QAT setting touch the FP32 retrain
     qat = resolve_spec.python_func(spec_uri="tiny", overrides=["qat.relu6=true"])
     assert qat.retrain_spec == base.retrain_spec and qat.retrain_qat_spec != base.retrain_qat_spec
+
+
+def test_s3_data_without_keys_fails_first_naming_the_key(monkeypatch):
+    """Outside a pod the environment is what the check reads (tests/test_credentials.py plays the API)."""
+    import pytest
+
+    from qatpipe.cluster.credentials import CredentialsError
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(CredentialsError, match="AWS_ACCESS_KEY_ID is not set, and the spec reads s3://b/train"):
+        resolve_spec.python_func(spec_uri="tiny", overrides=["dataset.train=s3://b/train", "dataset.val=s3://b/val"],
+                                 credentials_secret="qatpipe-credentials")
+

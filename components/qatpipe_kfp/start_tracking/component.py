@@ -8,7 +8,7 @@ from qatpipe_kfp.settings import component
 
 
 @component
-def start_tracking(spec: str, run_name: str, kfp_run_id: str, kfp_ui_url: str, link: Output[Markdown]) -> str:
+def start_tracking(spec: str, run_name: str, kfp_run_id: str, link: Output[Markdown], kfp_ui_url: str = "") -> str:
     import tempfile
     from pathlib import Path
 

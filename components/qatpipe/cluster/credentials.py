@@ -1,0 +1,93 @@
+"""The credentials Secret, checked by a run's first task: the pipeline mounts it optional (every key is optional,
+and a run without S3 or MLflow needs none), so a Secret that is missing, or lacks a key the run needs, would
+otherwise show up as a run that "succeeds" untracked, or fails deep inside a stage. `check_credentials` fails
+first, in one line naming the Secret, the key and the namespace.
+
+What a run needs: the S3 keys when the spec reads `s3://` data (unless the pod has a web identity, as with
+IRSA); and, whenever a Secret is named, the Secret itself (its MLflow keys are what turns tracking on).
+Outside a pod (the local run) only the environment is checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from qatpipe.errors import QatpipeError
+
+log = logging.getLogger(__name__)
+
+NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+WEB_IDENTITY_ENV = "AWS_WEB_IDENTITY_TOKEN_FILE"  # IRSA and friends: S3 access without keys
+
+
+class CredentialsError(QatpipeError):
+    """The run needs a credential its Secret does not give."""
+
+
+def needed_keys(s3_uris: list[str]) -> dict[str, str]:
+    """Secret key -> why the run needs it."""
+    s3 = [uri for uri in s3_uris if str(uri).startswith("s3://")]
+    if not s3 or os.environ.get(WEB_IDENTITY_ENV):
+        return {}
+    return {key: f"the spec reads {s3[0]}" for key in S3_KEYS}
+
+
+def check_credentials(secret_name: str, s3_uris: list[str], namespace: str | None = None, api_client=None) -> None:
+    """Raise CredentialsError (see the module docstring) when the run cannot have what it needs."""
+    needs = needed_keys(s3_uris)
+    missing = [key for key in needs if not os.environ.get(key)]
+    if namespace is None and NAMESPACE_FILE.is_file():
+        namespace = NAMESPACE_FILE.read_text().strip()
+    if not secret_name or namespace is None:  # no Secret named, or not in a pod: the environment is all
+        if missing:
+            raise CredentialsError(f"{missing[0]} is not set, and {needs[missing[0]]}: set it"
+                                   + (" (no credentials Secret is named: credentials_secret)" if namespace else ""))
+        return
+    data = _read_secret(secret_name, namespace, api_client)
+    if data is None:  # this pod may not read Secrets: judge by the environment alone
+        if missing:
+            raise CredentialsError(f"{missing[0]} is not set, and {needs[missing[0]]}: add it to Secret "
+                                   f"{secret_name} in namespace {namespace} (this pod cannot read Secrets to tell "
+                                   f"whether the Secret exists)")
+        return
+    if data is False:
+        raise CredentialsError(
+            f"Secret {secret_name} not found in namespace {namespace}, where the pipeline's pods run: "
+            + (f"{missing[0]} is needed ({needs[missing[0]]}). " if missing else
+               "without it nothing is tracked in MLflow and s3:// is unreadable. ")
+            + "Create it there (manifests/secrets/), or run with credentials_secret=\"\"")
+    absent = [key for key in needs if key not in data]
+    if absent:
+        raise CredentialsError(f"Secret {secret_name} in namespace {namespace} has no key {absent[0]}, and "
+                               f"{needs[absent[0]]}")
+    log.info("credentials: Secret %s in namespace %s has the keys %s", secret_name, namespace,
+             ", ".join(sorted(data)) or "(none)")
+
+
+def _read_secret(name: str, namespace: str, api_client=None):
+    """The Secret's key names (a set), False when it does not exist, None when it cannot be read."""
+    from kubernetes.client import CoreV1Api
+    from kubernetes.client.exceptions import ApiException
+
+    from qatpipe.cluster.launcher import REQUEST_TIMEOUT, load_api_client
+
+    try:
+        client = api_client or load_api_client()
+        secret = CoreV1Api(client).read_namespaced_secret(name, namespace, _request_timeout=REQUEST_TIMEOUT)
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        log.warning("cannot read Secret %s in namespace %s (HTTP %s): checking the environment only", name,
+                    namespace, exc.status)
+        return None
+    except Exception as exc:  # no API server reachable, no credentials: the environment is all there is
+        log.warning("cannot reach the Kubernetes API to read Secret %s (%s): checking the environment only",
+                    name, type(exc).__name__)
+        return None
+    return set((secret.data or {}).keys()) | set((secret.string_data or {}).keys())
+
+
+__all__ = ["CredentialsError", "check_credentials", "needed_keys"]
