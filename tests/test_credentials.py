@@ -59,6 +59,14 @@ def test_a_missing_key_names_the_key(api):
     check_credentials("creds", ["/data/train"], "team", client)  # local data needs no S3 keys
 
 
+def test_keys_the_pod_has_from_elsewhere_are_not_asked_of_the_secret(api, monkeypatch):
+    kube, client = api
+    kube.secrets[("team", "creds")] = _data("MLFLOW_TRACKING_URI")  # S3 keys come from, say, a PodDefault
+    for key in S3_KEYS:
+        monkeypatch.setenv(key, "from-a-poddefault")
+    check_credentials("creds", S3_DATA, "team", client)
+
+
 def test_unreadable_secrets_fall_back_to_the_environment(api, monkeypatch):
     kube, client = api
     kube.secret_error = (403, status_body(403, "Forbidden", 'secrets "creds" is forbidden'))

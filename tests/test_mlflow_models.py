@@ -116,6 +116,15 @@ def test_the_alias_moves_on_a_pass_and_stays_on_a_failure(mlflow_server, evaluat
     assert client.get_registered_model("test-aliases").aliases == {"champion": second["version"],
                                                                    "previous-champion": first["version"]}
     assert client.get_model_version("test-aliases", first["version"]).current_stage is not None  # not deleted
+    # a retried register task makes no second version and keeps the true previous champion
+    from qatpipe.tracking.registry import LoggedVariant, register_variant
+
+    made = client.get_model_version("test-aliases", second["version"])
+    again = register_variant(tracker, "test-aliases", LoggedVariant("qat", made.source.split("/")[-1], made.source,
+                                                                    made.run_id), passed=True)
+    assert again.version == second["version"]
+    assert client.get_registered_model("test-aliases").aliases == {"champion": second["version"],
+                                                                   "previous-champion": first["version"]}
 
     failed = _register(tracker, spec, onnx_path, evaluation, tmp_path, passed=False, run="3")["registered"]
     assert failed["alias"] == "challenger" and not failed["passed"]

@@ -75,11 +75,11 @@ def test_dag_shape(compiled):
     assert upstream("prepare-data") == {"fingerprint-data"}
     assert tasks["prepare-data"]["inputs"]["parameters"]["data_fingerprint"]["taskOutputParameter"] == {
         "producerTask": "fingerprint-data", "outputParameterKey": "Output"}
-    assert upstream("train") == {"prepare-data"}
+    assert upstream("train") == {"prepare-data", "start-tracking"}  # its live curves need the MLflow run
     assert upstream("evaluate-unpruned") == {"prepare-data", "train"}
     # TAO's recipe: prune the trained model, retrain it twice (FP32 and QAT) from the pruned one
     assert upstream("prune") == {"train"}
-    assert upstream("retrain-fp32") == upstream("retrain-qat") == {"prepare-data", "prune"}
+    assert upstream("retrain-fp32") == upstream("retrain-qat") == {"prepare-data", "prune", "start-tracking"}
     assert upstream("export-fp32") == {"retrain-fp32"} and upstream("export-qat") == {"retrain-qat"}
     # the PTQ baseline calibrates the FP32 retrain's ONNX; every variant is scored from its ONNX
     assert upstream("ptq") == {"prepare-data", "export-fp32"}

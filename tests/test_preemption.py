@@ -49,10 +49,12 @@ def test_a_killed_training_task_resumes_at_the_next_epoch_when_retried(tiny_spec
     first = _task(args + [str(tmp_path / "attempt-1")], env)
     work = tmp_path / "cache" / "work" / "run-7"
     deadline = time.monotonic() + 300
-    while not list(work.glob("*/checkpoints/ckpt-1.index")):
+    while not any("ckpt-1" in state.read_text() for state in work.glob("*/checkpoints/checkpoint")):
+        # the state file names a checkpoint once it is whole: what a resume reads
         assert first.poll() is None, first.stderr.read()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint within 5 minutes"
-        time.sleep(0.1)
+        time.sleep(0.05)
+    assert first.poll() is None, "the training ended before it could be killed"
     first.send_signal(signal.SIGKILL)
     first.wait()
     assert not (tmp_path / "attempt-1" / "model" / "model.keras").exists()  # the task died unfinished

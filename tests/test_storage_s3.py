@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -214,20 +215,24 @@ def test_interrupted_download_leaves_old_file_and_no_partial(seeded, tmp_path):
 
 
 class _VanishingObjectClient:
-    """Delegates to a real client; the 2nd object is deleted between the listing and its GET."""
+    """Delegates to a real client; one object (`VANISHING`) is deleted between the listing and its GET."""
+
+    VANISHING = "images/000001.jpg"
 
     def __init__(self, client, raw):
         self._client = client
         self._raw = raw
         self.gets = []
+        self._lock = threading.Lock()
 
     def __getattr__(self, name):
         return getattr(self._client, name)
 
     def get_object(self, **kwargs):
-        self.gets.append(kwargs["Key"])
-        if len(self.gets) == 2:
-            self._raw.delete_object(**kwargs)
+        with self._lock:  # downloads run in threads
+            self.gets.append(kwargs["Key"])
+            if kwargs["Key"].endswith(self.VANISHING):
+                self._raw.delete_object(**kwargs)
         return self._client.get_object(**kwargs)
 
 
@@ -236,7 +241,7 @@ def test_failed_sync_keeps_manifest_of_finished_downloads(seeded, tmp_path, thre
     client = _VanishingObjectClient(s3_client(max_attempts=1), seeded)
     with pytest.raises(StorageError, match="NoSuchKey"):
         sync_s3_prefix(URI, tmp_path, client=client, threads=threads)
-    failed = client.gets[1][len(PREFIX) + 1:]
+    failed = _VanishingObjectClient.VANISHING
     fetched = {key[len(PREFIX) + 1:] for key in client.gets} - {failed}
     # every download that finished, also alongside the failure, is in the manifest and on disk; nothing else
     manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())

@@ -128,3 +128,14 @@ def test_stage_record_round_trip_and_bad_file(tmp_path):
         StageRecord.read(tmp_path)
     with pytest.raises(Exception, match="no tracking record"):
         StageRecord.read(tmp_path / "missing")
+
+
+def test_a_failed_pipeline_closes_the_live_runs_its_trainings_left(mlflow_server, monkeypatch):
+    monkeypatch.delenv(INJECTED_RUN_ENV, raising=False)
+    tracker = MlflowTracker(mlflow_server)
+    parent = tracker.start_pipeline_run("test-live-close", "p", {}, tags={KFP_RUN_TAG: "kfp-live-close"})
+    live = tracker.live_stage_run(parent, "retrain_qat")  # the training failed for good: never logged
+    assert tracker.finish_pipeline_run("kfp-live-close", "FAILED", "FAILED") == parent
+    assert tracker.client.get_run(live).info.status == "FAILED"
+    assert tracker.client.get_run(parent).info.status == "FAILED"
+

@@ -234,6 +234,7 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
 
             trained = run.training(train(train_spec=specs.outputs["train_spec"], dataset=data.outputs["dataset"],
                                          **scale_out), mpijob)
+            trained.after(tracking)  # its live curves need the MLflow run; an ordering, not a cache key
             run.logged(trained.outputs["model"], parent_run_id, "log-train")
 
             def evaluated(name: str, model, keras: bool = False) -> dsl.PipelineTask:
@@ -261,7 +262,7 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
                 task = run.training(retrain(retrain_spec=specs.outputs[view], qat=qat,
                                             dataset=data.outputs["dataset"], pruned=pruned.outputs["pruned"],
                                             **scale_out), mpijob)
-                task.set_display_name(f"retrain-{name}")
+                task.set_display_name(f"retrain-{name}").after(tracking)
                 run.logged(task.outputs["model"], parent_run_id, f"log-retrain-{name}")
                 retrained[name] = task
 

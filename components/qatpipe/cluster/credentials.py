@@ -59,7 +59,7 @@ def check_credentials(secret_name: str, s3_uris: list[str], namespace: str | Non
             + (f"{missing[0]} is needed ({needs[missing[0]]}). " if missing else
                "without it nothing is tracked in MLflow and s3:// is unreadable. ")
             + "Create it there (manifests/secrets/), or run with credentials_secret=\"\"")
-    absent = [key for key in needs if key not in data]
+    absent = [key for key in missing if key not in data]  # a key the pod has from elsewhere is not asked for
     if absent:
         raise CredentialsError(f"Secret {secret_name} in namespace {namespace} has no key {absent[0]}, and "
                                f"{needs[absent[0]]}")

@@ -17,6 +17,7 @@ from qatpipe.spec import ExperimentSpec, spec_to_yaml
 from qatpipe.stages.compare import VALIDATION_FILE, variant_row
 from qatpipe.stages.validate import gate_message
 from qatpipe.tracking.mlflow_runs import KFP_RUN_TAG, KFP_RUN_URL_TAG, MlflowTracker
+from qatpipe.tracking.records import RECORD_FILE
 from qatpipe.tracking.registry import log_variant_model, register_variant, spec_digest
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def deployment_files(onnx_dir: Path, engine_dir: Path | None, validation_dir: Pa
     """What a deployment job needs beside the ONNX: calibration cache, implicit ONNX and export reports,
     engine.json, the validation report and the DeepStream config."""
     files = [p for p in sorted(onnx_dir.iterdir()) if p.is_file() and p.suffix in (".cache", ".json", ".onnx")
-             and p.name != "model.onnx"]
+             and p.name not in ("model.onnx", RECORD_FILE)]
     if engine_dir is not None and (engine_dir / "engine.json").is_file():
         files.append(engine_dir / "engine.json")
     files += [validation_dir / name for name in ("validation.json", "validation.md", "deepstream")

@@ -84,14 +84,14 @@ WORK_ROOT_ENV = "QATPIPE_CACHE_DIR"
 def _work_folder(stage, spec, pruned_model, processes, work_root):
     """The training's working folder (see run_training_stage); removed once the results are kept. Without a
     durable root, a temporary one (nothing to resume from, as before)."""
+    run = os.environ.get("QATPIPE_KFP_RUN_ID") or os.environ.get("QATPIPE_KFP_RUN_ID_V2")
     root = Path(work_root) if work_root else (Path(os.environ[WORK_ROOT_ENV]) / "work"
-                                              if os.environ.get(WORK_ROOT_ENV) else None)
-    if root is None:
+                                              if os.environ.get(WORK_ROOT_ENV) and run else None)
+    if root is None:  # no volume, or no run id to keep two runs' trainings apart
         with tempfile.TemporaryDirectory(prefix=f"qatpipe-{stage}-") as tmp:
             yield Path(tmp)
         return
-    run = os.environ.get("QATPIPE_KFP_RUN_ID") or os.environ.get("QATPIPE_KFP_RUN_ID_V2") or "no-run-id"
-    folder = root / run / _job_folder_name(stage, spec, pruned_model, f"1x{processes}")
+    folder = root / (run or "no-run-id") / _job_folder_name(stage, spec, pruned_model, f"1x{processes}")
     if (folder / "checkpoints").is_dir():
         log.info("%s: resuming in %s (an earlier attempt of this task left checkpoints)", stage, folder)
     folder.mkdir(parents=True, exist_ok=True)

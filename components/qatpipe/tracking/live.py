@@ -59,7 +59,7 @@ def live_curves(stage: str, steps_per_epoch: int, images_per_step: int):
     class LiveCurves(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.run_id, self.failed = None, False
+            self.run_id, self.failed, self.logged_steps = None, False, set()
 
         def on_epoch_begin(self, epoch, logs=None):
             self.started = time.perf_counter()
@@ -75,7 +75,12 @@ def live_curves(stage: str, steps_per_epoch: int, images_per_step: int):
             try:
                 if self.run_id is None:
                     self.run_id = tracker.live_stage_run(parent, stage)
+                    # a resumed training may redo an epoch an earlier attempt logged before it was stopped:
+                    # one point per step, the first
+                    self.logged_steps = {m.step for m in tracker.client.get_metric_history(self.run_id, "loss")}
                     log.info("MLflow: live curves of %s in run %s", stage, self.run_id)
+                if epoch + 1 in self.logged_steps:
+                    return
                 tracker.log_metrics(self.run_id, {}, {key: [[epoch + 1, value]] for key, value in values.items()})
             except Exception as exc:
                 self.failed = True

@@ -275,7 +275,8 @@ class MlflowTracker:
         self.call(f"closing run {run_id}", lambda: self.client.set_terminated(run_id, status))
 
     def finish_pipeline_run(self, kfp_run_id: str, status: str, pipeline_state: str) -> str | None:
-        """Close the parent run tagged with `kfp_run_id` (unless the KFP backend owns it); returns its id."""
+        """Close the parent run tagged with `kfp_run_id` (unless the KFP backend owns it), and live training runs
+        left RUNNING under it (a training that failed for good); returns the parent's id."""
         runs = self.call("finding the pipeline run", lambda: self.pipeline_runs_tagged(KFP_RUN_TAG, kfp_run_id)) \
             if kfp_run_id else []
         if not runs:
@@ -285,6 +286,9 @@ class MlflowTracker:
         for run in runs:  # normally one
             run_id = run.info.run_id
             self.set_tags(run_id, {"qatpipe.pipeline_state": pipeline_state})
+            for live in self.find_runs([run.info.experiment_id], f"tags.`{PARENT_TAG}` = '{run_id}' and "
+                                       f"tags.`{LIVE_TAG}` = 'true' and attributes.status = 'RUNNING'"):
+                self.finish(live.info.run_id, status)  # a training that never reached its log task
             if run.data.tags.get(JOINED_TAG) == "true":
                 log.info("the KFP backend owns MLflow run %s; leaving it open", run_id)
                 continue

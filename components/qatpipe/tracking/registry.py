@@ -105,13 +105,20 @@ def register_variant(tracker: MlflowTracker, name: str, logged: LoggedVariant, p
                                                              "gate (alias champion) and those that did not")
         except Exception:  # exists already
             pass
+        # a retried task (or a retried call whose answer was lost) finds the version it made
+        made = client.search_model_versions(f"name = '{name}' and run_id = '{logged.run_id}'")
+        if made:
+            log.info("%s version %s is already registered from run %s", name, made[0].version, logged.run_id)
+            return made[0]
         return client.create_model_version(name, logged.model_uri, run_id=logged.run_id, tags=tags,
                                            description=reason or None, model_id=logged.model_id)
 
     version = tracker.call(f"registering model {name!r}", create)
     if passed:
         current = _version_with_alias(tracker, name, champion_alias)
-        if current is not None:
+        if current == str(version.version):  # a retry after the alias moved: the previous champion stays
+            current = None
+        elif current is not None:
             tracker.call("keeping the previous champion", lambda: client.set_registered_model_alias(
                 name, previous_alias(champion_alias), current))
         tracker.call(f"moving alias {champion_alias!r}", lambda: client.set_registered_model_alias(
