@@ -216,18 +216,23 @@ def test_secret_templates_cover_what_the_manifests_and_pipeline_read():
 
 
 @overlays
-def test_rbac_is_exactly_the_mpijob_rights(overlay):
+def test_rbac_is_exactly_the_mpijob_rights_and_the_credentials_secret(overlay):
     objects = build(overlay)
     namespace, accounts = OVERLAYS[overlay]
     assert not [ident(o) for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
 
     [role] = [o for o in objects if o["kind"] == "Role"]
-    granted = set()
+    granted, named = set(), []
     for rule in role["rules"]:
-        assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
+        assert "nonResourceURLs" not in rule, rule
+        if "resourceNames" in rule:  # only the credentials Secret, only read
+            named.append(rule)
+            continue
         granted |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     assert not [t for t in granted if "*" in t], "wildcard in the Role"
     assert granted == RBAC_RULES
+    assert named == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["qatpipe-credentials"],
+                      "verbs": ["get"]}]
 
     [binding] = [o for o in objects if o["kind"] == "RoleBinding"]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
