@@ -265,7 +265,13 @@ def test_mlflow_server_settings(overlay):
     assert argv[:2] == ["mlflow", "server"]
     options = dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
 
-    assert options["--backend-store-uri"] == "postgresql://mlflow:$(POSTGRES_PASSWORD)@postgres:5432/mlflow"
+    # the database URI (with its password) comes through the environment, never the command line, which any
+    # process list shows; the kubelet expands it from the variables defined before it
+    assert "--backend-store-uri" not in options and not [a for a in argv if "POSTGRES_PASSWORD" in a]
+    names = [e["name"] for e in c["env"]]
+    assert names.index("MLFLOW_BACKEND_STORE_URI") > names.index("POSTGRES_PASSWORD")
+    assert _expand(env["MLFLOW_BACKEND_STORE_URI"], env) == (
+        "postgresql://mlflow:$(POSTGRES_PASSWORD)@postgres:5432/mlflow")
     assert options["--artifacts-destination"].startswith("s3://")
     assert "--serve-artifacts" in argv
     assert options["--host"] == "0.0.0.0" and options["--port"] == "5000"
