@@ -16,11 +16,18 @@ import yaml
 
 MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 K8S_VERSION = "1.33.0"
-# overlay -> the namespace it deploys into and the ServiceAccounts the Role must be bound to
+# overlay -> the namespace of MLflow and PostgreSQL, the namespace where the pipeline's pods run (their
+# ServiceAccount, Role and binding, the cache PVC), and the ServiceAccounts the Role must be bound to there
 OVERLAYS = {
-    "plain": ("qatpipe", {"qatpipe-pipeline-runner"}),
-    "kubeflow": ("kubeflow-user-example-com", {"default-editor", "qatpipe-pipeline-runner"}),
+    "plain": ("qatpipe", "qatpipe", {"qatpipe-pipeline-runner"}),
+    "kubeflow": ("kubeflow-user-example-com", "kubeflow-user-example-com",
+                 {"default-editor", "qatpipe-pipeline-runner"}),
+    # standalone KFP runs every pipeline's pods in kubeflow as pipeline-runner
+    "kfp-standalone": ("qatpipe", "kubeflow", {"pipeline-runner", "qatpipe-pipeline-runner"}),
 }
+# what must live where the pipeline's pods run (manifests/pipeline-access/)
+PIPELINE_ACCESS = {("ServiceAccount", "qatpipe-pipeline-runner"), ("Role", "qatpipe-mpijob-runner"),
+                   ("RoleBinding", "qatpipe-mpijob-runner"), ("PersistentVolumeClaim", "qatpipe-cache")}
 # (apiGroup, resource, verb): exactly what the pipeline needs for its MPIJobs, nothing more
 RBAC_RULES = {("kubeflow.org", "mpijobs", verb) for verb in ("create", "get", "list", "watch", "delete")} | {
     ("", "pods", "get"), ("", "pods", "list"), ("", "pods", "watch"), ("", "pods/log", "get"),
@@ -92,12 +99,15 @@ def test_overlay_builds_to_valid_objects_in_its_namespace(overlay):
             errors.append(f"{ident(obj)}: {e.message}")
     assert not errors, f"{overlay}: invalid for Kubernetes {K8S_VERSION}:\n" + "\n".join(errors)
 
-    namespace, _ = OVERLAYS[overlay]
+    tracking, pipeline, _ = OVERLAYS[overlay]
     namespaced = [o for o in objects if o["kind"] != "Namespace"]
-    assert {o["metadata"].get("namespace") for o in namespaced} == {namespace}
-    # the Kubeflow profile owns its namespace; a plain cluster gets ours
+    where = {(o["kind"], o["metadata"]["name"]): o["metadata"].get("namespace") for o in namespaced}
+    assert {key for key, namespace in where.items() if namespace == pipeline and key in PIPELINE_ACCESS} == (
+        PIPELINE_ACCESS)
+    assert {namespace for key, namespace in where.items() if key not in PIPELINE_ACCESS} == {tracking}
+    # the Kubeflow profile and standalone KFP's kubeflow exist already; qatpipe is ours to make
     assert [o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"] == (
-        ["qatpipe"] if overlay == "plain" else [])
+        [] if overlay == "kubeflow" else ["qatpipe"])
     kinds = {o["kind"] for o in objects}
     assert {"ServiceAccount", "Role", "RoleBinding", "Deployment", "StatefulSet", "Service",
             "PersistentVolumeClaim"} <= kinds
@@ -218,7 +228,7 @@ def test_secret_templates_cover_what_the_manifests_and_pipeline_read():
 @overlays
 def test_rbac_is_exactly_the_mpijob_rights_and_the_credentials_secret(overlay):
     objects = build(overlay)
-    namespace, accounts = OVERLAYS[overlay]
+    _, namespace, accounts = OVERLAYS[overlay]
     assert not [ident(o) for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
 
     [role] = [o for o in objects if o["kind"] == "Role"]
@@ -251,7 +261,7 @@ def _expand(text: str, env: dict[str, str]) -> str:
 @overlays
 def test_mlflow_server_settings(overlay):
     objects = build(overlay)
-    namespace, _ = OVERLAYS[overlay]
+    namespace, _, _ = OVERLAYS[overlay]
     pod = only(objects, "Deployment", "mlflow")["spec"]["template"]["spec"]
     [c] = pod["containers"]
     # what the kubelet will run: env from literals and ConfigMaps; Secret values stay $(VAR)
