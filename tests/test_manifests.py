@@ -307,3 +307,23 @@ def test_dataset_cache_is_shared_across_nodes(overlay):
     pvc = only(build(overlay), "PersistentVolumeClaim", "qatpipe-cache")
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     assert pvc["spec"]["resources"]["requests"]["storage"]
+
+
+@overlays
+def test_only_mlflow_reaches_postgres_and_only_the_pipeline_reaches_mlflow(overlay):
+    objects = build(overlay)
+    tracking, pipeline, _ = OVERLAYS[overlay]
+    postgres = only(objects, "NetworkPolicy", "postgres")
+    assert postgres["metadata"]["namespace"] == tracking and postgres["spec"]["policyTypes"] == ["Ingress"]
+    assert postgres["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "postgres"}}
+    assert postgres["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "mlflow"}}}], "ports": [{"protocol": "TCP", "port": 5432}]}]
+    mlflow = only(objects, "NetworkPolicy", "mlflow")
+    assert mlflow["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "mlflow"}}
+    [rule] = mlflow["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 5000}]
+    # the pipeline's namespace, and nothing wider: no empty namespaceSelector, no ipBlock
+    expected = [{"podSelector": {}}] + ([] if pipeline == tracking else [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": pipeline}}}])
+    assert rule["from"] == expected
+
