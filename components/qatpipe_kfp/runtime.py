@@ -70,6 +70,15 @@ def load_stage_spec(text: str):
     return spec
 
 
+def training_work_root() -> Path | None:
+    """Where train / retrain keep their resume state: this KFP run's folder on the cache volume, so a retried
+    task (a new pod) finds its checkpoints; None without the volume or the run id (then a temporary one)."""
+    from qatpipe.tracking.live import kfp_run_id
+
+    cache_dir, run_id = os.environ.get(CACHE_DIR_ENV), kfp_run_id()
+    return Path(cache_dir) / "work" / run_id if cache_dir and run_id else None
+
+
 def cluster_settings(training_image: str, credentials_secret: str, node_selector: dict, tolerations: list,
                      mpijob_api_version: str):
     """Where a train / retrain MPIJob runs: this pod's image, Secret, placement, and its dataset-cache PVC as

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 from qatpipe.errors import QatpipeError
 
 log = logging.getLogger(__name__)
 
-NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 WEB_IDENTITY_ENV = "AWS_WEB_IDENTITY_TOKEN_FILE"  # IRSA and friends: S3 access without keys
 
@@ -37,10 +35,11 @@ def needed_keys(s3_uris: list[str]) -> dict[str, str]:
 
 def check_credentials(secret_name: str, s3_uris: list[str], namespace: str | None = None, api_client=None) -> None:
     """Raise CredentialsError (see the module docstring) when the run cannot have what it needs."""
+    from qatpipe.cluster.launcher import pod_namespace
+
     needs = needed_keys(s3_uris)
     missing = [key for key in needs if not os.environ.get(key)]
-    if namespace is None and NAMESPACE_FILE.is_file():
-        namespace = NAMESPACE_FILE.read_text().strip()
+    namespace = namespace or pod_namespace()
     if not secret_name or namespace is None:  # no Secret named, or not in a pod: the environment is all
         if missing:
             raise CredentialsError(f"{missing[0]} is not set, and {needs[missing[0]]}: set it"

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -31,6 +32,14 @@ log = logging.getLogger(__name__)
 TAIL_LINES = 20  # launcher log lines quoted when the job fails
 REQUEST_TIMEOUT = 60  # seconds for any single API call, so a stalled connection cannot hang the run
 _TRANSIENT = {0, 429, 500, 502, 503, 504}
+
+
+NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def pod_namespace() -> str | None:
+    """The namespace of this pod's ServiceAccount; None outside a pod."""
+    return NAMESPACE_FILE.read_text().strip() if NAMESPACE_FILE.is_file() else None
 
 
 def load_api_client() -> ApiClient:

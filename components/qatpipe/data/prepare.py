@@ -91,9 +91,14 @@ def split_digest(samples: list) -> str:
     total = hashlib.sha256()
     for sample in sorted(samples, key=lambda s: s.image_path.name):
         for path in (sample.image_path, sample.label_path):
-            with path.open("rb") as handle:
-                total.update(path.name.encode() + b"\0" + hashlib.file_digest(handle, "sha256").digest())
+            total.update(path.name.encode() + b"\0" + _file_digest(path))
     return total.hexdigest()[:16]
+
+
+def _file_digest(path: Path) -> bytes:
+    """SHA-256 of a file's bytes, streamed (light tasks hash data sets of any size)."""
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").digest()
 
 
 def data_fingerprint(spec: ExperimentSpec) -> str:
@@ -120,9 +125,8 @@ def data_fingerprint(spec: ExperimentSpec) -> str:
         if not folder.is_dir():
             raise DataError(folder, f"dataset.{split}: dataset folder not found")
         for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-            with path.open("rb") as handle:  # streamed: a light task hashes data sets of any size
-                total.update(f"{path.relative_to(folder).as_posix()}\0{path.stat().st_size}\0".encode()
-                             + hashlib.file_digest(handle, "sha256").digest())
+            total.update(f"{path.relative_to(folder).as_posix()}\0{path.stat().st_size}\0".encode()
+                         + _file_digest(path))
     return total.hexdigest()[:16]
 
 

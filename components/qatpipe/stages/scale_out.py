@@ -28,8 +28,6 @@ from qatpipe.spec import ExperimentSpec, dump_spec, spec_to_yaml
 
 log = logging.getLogger(__name__)
 
-NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-
 
 @dataclass
 class ClusterSettings:
@@ -53,10 +51,10 @@ def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path
     """Train (`stage` "train") or retrain (`stage` "retrain", from `pruned_model`) into `results_dir`;
     returns the training summary. `use_mpijob`: an MPIJob even for one node (this process only follows it).
 
-    On this host the training works in a folder of `work_root` (default: $QATPIPE_CACHE_DIR/work, the cache
-    volume, when mounted), named after the KFP run ($QATPIPE_KFP_RUN_ID) and the stage's inputs: a retried
-    task (pre-emption, eviction) resumes from the last checkpoint there. Only the model and its records come
-    to `results_dir` (the Model artifact every later stage downloads), never the checkpoints."""
+    On this host the training works in a folder of `work_root` (the KFP components pass this run's folder on
+    the cache volume) named after the stage's inputs: a retried task (pre-emption, eviction) resumes from the
+    last checkpoint there. Without `work_root` the folder is temporary. Only the model and its records come to
+    `results_dir` (the Model artifact every later stage downloads), never the checkpoints."""
     if stage not in ("train", "retrain"):
         raise ValueError(stage)
     if processes_per_node < 1 or nodes < 1:
@@ -77,21 +75,17 @@ def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path
 
 # what stays in the work folder and never reaches the Model artifact: resume state
 RESUME_STATE = ("checkpoints", "best")
-WORK_ROOT_ENV = "QATPIPE_CACHE_DIR"
 
 
 @contextlib.contextmanager
 def _work_folder(stage, spec, pruned_model, processes, work_root):
     """The training's working folder (see run_training_stage); removed once the results are kept. Without a
-    durable root, a temporary one (nothing to resume from, as before)."""
-    run = os.environ.get("QATPIPE_KFP_RUN_ID") or os.environ.get("QATPIPE_KFP_RUN_ID_V2")
-    root = Path(work_root) if work_root else (Path(os.environ[WORK_ROOT_ENV]) / "work"
-                                              if os.environ.get(WORK_ROOT_ENV) and run else None)
-    if root is None:  # no volume, or no run id to keep two runs' trainings apart
+    durable root, a temporary one (nothing to resume from)."""
+    if work_root is None:
         with tempfile.TemporaryDirectory(prefix=f"qatpipe-{stage}-") as tmp:
             yield Path(tmp)
         return
-    folder = root / (run or "no-run-id") / _job_folder_name(stage, spec, pruned_model, f"1x{processes}")
+    folder = Path(work_root) / _job_folder_name(stage, spec, pruned_model, f"1x{processes}")
     if (folder / "checkpoints").is_dir():
         log.info("%s: resuming in %s (an earlier attempt of this task left checkpoints)", stage, folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -193,7 +187,7 @@ def worker_resources(processes: int):
 
 
 def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster: ClusterSettings) -> dict:
-    from qatpipe.cluster.launcher import MpiJobLauncher
+    from qatpipe.cluster.launcher import MpiJobLauncher, pod_namespace
     from qatpipe.cluster.mpijob import MpiJobRequest, PvcMount, job_name, mpijob_manifest
 
     name = _job_folder_name(stage, spec, pruned_model, f"{nodes}x{processes}")
@@ -206,7 +200,7 @@ def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster
         job_model = shared / "pruned.keras"
         shutil.copyfile(pruned_model, job_model)
     job_results = shared / "results"
-    namespace = cluster.namespace or (NAMESPACE_FILE.read_text().strip() if NAMESPACE_FILE.is_file() else None)
+    namespace = cluster.namespace or pod_namespace()
     if not namespace:
         raise QatpipeError("MPIJob: no namespace given and this pod's service account namespace is unreadable")
     request = MpiJobRequest(

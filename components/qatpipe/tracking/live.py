@@ -23,6 +23,11 @@ PARENT_RUN_ENV = "QATPIPE_MLFLOW_PARENT_RUN"
 KFP_RUN_ID_ENVS = ("QATPIPE_KFP_RUN_ID", "QATPIPE_KFP_RUN_ID_V2")
 
 
+def kfp_run_id() -> str:
+    """This task's KFP run id, from its pod's labels ("" outside a KFP pod)."""
+    return next((os.environ[name].strip() for name in KFP_RUN_ID_ENVS if os.environ.get(name, "").strip()), "")
+
+
 def parent_run_from_kfp() -> str:
     """Set $QATPIPE_MLFLOW_PARENT_RUN for this process and its children from the pod's KFP run id, when
     tracking is on; returns it ("" when there is none)."""
@@ -30,12 +35,12 @@ def parent_run_from_kfp() -> str:
 
     if os.environ.get(PARENT_RUN_ENV):
         return os.environ[PARENT_RUN_ENV]
-    kfp_run_id = next((os.environ[name] for name in KFP_RUN_ID_ENVS if os.environ.get(name, "").strip()), "")
+    run_id = kfp_run_id()
     tracker = MlflowTracker.from_env(attempts=1)
-    if not kfp_run_id or tracker is None:
+    if not run_id or tracker is None:
         return ""
     try:
-        runs = tracker.pipeline_runs_tagged(KFP_RUN_TAG, kfp_run_id)
+        runs = tracker.pipeline_runs_tagged(KFP_RUN_TAG, run_id)
     except Exception as exc:  # live curves are a convenience: the log task still logs the history
         log.warning("MLflow: no live training curves (finding the pipeline run failed: %s)", exc)
         return ""
@@ -90,4 +95,4 @@ def live_curves(stage: str, steps_per_epoch: int, images_per_step: int):
     return LiveCurves()
 
 
-__all__ = ["PARENT_RUN_ENV", "live_curves", "parent_run_from_kfp"]
+__all__ = ["KFP_RUN_ID_ENVS", "PARENT_RUN_ENV", "kfp_run_id", "live_curves", "parent_run_from_kfp"]

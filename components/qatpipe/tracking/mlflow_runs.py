@@ -52,9 +52,12 @@ _MAX_PARAM_CHARS = 6000
 T = TypeVar("T")
 
 
+_USERINFO = re.compile(r"//[^/@]*@")  # the `user:password@` of a URI
+
+
 def redact_uri(uri: str) -> str:
     """Drop `user:password@` from a URI so it can be logged."""
-    return re.sub(r"//[^/@]*@", "//***@", uri)
+    return _USERINFO.sub("//***@", uri)
 
 
 class MlflowTracker:
@@ -102,7 +105,7 @@ class MlflowTracker:
     def run_url(self, run_id: str) -> str:
         """The run's page in the MLflow UI ($QATPIPE_MLFLOW_UI_URL, else the tracking URI; no credentials)."""
         run = self.call(f"reading run {run_id}", lambda: self.client.get_run(run_id))
-        base = re.sub(r"//[^/@]*@", "//", os.environ.get(UI_URL_ENV, "").strip() or self.tracking_uri).rstrip("/")
+        base = _USERINFO.sub("//", os.environ.get(UI_URL_ENV, "").strip() or self.tracking_uri).rstrip("/")
         return f"{base}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
 
     def check(self) -> None:

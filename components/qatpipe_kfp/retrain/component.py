@@ -17,7 +17,7 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
     from qatpipe.stages.scale_out import run_training_stage
     from qatpipe.tracking.live import parent_run_from_kfp
     from qatpipe.stages.train import summary_metrics
-    from qatpipe_kfp.runtime import cluster_settings, load_stage_spec, stage, write_metrics
+    from qatpipe_kfp.runtime import cluster_settings, load_stage_spec, stage, training_work_root, write_metrics
 
     variant = "qat" if qat else "fp32"
     with stage(f"retrain-{variant}"):
@@ -28,7 +28,7 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
         cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
                                    mpijob_api_version)
         summary = run_training_stage("retrain", spec, model.path, pruned_model=source, processes_per_node=gpus,
-                                     nodes=workers, cluster=cluster, use_mpijob=mpijob)
+                                     nodes=workers, cluster=cluster, use_mpijob=mpijob, work_root=training_work_root())
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],
                                "variant": variant, "processes": summary.get("processes", 1)})
         write_metrics(metrics, summary_metrics(summary))

@@ -14,7 +14,7 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
     from qatpipe.stages.scale_out import run_training_stage
     from qatpipe.tracking.live import parent_run_from_kfp
     from qatpipe.stages.train import summary_metrics
-    from qatpipe_kfp.runtime import cluster_settings, load_stage_spec, stage, write_metrics
+    from qatpipe_kfp.runtime import cluster_settings, load_stage_spec, stage, training_work_root, write_metrics
 
     with stage("train"):
         spec = spec_with_prepared_dataset(load_stage_spec(train_spec), dataset.path)
@@ -22,7 +22,7 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
         cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
                                    mpijob_api_version)
         summary = run_training_stage("train", spec, model.path, processes_per_node=gpus, nodes=workers,
-                                     cluster=cluster, use_mpijob=mpijob)
+                                     cluster=cluster, use_mpijob=mpijob, work_root=training_work_root())
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],
                                "processes": summary.get("processes", 1)})
         write_metrics(metrics, summary_metrics(summary))
