@@ -104,6 +104,40 @@ def test_the_champion_loads_with_pyfunc_and_finds_what_evaluate_found(mlflow_ser
     assert model_run.data.tags["mlflow.source.type"] == "JOB" and "mlflow.user" in model_run.data.tags
 
 
+def test_a_missing_validation_report_is_named_before_anything_is_logged(closed_port_uri, tiny_spec, tmp_path):
+    from qatpipe.errors import QatpipeError
+    from qatpipe.stages.register import VariantFiles, register_models
+
+    tracker = MlflowTracker(closed_port_uri, attempts=1)  # nothing may reach it: the report is read first
+    with pytest.raises(QatpipeError, match=rf"^{tmp_path / 'validate' / 'validation.json'}: cannot read the "
+                                           r"validation report"):
+        register_models(tracker, "0" * 32, tiny_spec(),
+                        {"qat": VariantFiles(tmp_path / "model.onnx", tmp_path / "validate")})
+
+
+def test_bad_images_are_named(evaluated_qat, tmp_path):
+    """The pyfunc model on a missing file, a file that is not an image, or an array that is not (H, W, 3)."""
+    import mlflow.pyfunc
+
+    from qatpipe.deploy.mlflow_model import save_detector_model
+    from qatpipe.errors import DataError
+
+    spec, onnx_path, _ = evaluated_qat
+    model = mlflow.pyfunc.load_model(str(save_detector_model(tmp_path / "model", onnx_path, spec)))
+    missing = tmp_path / "nope.jpg"
+    with pytest.raises(DataError, match=rf"^{missing}: cannot read the image"):
+        model.predict(np.array([str(missing)], dtype=object))
+    corrupt = tmp_path / "corrupt.jpg"
+    corrupt.write_bytes(b"not a jpeg")
+    with pytest.raises(DataError, match=rf"^{corrupt}: cannot read the image"):
+        model.predict(np.array([str(corrupt)], dtype=object))
+    ragged = np.empty(2, dtype=object)  # images of any sizes: a 1-D object array
+    ragged[0], ragged[1] = np.zeros((8, 8, 3), np.uint8), np.zeros((8, 8), np.uint8)
+    with pytest.raises(ValueError, match=r"images\[1\]: expected a path or an \(H, W, 3\) array, got ndarray of "
+                                         r"shape \(8, 8\)"):
+        model.predict(ragged)
+
+
 def test_the_alias_moves_on_a_pass_and_stays_on_a_failure(mlflow_server, evaluated_qat, tmp_path, monkeypatch):
     monkeypatch.delenv(INJECTED_RUN_ENV, raising=False)
     spec, onnx_path, evaluation = evaluated_qat

@@ -32,6 +32,16 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return path
 
 
+def read_json(path: str | Path, what: str) -> Any:
+    """A JSON file's content; a QatpipeError naming the file and what it should hold when it cannot be read."""
+    from qatpipe.errors import QatpipeError
+
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise QatpipeError(f"{path}: cannot read the {what}: {exc}") from None
+
+
 def write_json(path: str | Path, data: Any) -> Path:
     return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 

@@ -67,7 +67,7 @@ class DetectorModel(PythonModel):
             resized, shapes = [], []
             for item in images[start:start + batch_size]:
                 if isinstance(item, (str, Path)):
-                    image = decode_image_file(str(item))
+                    image = _read_image(item, decode_image_file)
                 else:  # uint8 pixels, as decode_image_file's [0, 1] floats
                     image = tf.image.convert_image_dtype(tf.convert_to_tensor(np.asarray(item, np.uint8)),
                                                          tf.float32)
@@ -76,6 +76,18 @@ class DetectorModel(PythonModel):
             for det, (height, width) in zip(self.arch.decode(self.forward(tf.stack(resized))), shapes):
                 out.append(det.scaled(width / size.width, height / size.height))
         return out
+
+
+def _read_image(path, decode):
+    """An image file as `decode` reads it; a DataError naming the file when it is missing or not an image."""
+    import tensorflow as tf
+
+    from qatpipe.errors import DataError
+
+    try:
+        return decode(str(path))
+    except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as exc:
+        raise DataError(path, f"cannot read the image: {exc.message.splitlines()[0]}") from None
 
 
 def _images(model_input) -> list:
@@ -89,15 +101,14 @@ def _images(model_input) -> list:
     if isinstance(model_input, dict):  # a named tensor input ({"images": ...})
         model_input = next(iter(model_input.values()))
     if isinstance(model_input, np.ndarray) and model_input.dtype != object:
-        if model_input.ndim == 3:
-            return [model_input]
-        if model_input.ndim == 4:
-            return list(model_input)
+        if model_input.ndim in (3, 4) and model_input.shape[-1] == 3:
+            return [model_input] if model_input.ndim == 3 else list(model_input)
         raise ValueError(f"images: expected an array of shape (N, H, W, 3) or (H, W, 3), got {model_input.shape}")
     items = list(model_input)
-    for item in items:
-        if not isinstance(item, (str, Path)) and np.asarray(item).ndim != 3:
-            raise ValueError(f"images: each item is a path or an (H, W, 3) array, got {type(item).__name__}")
+    for index, item in enumerate(items):
+        if not isinstance(item, (str, Path)) and (np.ndim(item) != 3 or np.shape(item)[-1] != 3):
+            raise ValueError(f"images[{index}]: expected a path or an (H, W, 3) array, got "
+                             f"{type(item).__name__} of shape {np.shape(item)}")
     return items
 
 

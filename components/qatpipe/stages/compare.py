@@ -3,14 +3,13 @@ paired bootstrap confidence intervals for the variants' mAP and for their differ
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from qatpipe.errors import QatpipeError
-from qatpipe.fileio import atomic_write_text, write_json
+from qatpipe.fileio import atomic_write_text, read_json, write_json
 from qatpipe.html_report import png_page
 from qatpipe.metrics.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, match_detections, paired_bootstrap
 from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE, METRICS_FILE
@@ -46,19 +45,12 @@ BENCH_FILE = "bench.json"  # written beside the evaluation by the validate stage
 VALIDATION_FILE = "validation.json"
 
 
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise QatpipeError(f"{path}: cannot read the {what}: {exc}") from None
-
-
 def variant_row(evaluation_dir: str | Path) -> dict[str, Any]:
     """One variant's figures from its evaluation (or validation) folder and, when there, its engine benchmark."""
     folder = Path(evaluation_dir)
-    metrics = _read_json(folder / METRICS_FILE, "evaluation metrics")
-    bench = _read_json(folder / BENCH_FILE, "engine benchmark") if (folder / BENCH_FILE).is_file() else {}
-    validation = (_read_json(folder / VALIDATION_FILE, "validation report")
+    metrics = read_json(folder / METRICS_FILE, "evaluation metrics")
+    bench = read_json(folder / BENCH_FILE, "engine benchmark") if (folder / BENCH_FILE).is_file() else {}
+    validation = (read_json(folder / VALIDATION_FILE, "validation report")
                   if (folder / VALIDATION_FILE).is_file() else {})
     batches = bench.get("batches", [])
     single = min(batches, key=lambda row: row["batch_size"], default={})
@@ -78,7 +70,7 @@ def variant_row(evaluation_dir: str | Path) -> dict[str, Any]:
 
 def validation_results(folders: dict[str, str | Path]) -> dict[str, bool]:
     """variant -> whether it passed the gate, for the folders that hold a validation report."""
-    return {name: bool(_read_json(Path(folder) / VALIDATION_FILE, "validation report")["passed"])
+    return {name: bool(read_json(Path(folder) / VALIDATION_FILE, "validation report")["passed"])
             for name, folder in folders.items() if (Path(folder) / VALIDATION_FILE).is_file()}
 
 
@@ -104,13 +96,13 @@ def uncertainty(evaluations: dict[str, str | Path], resamples: int = DEFAULT_RES
                if (Path(folder) / DETECTIONS_FILE).is_file() and (Path(folder) / GROUND_TRUTH_FILE).is_file()}
     if not folders:
         return None
-    truths = {name: _read_json(folder / GROUND_TRUTH_FILE, "ground truth") for name, folder in folders.items()}
+    truths = {name: read_json(folder / GROUND_TRUTH_FILE, "ground truth") for name, folder in folders.items()}
     first = next(iter(truths))
     others = [name for name, truth in truths.items() if truth != truths[first]]
     if others:
         raise QatpipeError(f"compare: {', '.join(others)} were evaluated on other val images or labels than "
                            f"{first}: their mAP cannot be compared image by image")
-    matched = {name: match_detections(truths[first], _read_json(folder / DETECTIONS_FILE, "detections"))
+    matched = {name: match_detections(truths[first], read_json(folder / DETECTIONS_FILE, "detections"))
                for name, folder in folders.items()}
     return paired_bootstrap(matched, [(a, b) for a, b in PAIRS if a in matched and b in matched], resamples, seed)
 
@@ -130,7 +122,7 @@ def per_class_ap50(evaluations: dict[str, str | Path]) -> dict[str, dict[str, An
     """class -> {"objects": ground-truth count, variant: AP@0.5, ...} from the variants' metrics.json."""
     table: dict[str, dict[str, Any]] = {}
     for name, folder in evaluations.items():
-        for cls, values in _read_json(Path(folder) / METRICS_FILE, "evaluation metrics").get("per_class", {}).items():
+        for cls, values in read_json(Path(folder) / METRICS_FILE, "evaluation metrics").get("per_class", {}).items():
             table.setdefault(cls, {"objects": values["num_gt"]})[name] = values["ap50"]
     return table
 

@@ -8,11 +8,11 @@ metadata, validation report, DeepStream config). The QAT model becomes a new reg
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qatpipe.fileio import read_json
 from qatpipe.spec import ExperimentSpec, spec_to_yaml
 from qatpipe.stages.compare import VALIDATION_FILE, variant_row
 from qatpipe.stages.validate import gate_message
@@ -48,6 +48,9 @@ def register_models(tracker: MlflowTracker, parent_run_id: str, spec: Experiment
                     variants: dict[str, VariantFiles], manifest: dict | None = None, kfp_run_id: str = "",
                     kfp_run_url: str = "") -> dict:
     """Log every variant's MLflow model and register the QAT one; returns what was done (also for the UI)."""
+    # the gate's verdict first: a missing or broken report stops the stage before anything is logged
+    report = (read_json(variants[REGISTERED_VARIANT].validation / VALIDATION_FILE, "validation report")
+              if REGISTERED_VARIANT in variants else None)
     digest = spec_digest(spec_to_yaml(spec))
     run_tags = {"qatpipe.spec_digest": digest, **({KFP_RUN_TAG: kfp_run_id} if kfp_run_id else {}),
                 **({KFP_RUN_URL_TAG: kfp_run_url} if kfp_run_url else {})}
@@ -57,9 +60,8 @@ def register_models(tracker: MlflowTracker, parent_run_id: str, spec: Experiment
         logged[name] = log_variant_model(tracker, parent_run_id, name, files.onnx, spec, figures[name], manifest,
                                          files.deployment, tags=run_tags)
     result = {"models": {name: item.model_uri for name, item in logged.items()}, "registered": None}
-    if REGISTERED_VARIANT not in logged:
+    if report is None:
         return result
-    report = json.loads((variants[REGISTERED_VARIANT].validation / VALIDATION_FILE).read_text())
     passed = bool(report["passed"])
     reason = "" if passed else gate_message(report)
     tags = {**run_tags, "qatpipe.engine": str(report.get("engine_label", "")),
