@@ -8,10 +8,12 @@ import pytest
 import tf_keras as keras
 
 from qatpipe.errors import SpecError
-from qatpipe.quantization.layers import QDQActivation, QDQAdd, QDQConv2D, QDQDense, quantized_layers
+from qatpipe.models.graph import LayerGraph
+from qatpipe.quantization.layers import (QDQActivation, QDQAdd, QDQConv2D, QDQDense, QDQDepthwiseConv2D,
+                                         quantized_layers)
 from qatpipe.quantization.quantizers import QMAX, fake_quant_per_channel, fake_quant_per_tensor
-from qatpipe.quantization.rules import (ConvDenseInputsAndWeights, Exclusions, LayerGraph, QuantizedOutputs,
-                                        ResidualAddInput, default_rules, plan)
+from qatpipe.quantization.rules import (Exclusions, QuantizedOutputs, ResidualAddInput, WeightedInputsAndWeights,
+                                        default_rules, plan)
 from qatpipe.quantization.transform import activation_ranges, calibrate, quantize_model
 from qatpipe.spec import QatSpec
 
@@ -54,15 +56,18 @@ def test_fake_quant_is_symmetric_int8_narrow_range():
         assert np.abs(wq[..., c] - kernel[..., c]).max() <= step / 2 + 1e-6
 
 
-def test_conv_and_dense_get_input_and_weight_quantisers_but_not_depthwise():
+def test_weighted_kinds_get_input_and_weight_quantisers_from_the_table():
     x = keras.Input((8, 8, 4), name="input_1")
     y = _conv(4, "conv")(x)
     y = L.DepthwiseConv2D(3, padding="same", name="depthwise")(y)
+    y = L.DepthwiseConv2D(3, padding="same", depth_multiplier=2, name="depthwise_x2")(y)
+    y = L.Conv2DTranspose(4, 3, name="transposed")(y)  # no table row: stays float
     y = L.Dense(5, name="dense")(L.GlobalAveragePooling2D(name="gap")(y))
     model = keras.Model(x, y)
-    placements = plan(model, [ConvDenseInputsAndWeights()])
-    assert {name: p.wrapper for name, p in placements.items()} == {"conv": QDQConv2D, "dense": QDQDense}
-    assert {p.rule for p in placements.values()} == {"conv_dense_inputs_and_weights"}
+    placements = plan(model, [WeightedInputsAndWeights()])
+    assert {name: p.wrapper for name, p in placements.items()} == {
+        "conv": QDQConv2D, "depthwise": QDQDepthwiseConv2D, "dense": QDQDense}
+    assert {p.rule for p in placements.values()} == {"weighted_inputs_and_weights"}
 
 
 def test_residual_rule_quantises_the_identity_shortcut():

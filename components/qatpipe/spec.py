@@ -96,10 +96,22 @@ def _case_collisions(names: Iterable[str]) -> list[list[str]]:
 
 
 class BackboneSpec(_Section):
-    name: Literal["resnet"] = "resnet"
-    depth: Literal[10, 18, 34] = 10
-    width: float = Field(1.0, gt=0, le=2.0, description="multiplier on ResNet's 64-128-256-512 filters")
-    all_projections: bool = Field(True, description="1x1 conv shortcut in every block (TAO default)")
+    """The feature extractor under DetectNet_v2's heads, stride 16 whichever it is (models/backbones.py)."""
+
+    name: str = Field("resnet", description="resnet, mobilenet_v2 (depthwise, ReLU6) or efficientnet_b0 "
+                                            "(depthwise, SiLU, squeeze-excitation)")
+    depth: Literal[10, 18, 34] = Field(10, description="resnet only: 10, 18 or 34 layers")
+    width: float = Field(1.0, gt=0, le=2.0, description="multiplier on every filter count (ResNet's 64-128-256-"
+                                                        "512, MobileNetV2's alpha, EfficientNet's width)")
+    all_projections: bool = Field(True, description="resnet only: 1x1 conv shortcut in every block (TAO default)")
+
+    @model_validator(mode="after")
+    def _check_name(self) -> "BackboneSpec":
+        from qatpipe.models.backbones import BACKBONES
+
+        if self.name not in BACKBONES:
+            raise ValueError(f"name {self.name!r} is not a backbone: one of {', '.join(BACKBONES)}")
+        return self
 
 
 class RegularizerSpec(_Section):

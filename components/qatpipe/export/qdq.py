@@ -69,8 +69,66 @@ def fold_weight_quantizers(model) -> int:
         folded += 1
     for node in removed:
         graph.node.remove(node)
+    _fold_weight_layout(graph)
     drop_unused_initializers(graph)
     return folded
+
+
+def _fold_weight_layout(graph) -> int:
+    """int8 initializer → DequantizeLinear → Reshape/Transpose → Conv becomes int8 initializer (reshaped and
+    transposed) → DequantizeLinear → Conv, the scale axis moved along with its channels.
+
+    tf2onnx writes a depthwise kernel (HWC1, scales on axis 2) this way: it reshapes and transposes the
+    dequantised weight into a grouped Conv's OIHW. TensorRT needs the weight's DequantizeLinear to feed the
+    Conv directly. Returns the number of weights re-laid."""
+    from onnx import helper, numpy_helper
+
+    inits = _initializers(graph)
+    _, consumers = graph_maps(graph)
+    count = 0
+    for node in list(graph.node):
+        if node.op_type != "DequantizeLinear" or inits.get(node.input[0], np.zeros(0)).dtype != np.int8:
+            continue
+        chain, tensor = [], node.output[0]
+        while len(consumers[tensor]) == 1 and consumers[tensor][0].op_type in ("Reshape", "Transpose"):
+            op = consumers[tensor][0]
+            if op.op_type == "Reshape" and op.input[1] not in inits:
+                break
+            chain.append(op)
+            tensor = op.output[0]
+        if not chain:
+            continue
+        weight, scale = inits[node.input[0]], inits[node.input[1]]
+        axis = attribute(node, "axis", 1)
+        # the channel index of every element, carried through the same ops, shows where the channel axis lands
+        channel = np.broadcast_to(np.arange(weight.shape[axis]).reshape(
+            [-1 if i == axis else 1 for i in range(weight.ndim)]), weight.shape)
+        for op in chain:
+            if op.op_type == "Reshape":
+                shape = [d if d != 0 else weight.shape[i] for i, d in enumerate(inits[op.input[1]].tolist())]
+                weight, channel = weight.reshape(shape), channel.reshape(shape)
+            else:
+                perm = attribute(op, "perm", list(reversed(range(weight.ndim))))
+                weight, channel = weight.transpose(perm), channel.transpose(perm)
+        new_axis = None
+        if scale.size > 1:
+            new_axis = next((b for b in range(weight.ndim) if weight.shape[b] == scale.size and np.array_equal(
+                channel, np.broadcast_to(np.arange(scale.size).reshape(
+                    [-1 if i == b else 1 for i in range(weight.ndim)]), weight.shape))), None)
+            if new_axis is None:
+                continue  # the channels are spread over several axes: left as it is, the check names it
+        name = f"{node.input[0]}_relaid"
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight), name))
+        node.input[0] = name
+        if new_axis is not None:
+            for attr in [a for a in node.attribute if a.name == "axis"]:
+                node.attribute.remove(attr)
+            node.attribute.append(helper.make_attribute("axis", new_axis))
+        node.output[0] = chain[-1].output[0]
+        for op in chain:
+            graph.node.remove(op)
+        count += 1
+    return count
 
 
 

@@ -13,7 +13,7 @@ import tf_keras as keras
 
 from qatpipe.errors import ModelFileError
 from qatpipe.models.base import Detections, DetectorArchitecture
-from qatpipe.models.resnet import resnet_backbone
+from qatpipe.models.backbones import backbone_module
 from qatpipe.spec import OUTPUT_STRIDE, DecoderSpec, ExperimentSpec
 
 COVERAGE = "output_cov"
@@ -44,9 +44,10 @@ class DetectNetV2(DetectorArchitecture):
 
     def build_model(self) -> keras.Model:
         backbone = self.spec.model.backbone
+        module = backbone_module(backbone.name)
         regularizer = _regularizer(self.spec)
         inputs = keras.Input((self.height, self.width, 3), name="input_1")
-        features = resnet_backbone(inputs, backbone.depth, backbone.width, regularizer, backbone.all_projections)
+        features = module.build(inputs, backbone, regularizer)
         bbox = keras.layers.Conv2D(4 * self.num_classes, 1, name="conv_bbox", kernel_regularizer=regularizer)(
             features
         )
@@ -58,7 +59,7 @@ class DetectNetV2(DetectorArchitecture):
         # float32 outputs keep the losses stable under mixed precision
         cov = keras.layers.Activation("sigmoid", dtype="float32", name=COVERAGE)(cov)
         bbox = keras.layers.Activation("linear", dtype="float32", name=BBOX)(bbox)
-        return keras.Model(inputs, [cov, bbox], name=f"detectnet_v2_resnet{backbone.depth}")
+        return keras.Model(inputs, [cov, bbox], name=f"detectnet_v2_{module.label(backbone)}")
 
     def check_model(self, model, source: str) -> None:
         names = tuple(name.split("/")[0] for name in model.output_names)

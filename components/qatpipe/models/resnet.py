@@ -8,34 +8,24 @@ from __future__ import annotations
 
 import tf_keras as keras
 
+from qatpipe.models.blocks import MIN_FILTERS, bn, conv
+
 BLOCKS_PER_STAGE = {10: (1, 1, 1, 1), 18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}
 STAGE_FILTERS = (64, 128, 256, 512)
-MIN_FILTERS = 16
 # conv1 /2, max-pool /2, stage 2 /2, stage 3 /2; stage 4 keeps stride 1 (TAO's DetectNet_v2) -> /16
 STAGE_STRIDES = (1, 2, 2, 1)
 
 
-def _conv(filters, kernel, strides, name, regularizer):
-    return keras.layers.Conv2D(
-        filters, kernel, strides=strides, padding="same", use_bias=False, name=name,
-        kernel_initializer="he_normal", kernel_regularizer=regularizer,
-    )
-
-
-def _bn(name):
-    return keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name)
-
-
 def _basic_block(x, filters, strides, name, regularizer, projection):
     shortcut = x
-    y = _conv(filters, 3, strides, f"{name}_conv_1", regularizer)(x)
-    y = _bn(f"{name}_bn_1")(y)
+    y = conv(filters, 3, strides, f"{name}_conv_1", regularizer)(x)
+    y = bn(f"{name}_bn_1")(y)
     y = keras.layers.Activation("relu", name=f"{name}_relu_1")(y)
-    y = _conv(filters, 3, 1, f"{name}_conv_2", regularizer)(y)
-    y = _bn(f"{name}_bn_2")(y)
+    y = conv(filters, 3, 1, f"{name}_conv_2", regularizer)(y)
+    y = bn(f"{name}_bn_2")(y)
     if projection or strides != 1 or x.shape[-1] != filters:
-        shortcut = _conv(filters, 1, strides, f"{name}_conv_shortcut", regularizer)(x)
-        shortcut = _bn(f"{name}_bn_shortcut")(shortcut)
+        shortcut = conv(filters, 1, strides, f"{name}_conv_shortcut", regularizer)(x)
+        shortcut = bn(f"{name}_bn_shortcut")(shortcut)
     y = keras.layers.Add(name=f"{name}_add")([y, shortcut])
     return keras.layers.Activation("relu", name=f"{name}_relu")(y)
 
@@ -44,11 +34,10 @@ def resnet_backbone(inputs, depth: int, width: float, regularizer=None, all_proj
     """Feature map at stride 16 of `inputs` (NHWC float in [0, 1])."""
     if depth not in BLOCKS_PER_STAGE:
         raise ValueError(f"ResNet depth must be one of {sorted(BLOCKS_PER_STAGE)}, got {depth}")
-    # Multiples of 8 suit int8 kernels. At least 16: TensorFlow 2.21's oneDNN CPU kernels segfault while
-    # training the 8-filter network (width 0.125) at 192x320; 16 filters train fine.
+    # ResNet's own rounding (TAO's): down to a multiple of 8, at least MIN_FILTERS
     filters = [max(MIN_FILTERS, int(round(f * width / 8)) * 8) for f in STAGE_FILTERS]
-    x = _conv(filters[0], 7, 2, "conv1", regularizer)(inputs)
-    x = _bn("bn_conv1")(x)
+    x = conv(filters[0], 7, 2, "conv1", regularizer)(inputs)
+    x = bn("bn_conv1")(x)
     x = keras.layers.Activation("relu", name="activation_1")(x)
     x = keras.layers.MaxPooling2D(3, strides=2, padding="same", name="max_pool_1")(x)
     for stage, (blocks, stage_filters, stride) in enumerate(
@@ -61,3 +50,12 @@ def resnet_backbone(inputs, depth: int, width: float, regularizer=None, all_proj
                 projection=all_projections,
             )
     return x
+
+
+def build(inputs, backbone, regularizer):
+    """The registry's entry (models/backbones.py): `backbone` is the spec's model.backbone."""
+    return resnet_backbone(inputs, backbone.depth, backbone.width, regularizer, backbone.all_projections)
+
+
+def label(backbone) -> str:
+    return f"resnet{backbone.depth}"

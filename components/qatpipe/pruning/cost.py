@@ -7,13 +7,18 @@ import tf_keras as keras
 
 
 def conv_flops(model: keras.Model) -> int:
-    """FLOPs of one image through the model's Conv2D and Dense layers, counting a multiply-add as 2.
+    """FLOPs of one image through the model's convolutions (depthwise too) and Dense layers, counting a
+    multiply-add as 2.
 
     Convolutions dominate a detector's cost; BatchNormalization folds into them at deployment and
     element-wise layers are a rounding error, so they are left out (as in TAO's reports)."""
     total = 0
     for layer in model.layers:
-        if isinstance(layer, keras.layers.Conv2D):
+        if isinstance(layer, keras.layers.DepthwiseConv2D):
+            kh, kw, channels, multiplier = layer.depthwise_kernel.shape
+            _, oh, ow, _ = layer.output.shape
+            total += 2 * int(oh) * int(ow) * int(kh) * int(kw) * int(channels) * int(multiplier)
+        elif isinstance(layer, keras.layers.Conv2D):
             kh, kw, cin, cout = layer.kernel.shape
             _, oh, ow, _ = layer.output.shape
             total += 2 * int(oh) * int(ow) * int(kh) * int(kw) * (int(cin) // layer.groups) * int(cout)

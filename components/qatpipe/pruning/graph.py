@@ -1,9 +1,12 @@
 """Channel groups of a tf_keras functional model: the layers whose output channels must stay aligned.
 
-A Conv2D starts a channel set (its filters). BatchNormalization, activations and pooling pass their
-input's set through. An Add joins the sets of its inputs into one group, because TensorRT, and arithmetic,
-need both operands to keep the same channels: that is why TAO equalises residual blocks. The model input's
-channels are never pruned, nor are groups that reach a model output or contain an excluded conv.
+A Conv2D (or Dense) starts a channel set (its filters). BatchNormalization, activations and pooling pass
+their input's set through, and so does a depthwise convolution: it filters each channel on its own, so its
+channels follow its input's (TAO's rule), and its kernel is sliced along with them. An Add or a Multiply
+joins the sets of its inputs into one group, because TensorRT, and arithmetic, need both operands to keep
+the same channels: that is why TAO equalises residual blocks, and why a squeeze-excitation block's expand
+conv is tied to the features it scales. The model input's channels are never pruned, nor are groups that
+reach a model output or contain an excluded conv.
 """
 
 from __future__ import annotations
@@ -13,10 +16,14 @@ from dataclasses import dataclass, field
 import tf_keras as keras
 
 from qatpipe.errors import ModelFileError
+from qatpipe.models.graph import LayerGraph, inbound_layers
 
 # layers that keep their input's channels one-to-one
 PASSTHROUGH = (keras.layers.BatchNormalization, keras.layers.Activation, keras.layers.ReLU,
-               keras.layers.MaxPooling2D, keras.layers.AveragePooling2D, keras.layers.Dropout)
+               keras.layers.MaxPooling2D, keras.layers.AveragePooling2D, keras.layers.Dropout,
+               keras.layers.GlobalAveragePooling2D, keras.layers.GlobalMaxPooling2D)
+PRODUCERS = (keras.layers.Conv2D, keras.layers.Dense)  # exact types: their last weight axis is the channels
+MERGES = (keras.layers.Add, keras.layers.Multiply)
 
 
 @dataclass
@@ -32,13 +39,7 @@ class ChannelGroup:
 class ChannelGraph:
     groups: list[ChannelGroup]
     group_of_output: dict[str, int]  # layer name -> index of the group its output channels belong to
-    group_of_input: dict[str, int]  # conv name -> group of the channels it reads (-1: the model input)
-
-
-def inbound_layers(layer) -> list:
-    node = layer.inbound_nodes[0]
-    inbound = node.inbound_layers
-    return list(inbound) if isinstance(inbound, (list, tuple)) else [inbound]
+    group_of_input: dict[str, int]  # conv/dense name -> group of the channels it reads (-1: the model input)
 
 
 def analyse(model: keras.Model, excluded: set[str]) -> ChannelGraph:
@@ -59,16 +60,14 @@ def analyse(model: keras.Model, excluded: set[str]) -> ChannelGraph:
     in_group: dict[str, int] = {}
     producers: dict[int, list[str]] = {}
     frozen: dict[int, str] = {}
+    LayerGraph(model)  # refuses a layer used twice
     for layer in model.layers:
         if isinstance(layer, keras.layers.InputLayer):
             out_group[layer.name] = -1
             continue
-        if len(layer.inbound_nodes) != 1:
-            raise ModelFileError(f"layer {layer.name} is used {len(layer.inbound_nodes)} times; pruning needs "
-                                 f"each layer used once")
         sources = [out_group[src.name] for src in inbound_layers(layer)]
-        if isinstance(layer, keras.layers.Conv2D) and not isinstance(layer, keras.layers.DepthwiseConv2D):
-            if layer.groups != 1:
+        if type(layer) in PRODUCERS:
+            if getattr(layer, "groups", 1) != 1:
                 raise ModelFileError(f"layer {layer.name}: grouped convolutions cannot be pruned")
             in_group[layer.name] = sources[0]
             group = new_group()
@@ -76,11 +75,16 @@ def analyse(model: keras.Model, excluded: set[str]) -> ChannelGraph:
             if layer.name in excluded:
                 frozen[group] = f"{layer.name} is excluded"
             out_group[layer.name] = group
+        elif type(layer) is keras.layers.DepthwiseConv2D:
+            if layer.depth_multiplier != 1:
+                raise ModelFileError(f"layer {layer.name}: a depthwise convolution with depth_multiplier "
+                                     f"{layer.depth_multiplier} cannot be pruned (1 only)")
+            in_group[layer.name] = out_group[layer.name] = sources[0]
         elif isinstance(layer, PASSTHROUGH):
             out_group[layer.name] = sources[0]
-        elif isinstance(layer, keras.layers.Add):
+        elif type(layer) in MERGES:
             if -1 in sources:
-                raise ModelFileError(f"layer {layer.name} adds the model input; not supported by pruning")
+                raise ModelFileError(f"layer {layer.name} merges the model input; not supported by pruning")
             root = find(sources[0])
             for other in sources[1:]:
                 other_root = find(other)

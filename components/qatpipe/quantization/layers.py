@@ -1,24 +1,45 @@
-"""Quantised twins of the Keras layers TensorRT runs in INT8, one wrapper class per layer kind (as NVIDIA's
-TensorFlow quantization toolkit has): each is a subclass of the float layer with the same weights, plus
-fake-quant on the inputs a placement rule (rules.py) chose.
+"""Quantised twins of the Keras layers TensorRT runs in INT8: each is a subclass of the float layer with the
+same weights, plus fake quant on the inputs a placement rule (rules.py) chose. Three families:
 
-- QDQConv2D / QDQDense: per-tensor Q/DQ on the input, per-channel Q/DQ on the kernel (output-channel axis);
-  TensorRT runs the layer as an int8 GEMM/convolution.
-- QDQAdd: Q/DQ on chosen inputs: the residual input of a skip connection, so TensorRT fuses Conv+Add.
-- QDQActivation: Q/DQ on the output, for a model output explicitly chosen (qat.quantize_outputs).
+- weighted layers, one table row each (`WEIGHTED_KINDS`: the attribute holding the weight and its
+  output-channel axis): per-tensor Q/DQ on the input and per-channel Q/DQ on the weight, then the float
+  layer's own call (bias, activation). A new weighted kind (Conv2DTranspose, ...) is one row;
+- merges (Add, Multiply): Q/DQ on the inputs at chosen indices (the residual input of a skip connection, both
+  operands of a squeeze-excitation scale);
+- pooling and model outputs: Q/DQ on the input (pooling) or the output (an activation named in
+  qat.quantize_outputs).
 
-All are registered Keras serialisables: a saved QAT model loads once this module is imported.
+All are registered Keras serialisables (`qatpipe>QDQConv2D`, ...): a saved QAT model loads once this module is
+imported.
 """
 
 from __future__ import annotations
 
-import tensorflow as tf
+from dataclasses import dataclass
+
 import tf_keras as keras
 
 from qatpipe.quantization.quantizers import ActivationRange, fake_quant_per_channel
 
 PACKAGE = "qatpipe"
 DEFAULT_EMA_DECAY = 0.999
+
+
+@dataclass(frozen=True)
+class WeightedKind:
+    """How TensorRT quantises one weighted layer kind: per output channel of the weight in `weight`."""
+
+    weight: str  # the layer attribute holding the weight
+    axis: int  # that weight's output-channel axis
+
+
+# the table: which weighted layer kinds are quantised, and how
+WEIGHTED_KINDS: dict[type, WeightedKind] = {
+    keras.layers.Conv2D: WeightedKind("kernel", 3),  # HWIO
+    # HWCM: with depth_multiplier 1 each input channel is one output channel (rules.py requires 1)
+    keras.layers.DepthwiseConv2D: WeightedKind("depthwise_kernel", 2),
+    keras.layers.Dense: WeightedKind("kernel", 1),  # (in, out)
+}
 
 
 class _Quantized:
@@ -45,11 +66,8 @@ class _Quantized:
         return {**super().get_config(), "ema_decay": self.ema_decay}
 
 
-class _InputAndKernelQuantized(_Quantized):
-    """Conv2D / Dense: per-tensor fake quant on the input, per-channel on the kernel, then the layer's own
-    linear op, bias and activation."""
-
-    kernel_axis: int  # the kernel's output-channel axis
+class _InputQuantized(_Quantized):
+    """One input, quantised per tensor before the float layer's call."""
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -57,33 +75,29 @@ class _InputAndKernelQuantized(_Quantized):
         self.input_range = self._ranges[0]
 
     def call(self, inputs, training=None):
+        return super().call(self.input_range(inputs, training))
+
+
+class _InputAndWeightQuantized(_InputQuantized):
+    """A weighted layer: quantised input, and the weight named by `kind` quantised per output channel while
+    the float layer's own call runs (the attribute is swapped for its fake-quantised value and back, as
+    TFMOT's quantize wrapper does, so bias, activation and padding stay the float layer's code)."""
+
+    kind: WeightedKind
+
+    def call(self, inputs, training=None):
         inputs = self.input_range(inputs, training)
-        outputs = self._linear(inputs, fake_quant_per_channel(self.kernel, axis=self.kernel_axis))
-        if self.use_bias:
-            channels_first = getattr(self, "data_format", "channels_last") == "channels_first"
-            outputs = tf.nn.bias_add(outputs, self.bias, data_format="NCHW" if channels_first else "NHWC")
-        return self.activation(outputs) if self.activation is not None else outputs
+        weight = getattr(self, self.kind.weight)
+        # object.__setattr__: a plain attribute, kept out of Keras' weight tracking
+        object.__setattr__(self, self.kind.weight, fake_quant_per_channel(weight, axis=self.kind.axis))
+        try:
+            return super(_InputQuantized, self).call(inputs)
+        finally:
+            object.__setattr__(self, self.kind.weight, weight)
 
 
-@keras.utils.register_keras_serializable(package=PACKAGE)
-class QDQConv2D(_InputAndKernelQuantized, keras.layers.Conv2D):
-    kernel_axis = 3  # HWIO
-
-    def _linear(self, inputs, kernel):
-        return self.convolution_op(inputs, kernel)
-
-
-@keras.utils.register_keras_serializable(package=PACKAGE)
-class QDQDense(_InputAndKernelQuantized, keras.layers.Dense):
-    kernel_axis = 1  # (in, out)
-
-    def _linear(self, inputs, kernel):
-        return tf.tensordot(inputs, kernel, axes=[[inputs.shape.rank - 1], [0]])
-
-
-@keras.utils.register_keras_serializable(package=PACKAGE)
-class QDQAdd(_Quantized, keras.layers.Add):
-    """Add with Q/DQ on the inputs at `quantized_inputs` (indices into its input list)."""
+class _InputsQuantizedMerge(_Quantized):
+    """A merge layer (Add, Multiply) with Q/DQ on the inputs at `quantized_inputs` (indices)."""
 
     def __init__(self, quantized_inputs=(1,), **kwargs):
         super().__init__(**kwargs)
@@ -103,6 +117,27 @@ class QDQAdd(_Quantized, keras.layers.Add):
         return {**super().get_config(), "quantized_inputs": list(self.quantized_inputs)}
 
 
+def _register(name: str, bases: tuple, doc: str, **attributes) -> type:
+    return keras.utils.register_keras_serializable(package=PACKAGE)(
+        type(name, bases, {"__doc__": doc, "__module__": __name__, **attributes}))
+
+
+def _weighted_wrapper(kind: type, row: WeightedKind) -> type:
+    return _register(f"QDQ{kind.__name__}", (_InputAndWeightQuantized, kind),
+                     f"{kind.__name__} with a quantised input and per-channel int8 `{row.weight}` "
+                     f"(axis {row.axis}).", kind=row)
+
+
+QDQAdd = _register("QDQAdd", (_InputsQuantizedMerge, keras.layers.Add), "Add with quantised inputs.")
+QDQMultiply = _register("QDQMultiply", (_InputsQuantizedMerge, keras.layers.Multiply),
+                        "Multiply with quantised inputs.")
+QDQGlobalAveragePooling2D = _register("QDQGlobalAveragePooling2D",
+                                      (_InputQuantized, keras.layers.GlobalAveragePooling2D),
+                                      "Global average pooling of a quantised input.")
+QDQAveragePooling2D = _register("QDQAveragePooling2D", (_InputQuantized, keras.layers.AveragePooling2D),
+                                "Average pooling of a quantised input.")
+
+
 @keras.utils.register_keras_serializable(package=PACKAGE)
 class QDQActivation(_Quantized, keras.layers.Activation):
     """Activation whose output is quantised (a model output the spec asks to quantise)."""
@@ -118,11 +153,16 @@ class QDQActivation(_Quantized, keras.layers.Activation):
 
 # the registry: which quantised wrapper stands in for which float layer kind
 WRAPPERS: dict[type, type] = {
-    keras.layers.Conv2D: QDQConv2D,
-    keras.layers.Dense: QDQDense,
+    **{kind: _weighted_wrapper(kind, row) for kind, row in WEIGHTED_KINDS.items()},
     keras.layers.Add: QDQAdd,
+    keras.layers.Multiply: QDQMultiply,
+    keras.layers.GlobalAveragePooling2D: QDQGlobalAveragePooling2D,
+    keras.layers.AveragePooling2D: QDQAveragePooling2D,
     keras.layers.Activation: QDQActivation,
 }
+QDQConv2D = WRAPPERS[keras.layers.Conv2D]
+QDQDepthwiseConv2D = WRAPPERS[keras.layers.DepthwiseConv2D]
+QDQDense = WRAPPERS[keras.layers.Dense]
 QUANTIZED_LAYERS = tuple(WRAPPERS.values())
 
 

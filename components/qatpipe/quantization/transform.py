@@ -10,7 +10,7 @@ import numpy as np
 import tf_keras as keras
 
 from qatpipe.errors import SpecError
-from qatpipe.pruning.graph import inbound_layers
+from qatpipe.models.graph import rebuild
 from qatpipe.quantization.layers import quantized_layers
 from qatpipe.quantization.rules import Placement, default_rules, plan
 
@@ -41,27 +41,22 @@ def quantize_model(model: keras.Model, settings, rules=None) -> keras.Model:
     if unknown:
         raise SpecError(f"qat.quantize_outputs: not outputs of {model.name}: {', '.join(unknown)}")
     placements = plan(model, rules if rules is not None else default_rules(settings))
-    tensors: dict[str, object] = {}
-    swapped = 0
-    for layer in model.layers:
+    swapped = sum(bool(settings.relu6 and layer.name not in placements and _is_relu(layer))
+                  for layer in model.layers)
+
+    def new_layer(layer):
         config = layer.get_config()
-        if isinstance(layer, keras.layers.InputLayer):
-            tensors[layer.name] = keras.Input(batch_shape=config["batch_input_shape"], name=layer.name,
-                                              dtype=config.get("dtype"))
-            continue
         # QAT computes in float32 whatever policy the model was trained under (a mixed_float16 model keeps
         # its policy in each layer's config): fake quant in float16 would not match TensorRT's int8
         config["dtype"] = "float32"
-        new_layer = _new_layer(layer, config, placements.get(layer.name), settings)
-        swapped += bool(settings.relu6 and layer.name not in placements and _is_relu(layer))
-        inputs = [tensors[src.name] for src in inbound_layers(layer)]
-        tensors[layer.name] = new_layer(inputs if len(inputs) > 1 else inputs[0])
-        old = layer.get_weights()
+        return _new_layer(layer, config, placements.get(layer.name), settings)
+
+    def new_weights(old, new):
         # the wrapper's extra weights (activation ranges) come after the float layer's: keep them at 0
-        new_layer.set_weights(old + new_layer.get_weights()[len(old):])
-    outputs = [tensors[t.node.layer.name] for t in model.outputs]
-    inputs = [tensors[t.node.layer.name] for t in model.inputs]
-    qat = keras.Model(inputs if len(inputs) > 1 else inputs[0], outputs, name=model.name)
+        weights = old.get_weights()
+        return weights + new.get_weights()[len(weights):]
+
+    qat = rebuild(model, new_layer, new_weights)
     by_rule: dict[str, int] = {}
     for placement in placements.values():
         by_rule[placement.rule] = by_rule.get(placement.rule, 0) + 1

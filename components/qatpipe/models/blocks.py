@@ -1,0 +1,39 @@
+"""The layers every backbone is made of, configured once: bias-free convolutions (BatchNormalization follows),
+TAO's BatchNormalization settings, and filter counts rounded for int8 kernels."""
+
+from __future__ import annotations
+
+import tf_keras as keras
+
+# Multiples of 8 suit int8 kernels. At least 16: TensorFlow 2.21's oneDNN CPU kernels segfault while
+# training 8-filter convolutions at 192x320; 16 filters train fine.
+DIVISOR = 8
+MIN_FILTERS = 16
+
+
+def scaled_filters(filters: int, width: float) -> int:
+    """`filters` x `width`, rounded to the nearest multiple of 8 (never down by more than 10%, as MobileNet's
+    and EfficientNet's rounding does), at least MIN_FILTERS."""
+    scaled = filters * width
+    rounded = max(DIVISOR, int(scaled + DIVISOR / 2) // DIVISOR * DIVISOR)
+    if rounded < 0.9 * scaled:
+        rounded += DIVISOR
+    return max(MIN_FILTERS, rounded)
+
+
+def conv(filters, kernel, strides, name, regularizer, use_bias=False):
+    return keras.layers.Conv2D(
+        filters, kernel, strides=strides, padding="same", use_bias=use_bias, name=name,
+        kernel_initializer="he_normal", kernel_regularizer=regularizer,
+    )
+
+
+def depthwise(kernel, strides, name, regularizer):
+    return keras.layers.DepthwiseConv2D(
+        kernel, strides=strides, padding="same", use_bias=False, name=name,
+        depthwise_initializer="he_normal", depthwise_regularizer=regularizer,
+    )
+
+
+def bn(name):
+    return keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name)
