@@ -125,6 +125,10 @@ def test_parameters(compiled):
     assert params["training_image"]["defaultValue"] == IMAGES["training"]
     assert params["engine_image"]["defaultValue"] == IMAGES["engine"]
     assert params["spec_uri"]["defaultValue"] == "default"
+    # the KFP UI shows each parameter's description, parsed from the pipeline's Args: docstring
+    assert all(p.get("description", "").strip() for p in params.values()), [
+        name for name, p in params.items() if not p.get("description")]
+    assert spec["root"]["inputDefinitions"]["parameters"]["training_memory"]["description"].startswith("memory")
 
 
 def test_gpu_requests_and_placement(compiled):

@@ -176,32 +176,38 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         light_cpu: str = TASK_SIZES["light"][0],
         light_memory: str = TASK_SIZES["light"][1],
     ):
-        """
-        spec_uri: bundled spec name (default, tiny), a path inside the image, or s3://bucket/key.
-        spec_overrides: KEY=VALUE spec overrides, e.g. ["train.epochs=20"].
-        run_name: name of the MLflow parent run (default "qatpipe").
-        gpus: GPUs per training / engine stage (nvidia.com/gpu); train and retrain run one Horovod process
-            per GPU.
-        workers: nodes for train and retrain: above 1, each runs as an MPIJob of `workers` x `gpus` Horovod
-            processes (needs the mpi-operator, and the pipeline compiled with --cache-pvc for a shared volume).
-        mpijob_api_version: v2beta1 (mpi-operator) or v1 (Kubeflow Training Operator).
-        training_image: the image of every stage but build-engine and validate (images/build.sh).
-        engine_image: the image of build-engine and validate: TensorRT (images/build.sh).
-        node_selector: node labels for GPU stages, e.g. {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}.
-        tolerations: Kubernetes tolerations for GPU stages, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists",
-            "effect": "NoSchedule"}].
-        credentials_secret: Kubernetes Secret with the S3 / MLflow credentials (keys: SECRET_KEYS_TO_ENV).
-        kfp_ui_url: the KFP UI's address (`qatpipe submit` sets it): MLflow runs and model versions then link
-            to this run's page.
-        gpu_type: the GPU model engines are built for, as nvidia.com/gpu.product names it (e.g.
-            "NVIDIA-A100-SXM4-80GB"): build-engine's cache key, so an engine is reused only on that model, and
-            checked on the node (pin the model with node_selector). Empty: engines are cached for any GPU.
-        training_cpu, training_memory: CPU and memory (request = limit) of train / retrain on GPU nodes.
-        gpu_stage_cpu, gpu_stage_memory: the same for evaluate-unpruned, build-engine and validate.
-        cpu_stage_cpu, cpu_stage_memory: the same for the CPU stages (data, prune, export, PTQ, the ONNX
-            evaluations, compare, register).
-        light_cpu, light_memory: the same for the spec, tracking and logging tasks (and the tasks that follow
-            an MPIJob).
+        """Train, prune, QAT-retrain, export, build and validate an INT8 detector; FP32 and PTQ alongside.
+
+        Args:
+            spec_uri: bundled spec name (default, tiny), a path inside the image, or s3://bucket/key.
+            spec_overrides: KEY=VALUE spec overrides, e.g. ["train.epochs=20"].
+            run_name: name of the MLflow parent run (default "qatpipe").
+            gpus: GPUs per training / engine stage (nvidia.com/gpu); train and retrain run one Horovod process
+                per GPU.
+            workers: nodes for train and retrain: above 1, each runs as an MPIJob of `workers` x `gpus` Horovod
+                processes (needs the mpi-operator, and the pipeline compiled with --cache-pvc for a shared volume).
+            mpijob_api_version: v2beta1 (mpi-operator) or v1 (Kubeflow Training Operator).
+            training_image: the image of every stage but build-engine and validate (images/build.sh).
+            engine_image: the image of build-engine and validate: TensorRT (images/build.sh).
+            node_selector: node labels for GPU stages, e.g. {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}.
+            tolerations: Kubernetes tolerations for GPU stages, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists",
+                "effect": "NoSchedule"}].
+            credentials_secret: Kubernetes Secret with the S3 / MLflow credentials (keys: SECRET_KEYS_TO_ENV).
+            kfp_ui_url: the KFP UI's address (`qatpipe submit` sets it): MLflow runs and model versions then link
+                to this run's page.
+            gpu_type: the GPU model engines are built for, as nvidia.com/gpu.product names it (e.g.
+                "NVIDIA-A100-SXM4-80GB"): build-engine's cache key, so an engine is reused only on that model, and
+                checked on the node (pin the model with node_selector). Empty: engines are cached for any GPU.
+            training_cpu: CPU request of train / retrain on GPU nodes (no CPU limit: input pipelines burst).
+            training_memory: memory (request = limit) of train / retrain.
+            gpu_stage_cpu: CPU (request = limit) of evaluate-unpruned, build-engine and validate.
+            gpu_stage_memory: memory (request = limit) of evaluate-unpruned, build-engine and validate.
+            cpu_stage_cpu: CPU (request = limit) of the CPU stages (data, prune, export, PTQ, the ONNX
+                evaluations, compare, register).
+            cpu_stage_memory: memory (request = limit) of the CPU stages.
+            light_cpu: CPU (request = limit) of the spec, tracking and logging tasks (and the tasks that follow
+                an MPIJob).
+            light_memory: memory (request = limit) of those light tasks.
         """
         sizes = {"training": (training_cpu, training_memory), "gpu_stage": (gpu_stage_cpu, gpu_stage_memory),
                  "cpu_stage": (cpu_stage_cpu, cpu_stage_memory), "light": (light_cpu, light_memory)}

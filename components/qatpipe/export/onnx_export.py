@@ -56,12 +56,28 @@ def output_differences(model, onnx_path: str | Path, inputs: np.ndarray) -> dict
     percentiles of the difference in int8 steps of that output's range (max |TF| / 127)."""
     from qatpipe.runtime.onnx_runtime import OnnxModel
 
-    reference = model(inputs, training=False)
-    reference = dict(zip([name.split("/")[0] for name in model.output_names], (r.numpy() for r in reference)))
-    onnx_outputs = OnnxModel(onnx_path).run(inputs)
+    return _step_differences(_tf_outputs(model, inputs), OnnxModel(onnx_path).run(inputs))
+
+
+def rounding_sensitivity(model, inputs: np.ndarray, relative: float, seed: int = 0) -> dict[str, dict]:
+    """The same figures for TensorFlow against itself on `inputs` moved by +-`relative` (a few ulps): how far a
+    quantised model's outputs move when values near int8 rounding boundaries flip, which is all an exact
+    conversion may differ by. A deep quantised network carries such flips much further than a shallow one."""
+    signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), size=inputs.shape)
+    moved = (inputs * (1 + signs * np.float32(relative))).astype(np.float32)
+    return _step_differences(_tf_outputs(model, inputs), _tf_outputs(model, moved))
+
+
+def _tf_outputs(model, inputs) -> dict[str, np.ndarray]:
+    outputs = model(inputs, training=False)
+    outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    return dict(zip([name.split("/")[0] for name in model.output_names], (o.numpy() for o in outputs)))
+
+
+def _step_differences(reference: dict[str, np.ndarray], other: dict[str, np.ndarray]) -> dict[str, dict]:
     result = {}
     for name, expected in reference.items():
-        diff = np.abs(expected - onnx_outputs[name])
+        diff = np.abs(expected - other[name])
         step = max(float(np.abs(expected).max()), 1e-12) / 127.0
         result[name] = {"max_abs": float(diff.max()),
                         **{f"p{q}_steps": round(float(np.percentile(diff, q)) / step, 4) for q in (50, 90, 99)},

@@ -9,6 +9,23 @@ from qatpipe_kfp.settings import component
 @component
 def build_engine(engine_spec: str, variant: str, onnx_model: Input[Model], engine: Output[Model],
                  metrics: Output[Metrics], gpu_type: str = ""):
+    """Build an inference engine from a variant's ONNX model, then benchmark its latency.
+
+    TensorRT where it imports and a GPU is visible, else ONNX Runtime (`engine.backend` in the spec picks); every
+    backend is benchmarked with the same latency harness.
+
+    Args:
+        engine_spec: The spec's engine view (sections dataset, model, engine), as YAML.
+        variant: The variant's name (fp32, ptq or qat); names the task's stage and goes into the engine's metadata.
+        onnx_model: The variant's ONNX model folder; the file is its `file` metadata (default model.onnx).
+        gpu_type: The GPU model the engine is built for, as nvidia.com/gpu.product names it; the task fails when the
+            node's first GPU is another model or there is none. It keys the KFP cache. Empty: not checked.
+
+    Returns:
+        engine: The engine folder: the engine file, engine.json, bench.json and tracking.json; its metadata names
+            the backend, precision, variant, device, runtime version, source ONNX file and gpu_type.
+        metrics: The engine's size, peak memory, and p50/p99 latency and throughput per benchmarked batch size.
+    """
     # gpu_type (a pipeline parameter) keys the cache: an engine is reused only for the GPU model it was built on
     from pathlib import Path
 

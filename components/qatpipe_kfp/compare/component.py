@@ -11,6 +11,28 @@ from qatpipe_kfp.settings import component
 def compare(parent_run_id: str, fp32: Input[Artifact], ptq: Input[Artifact], qat: Input[Artifact],
             unpruned: Input[Artifact], pruned: Input[Model], summary: Output[Artifact], table: Output[Markdown],
             chart: Output[HTML], metrics: Output[Metrics]):
+    """Compare the FP32, PTQ and QAT variants and log the comparison to the MLflow parent run.
+
+    Writes the variant table, the pruning block (unpruned vs pruned size and mAP), the differences between the
+    variants with their paired-bootstrap 95% confidence intervals, the per-class AP and the charts.
+
+    Args:
+        parent_run_id: The MLflow parent run id (start-tracking's output). Empty, or no tracking server configured:
+            nothing is logged to MLflow; the outputs are still written.
+        fp32: The FP32 variant's evaluation folder (in the pipeline, validate's `results`).
+        ptq: The PTQ variant's evaluation folder (in the pipeline, validate's `results`).
+        qat: The QAT variant's evaluation folder (in the pipeline, validate's `results`).
+        unpruned: The unpruned model's evaluation folder (evaluate's `results`): its mAP for the pruning block.
+        pruned: The pruned model folder (prune's `pruned`): its prune_report.json gives the parameters and FLOPs
+            before and after pruning.
+
+    Returns:
+        summary: Folder with summary.json, comparison.md, the charts, comparison.html and tracking.json.
+        table: The comparison tables, as Markdown.
+        chart: The comparison tables and the charts, as an HTML page.
+        metrics: The comparison's figures: each variant's metrics, the pruning block and the pairwise differences
+            with their confidence intervals.
+    """
     import json
     from pathlib import Path
 

@@ -9,6 +9,16 @@ from qatpipe_kfp.settings import component
 
 @component
 def finish_tracking(kfp_run_id: str, status: dsl.PipelineTaskFinalStatus):
+    """Close the MLflow parent run of this pipeline run with the pipeline's final state (the exit handler).
+
+    An exit task may not depend on other tasks, so the parent run is found by its KFP run id tag. Without a
+    tracking server it does nothing.
+
+    Args:
+        kfp_run_id: The KFP run id the parent run is tagged with (the pipeline passes its job id placeholder).
+        status: The pipeline's final status, filled in by KFP: SUCCEEDED closes the run as FINISHED, CANCELED as
+            KILLED, any other state as FAILED.
+    """
     from qatpipe.tracking.mlflow_runs import MlflowTracker
     from qatpipe_kfp.runtime import log, stage
 

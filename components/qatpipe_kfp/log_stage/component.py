@@ -9,6 +9,17 @@ from kfp.dsl import Artifact, Input
 
 @component
 def log_stage(parent_run_id: str, stage_output: Input[Artifact]):
+    """Log one stage's tracking record (its tracking.json) as a nested MLflow run under the parent run.
+
+    Kept apart from the stages so that their KFP cache keys hold no per-run id: a cached stage is still logged to
+    the new run's parent.
+
+    Args:
+        parent_run_id: The MLflow parent run id (start-tracking's output). Empty, or no tracking server configured:
+            nothing is logged.
+        stage_output: A stage's output folder with its tracking.json. For a prepared data set (a folder with
+            dataset.json) its train and val splits are also logged as dataset inputs of the parent and nested runs.
+    """
     import json
     from pathlib import Path
 

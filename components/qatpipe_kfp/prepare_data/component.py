@@ -7,6 +7,19 @@ from qatpipe_kfp.settings import component
 
 @component
 def prepare_data(data_spec: str, dataset: Output[Dataset], report: Output[Markdown], data_fingerprint: str = ""):
+    """Generate the synthetic data set, or fetch (s3://) and validate the KITTI folders the spec names.
+
+    Args:
+        data_spec: The spec's prepare_data view (section dataset), as YAML.
+        data_fingerprint: fingerprint-data's digest of the data. Only recorded in the data set's metadata; as an
+            input it keys the KFP cache, so changed files under the same URIs are prepared again.
+
+    Returns:
+        dataset: Folder with dataset.json (source, split locations, classes, per-class counts, digests) and
+            tracking.json; a synthetic data set's images are generated into it. Its metadata holds the source,
+            the image count of each split and the fingerprint.
+        report: The per-class object counts of both splits, as Markdown.
+    """
     # data_fingerprint (fingerprint-data's output) is here for the cache key: changed data, another key
     from qatpipe.data.prepare import prepare_dataset
     from qatpipe.tracking.records import StageRecord, numeric_leaves

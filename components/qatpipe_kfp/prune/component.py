@@ -8,6 +8,17 @@ from qatpipe_kfp.settings import component
 @component
 def prune(prune_spec: str, model: Input[Model], pruned: Output[Model], metrics: Output[Metrics],
           report: Output[Markdown]):
+    """Prune the trained detector TAO-style (structured, whole filters) into a physically smaller model.
+
+    Args:
+        prune_spec: The spec's prune view (sections dataset, model, prune), as YAML.
+        model: The trained model folder (train's `model`); the file is its `file` metadata (default model.keras).
+
+    Returns:
+        pruned: Folder with model.keras, prune_report.json and tracking.json; its metadata holds the parameter count.
+        metrics: The parameters and FLOPs before and after pruning, and their ratios.
+        report: The filters of each channel set before and after pruning, as Markdown.
+    """
     from pathlib import Path
 
     from qatpipe.models import get_architecture

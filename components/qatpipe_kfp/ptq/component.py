@@ -9,6 +9,24 @@ from qatpipe_kfp.settings import component
 @component
 def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_onnx: Output[Model],
         metrics: Output[Metrics]):
+    """Build the PTQ baseline: an INT8 ONNX calibrated from the FP32 ONNX on training images.
+
+    ONNX Runtime static quantisation, symmetric int8 Q/DQ; `ptq.method` and `ptq.calibration_images` set the
+    calibration.
+
+    Args:
+        ptq_spec: The spec's ptq view (sections dataset, model, evaluate, ptq), as YAML; its data paths are
+            replaced by the prepared data set's.
+        dataset: The prepared data set (prepare-data's `dataset`); the calibration images are sampled from its
+            train split.
+        fp32_onnx: The FP32 ONNX model folder (export's `onnx_model`); the file is its `file` metadata
+            (default model.onnx).
+
+    Returns:
+        int8_onnx: Folder with model.onnx (int8 Q/DQ), model_ptq.json and tracking.json; its metadata names the
+            framework, file, variant and calibration method.
+        metrics: The number of calibration images and the INT8 model's size in MB.
+    """
     from pathlib import Path
 
     from qatpipe.data.prepare import spec_with_prepared_dataset

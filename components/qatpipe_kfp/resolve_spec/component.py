@@ -14,6 +14,30 @@ def resolve_spec(spec_uri: str, overrides: List[str], credentials_secret: str = 
                        ("prune_spec", str), ("retrain_spec", str), ("retrain_qat_spec", str),
                        ("export_spec", str), ("ptq_spec", str), ("engine_spec", str), ("validate_spec", str),
                        ("registry_name", str)]):
+    """Check the credentials Secret, read and validate the spec, and give each stage the spec sections it reads.
+
+    Args:
+        spec_uri: A bundled spec name, a path inside the image, or s3://bucket/key.
+        overrides: KEY=VALUE overrides, applied to the spec before it is validated.
+        credentials_secret: The Kubernetes Secret with the S3 / MLflow credentials, checked first: when named it
+            must exist in the pods' namespace and hold the S3 keys that s3:// spec or data URIs need. Empty: only
+            the environment is checked.
+
+    Returns:
+        spec: The full resolved spec, as YAML.
+        data_spec: The prepare_data view of the spec (section dataset), as YAML.
+        train_spec: The train view (sections dataset, model, augmentation, train, evaluate), as YAML.
+        evaluate_spec: The evaluate view (sections dataset, model, evaluate), as YAML.
+        prune_spec: The prune view (sections dataset, model, prune), as YAML.
+        retrain_spec: The FP32 retrain view (sections dataset, model, augmentation, train, evaluate, retrain), as
+            YAML.
+        retrain_qat_spec: The QAT retrain view: the retrain view's sections and qat, as YAML.
+        export_spec: The export view (sections dataset, model, export), as YAML.
+        ptq_spec: The ptq view (sections dataset, model, evaluate, ptq), as YAML.
+        engine_spec: The engine view (sections dataset, model, engine), as YAML.
+        validate_spec: The validate view (sections dataset, model, evaluate, engine, validate), as YAML.
+        registry_name: The name of the MLflow registered model (tracking.registered_model).
+    """
     from collections import namedtuple
 
     from qatpipe.cluster.credentials import check_credentials

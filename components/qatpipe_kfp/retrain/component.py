@@ -11,6 +11,31 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
             metrics: Output[Metrics], gpus: int = 1, workers: int = 1, mpijob_api_version: str = "v2beta1",
             training_image: str = "", credentials_secret: str = "", node_selector: dict = {},
             tolerations: list = [], mpijob: bool = False):
+    """Fine-tune the pruned detector in FP32 or quantisation-aware (QAT), like TAO's retrain.
+
+    One Horovod process per GPU; with `workers` > 1, or `mpijob`, an MPIJob across nodes.
+
+    Args:
+        retrain_spec: The spec's retrain view, as YAML: without the qat section for the FP32 task, with it for
+            the QAT task; its data paths are replaced by the prepared data set's.
+        qat: Retrain quantisation-aware (sets qat.enabled) instead of in FP32; also names the variant, qat or fp32.
+        dataset: The prepared data set (prepare-data's `dataset`).
+        pruned: The pruned model folder (prune's `pruned`); the file is its `file` metadata (default model.keras).
+        gpus: Horovod processes per node, one per GPU.
+        workers: Nodes; above 1 the training runs as an MPIJob.
+        mpijob_api_version: The MPIJob API version: v2beta1 (mpi-operator) or v1 (Kubeflow Training Operator).
+        training_image: The image of the MPIJob's launcher and workers. Empty: the project's training image.
+        credentials_secret: The Secret whose credentials the MPIJob's containers get. Empty: none.
+        node_selector: Node labels for the MPIJob's pods.
+        tolerations: Kubernetes tolerations for the MPIJob's pods.
+        mpijob: Run as an MPIJob even on one node; this task then only follows the job.
+
+    Returns:
+        model: Folder with model.keras, the training log and tracking.json (QAT: also qat_ranges.json); its
+            metadata holds the framework, file, parameter count, variant and number of processes.
+        metrics: The training summary's figures: throughput, time, size, final losses, the kept and best epochs,
+            the best val mAP@0.5 and the learning check's figures.
+    """
     from pathlib import Path
 
     from qatpipe.data.prepare import spec_with_prepared_dataset

@@ -9,6 +9,22 @@ from qatpipe_kfp.settings import component
 
 @component
 def start_tracking(spec: str, run_name: str, kfp_run_id: str, link: Output[Markdown], kfp_ui_url: str = "") -> str:
+    """Start (or join) the MLflow parent run of this pipeline run, tagged with the KFP run id and page.
+
+    The tag lets the exit handler, which may not depend on other tasks, find the run. Without
+    MLFLOW_TRACKING_URI nothing is tracked.
+
+    Args:
+        spec: The full resolved spec (resolve-spec's `spec`), as YAML: its tracking.experiment names the
+            experiment; it is logged flattened as the run's params and as the file spec.yaml.
+        run_name: The parent run's name. Empty: "qatpipe".
+        kfp_run_id: The KFP run id the parent run is tagged with (the pipeline passes its job id placeholder).
+        kfp_ui_url: The KFP UI's address; the run is then also tagged with its KFP page. Empty: no page tag.
+
+    Returns:
+        link: The MLflow run's address for the KFP UI, as Markdown (or a note that the run is not tracked).
+        Output: The MLflow parent run id; empty when MLFLOW_TRACKING_URI is not set.
+    """
     import tempfile
     from pathlib import Path
 

@@ -10,6 +10,29 @@ from qatpipe_kfp.settings import component
 def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metrics: Output[Metrics],
           gpus: int = 1, workers: int = 1, mpijob_api_version: str = "v2beta1", training_image: str = "",
           credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [], mpijob: bool = False):
+    """Train the unpruned detector on the prepared data set (TAO `train`).
+
+    One Horovod process per GPU; with `workers` > 1, or `mpijob`, an MPIJob across nodes.
+
+    Args:
+        train_spec: The spec's train view (sections dataset, model, augmentation, train, evaluate), as YAML; its
+            data paths are replaced by the prepared data set's.
+        dataset: The prepared data set (prepare-data's `dataset`).
+        gpus: Horovod processes per node, one per GPU.
+        workers: Nodes; above 1 the training runs as an MPIJob.
+        mpijob_api_version: The MPIJob API version: v2beta1 (mpi-operator) or v1 (Kubeflow Training Operator).
+        training_image: The image of the MPIJob's launcher and workers. Empty: the project's training image.
+        credentials_secret: The Secret whose credentials the MPIJob's containers get. Empty: none.
+        node_selector: Node labels for the MPIJob's pods.
+        tolerations: Kubernetes tolerations for the MPIJob's pods.
+        mpijob: Run as an MPIJob even on one node; this task then only follows the job.
+
+    Returns:
+        model: The training results folder: model.keras, the training log and summary, and tracking.json; its
+            metadata holds the framework, file, parameter count and number of processes.
+        metrics: The training summary's figures: throughput, time, size, final losses, the kept and best epochs,
+            the best val mAP@0.5 and the learning check's figures.
+    """
     from qatpipe.data.prepare import spec_with_prepared_dataset
     from qatpipe.stages.scale_out import run_training_stage
     from qatpipe.tracking.live import parent_run_from_kfp

@@ -10,7 +10,31 @@ from qatpipe_kfp.settings import component
 def validate(validate_spec: str, variant: str, dataset: Input[Dataset], engine: Input[Model],
              onnx_model: Input[Model], baseline: Input[Artifact], results: Output[Artifact],
              metrics: Output[Metrics], report: Output[Markdown]) -> bool:
-    """Returns whether the variant passed the gate (a single output: kfp.local's dsl.If resolves only those)."""
+    """Validate a variant's engine on the val set against the FP32 baseline and apply the gate.
+
+    The gate passes when the engine's mAP@0.5, and TensorRT's emulated mAP@0.5 where it is scored, are at most
+    `validate.max_map_drop` below the baseline's. A passing model also gets its DeepStream nvinfer config.
+
+    Args:
+        validate_spec: The spec's validate view (sections dataset, model, evaluate, engine, validate), as YAML;
+            its data paths are replaced by the prepared data set's.
+        variant: The variant's name (fp32, ptq or qat); names the task's stage, the report and the DeepStream
+            config.
+        dataset: The prepared data set (prepare-data's `dataset`); its val split is scored.
+        engine: The variant's engine folder (build-engine's `engine`); its bench.json, when there, is copied into
+            the results.
+        onnx_model: The ONNX model the engine was built from, for TensorRT's emulated numbers and the DeepStream
+            config; the file is its `file` metadata (default model.onnx).
+        baseline: The FP32 evaluation folder (evaluate's `results`); its metrics.json holds the baseline mAP.
+
+    Returns:
+        results: Folder with validation.json and validation.md, the evaluation's files, bench.json, and
+            tensorrt_emulated/ and deepstream/ where made; its metadata names the variant, the verdict and the
+            engine.
+        metrics: mAP@0.5, mAP@[.5:.95], the mAP@0.5 drop, TensorRT's emulated mAP@0.5 where scored, and passed.
+        report: validation.md (the engine's mAP against the baseline, and the verdict), as Markdown.
+        Output: Whether the variant passed the gate (a single output: kfp.local's dsl.If resolves only those).
+    """
     import json
     from pathlib import Path
 
