@@ -217,9 +217,9 @@ def test_qdq_check_names_a_half_quantised_conv_and_a_nonzero_zero_point(qat_expo
 def test_a_wrong_scale_on_one_output_channel_fails_the_agreement_check(qat_export, tmp_path):
     from onnx import numpy_helper
 
-    from qatpipe.export.onnx_export import output_differences, save_onnx
+    from qatpipe.export.onnx_export import output_differences, rounding_sensitivity, save_onnx
     from qatpipe.models.io import load_keras_model
-    from qatpipe.stages.export import QAT_TOLERANCE_STEPS
+    from qatpipe.stages.export import ROUNDING_PERTURBATION, qat_limits
 
     _, model_path, path, _ = qat_export
     model = onnx.load(path)
@@ -231,8 +231,11 @@ def test_a_wrong_scale_on_one_output_channel_fails_the_agreement_check(qat_expor
     scale.CopyFrom(numpy_helper.from_array(values, scale.name))
     save_onnx(model, tmp_path / "broken.onnx")
     images = np.random.default_rng(0).uniform(size=(2, 192, 320, 3)).astype(np.float32)
-    diff = output_differences(load_keras_model(model_path), tmp_path / "broken.onnx", images)["output_bbox"]
-    assert any(diff[key] > limit for key, limit in QAT_TOLERANCE_STEPS.items()), diff
+    keras_model = load_keras_model(model_path)
+    limits = qat_limits(rounding_sensitivity(keras_model, images, ROUNDING_PERTURBATION))["output_bbox"]
+    diff = output_differences(keras_model, tmp_path / "broken.onnx", images)["output_bbox"]
+    assert any(diff[key] > limit for key, limit in limits.items()), (diff, limits)
+    assert limits == {"p90_steps": 1.0, "p99_steps": 4.0}  # ResNet-10 moves little under rounding: fixed limits
 
 
 def test_a_quantised_model_output_keeps_its_name_in_the_implicit_onnx(tmp_path):
