@@ -9,6 +9,8 @@ paired differences QAT - FP32, PTQ - FP32 and QAT - PTQ with their CIs, each var
 (p50, batch 1), pruning's FLOPs ratio, the unpruned model's mAP@0.5, and the wall time.
 Writes WORK/bench_backbones.json.
 
+`--qat-from-fp32` re-runs each finished run's QAT retrain from its retrained FP32 model (the QAT toolkit's
+fine-tuning) instead of the pruned model (TAO's recipe), and prints QAT - FP32 with its CI.
 `--ptq-sweep` then re-quantises each finished run's FP32 ONNX with other PTQ settings (method minmax /
 entropy / percentile, 16 or 200 calibration images) and prints each one's mAP@0.5 and its paired difference
 from FP32 with the CI: where the pipeline's PTQ loses nothing, this finds the settings where it does.
@@ -80,6 +82,35 @@ def ptq_sweep(backbone: str, work: Path) -> list[dict]:
     return rows
 
 
+def qat_from_fp32(backbone: str, work: Path) -> dict:
+    """The run's QAT retrain (same spec, epochs and schedule) started from its retrained FP32 model instead of
+    the pruned one, as NVIDIA's QAT toolkit fine-tunes a trained model: exported, evaluated and compared with
+    the FP32 model by the paired bootstrap."""
+    from runs import evaluation_folders
+
+    from qatpipe.spec import load_spec
+    from qatpipe.stages.compare import uncertainty
+    from qatpipe.stages.evaluate import evaluate
+    from qatpipe.stages.export import export
+    from qatpipe.stages.retrain import retrain
+
+    kfp_root = work / backbone / "kfp"
+    fp32_eval = evaluation_folders(kfp_root)["fp32"]
+    specs = {load_spec(p).qat.enabled: p for p in kfp_root.rglob("spec.yaml")
+             if p.parent.parent.name.startswith("retrain")}
+    spec = load_spec(specs[True])
+    folder = work / f"{backbone}_qat_from_fp32"
+    summary = retrain(spec, specs[False].with_name("model.keras"), folder / "retrain")
+    export(spec, summary["model"], folder / "qat.onnx")
+    result = evaluate(spec, folder / "qat.onnx", folder / "evaluation")
+    pair = uncertainty({"fp32": fp32_eval, "qat": folder / "evaluation"})["pairs"]["qat-fp32"]["map50"]
+    row = {"backbone": backbone, "start": "fp32 retrained", "epochs": spec.retrain.epochs,
+           "map50": result["map50"], "diff": pair["diff"], "ci95": pair["ci95"]}
+    print(f"\n{backbone}: QAT from the FP32 model ({row['epochs']} epochs): mAP@0.5 {row['map50']:.4f}, QAT - FP32 "
+          f"{100 * row['diff']:+.2f} points [{100 * row['ci95'][0]:+.2f}, {100 * row['ci95'][1]:+.2f}]")
+    return row
+
+
 def print_sweep(rows: list[dict]) -> None:
     print("\nbackbone         PTQ method  calib. images  mAP@0.5  PTQ - FP32 (points)  95% CI (points)")
     for r in rows:
@@ -116,11 +147,17 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only re-read finished runs in WORK and print")
     parser.add_argument("--ptq-sweep", action="store_true",
                         help="re-quantise each finished run's FP32 model with other PTQ settings (no training)")
+    parser.add_argument("--qat-from-fp32", action="store_true",
+                        help="re-run each finished run's QAT retrain from its FP32 model instead of the pruned one")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # each run's local SQLite store
     saved = args.work / "bench_backbones.json"
+    if args.qat_from_fp32:
+        rows = [qat_from_fp32(b, args.work) for b in args.backbones if (args.work / b).is_dir()]
+        (args.work / "bench_backbones_qat_from_fp32.json").write_text(json.dumps(rows, indent=2) + "\n")
+        return
     if args.ptq_sweep:
         rows = [row for b in args.backbones if (args.work / b).is_dir() for row in ptq_sweep(b, args.work)]
         (args.work / "bench_backbones_ptq_sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
