@@ -96,3 +96,21 @@ def test_compiled_components_describe_every_input_and_output():
     assert checked > 100, checked  # 16 components, most of them used more than once
     assert not missing, ("no description; add it to the component's docstring (inputs under Args:, outputs under "
                          "Returns:): " + ", ".join(missing))
+
+
+def test_every_component_folder_has_metadata_matching_its_function():
+    """One folder per component with its code, README, tests and metadata.yaml (kubeflow/pipelines-components'
+    layout); the metadata's name is the folder's and its description the component docstring's first line."""
+    import importlib
+    import inspect
+
+    root = Path(__file__).resolve().parents[1] / "components" / "qatpipe_kfp"
+    folders = sorted(f for f in root.iterdir() if (f / "component.py").is_file())
+    assert len(folders) == 16
+    for folder in folders:
+        assert {"README.md", "metadata.yaml", "test_component.py"} <= {p.name for p in folder.iterdir()}, folder.name
+        metadata = yaml.safe_load((folder / "metadata.yaml").read_text())
+        function = getattr(importlib.import_module(f"qatpipe_kfp.{folder.name}.component"), folder.name).python_func
+        assert metadata["name"] == folder.name
+        assert metadata["description"] == inspect.getdoc(function).splitlines()[0], folder.name
+        assert metadata["stability"] in ("alpha", "beta", "stable") and "qatpipe" in metadata["tags"]
