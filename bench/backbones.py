@@ -164,20 +164,29 @@ def main() -> None:
         print_sweep(rows)
         return
     if args.report:
-        previous = {row["backbone"]: row for row in (json.loads(saved.read_text()) if saved.is_file() else [])}
+        previous = {row["backbone"]: row for row in (json.loads(saved.read_text()) if saved.is_file() else [])
+                    if "failed" not in row}
         rows = [describe(b, args.work, previous.get(b, {}).get("overrides", []),
                          previous.get(b, {}).get("wall_seconds"))
-                for b in args.backbones if (args.work / b).is_dir()]
+                for b in args.backbones if (args.work / b / "summary.json").is_file()]  # finished runs only
         print_report(rows)
         return
-    rows = []
+    from qatpipe_pipelines.local_run import PipelineFailed
+
+    rows, failed = [], []
     for backbone in args.backbones:
         if (args.work / backbone).exists():
             raise SystemExit(f"{args.work / backbone} exists: a cold run needs a fresh folder (this script never "
                              "deletes)")
-        rows.append(run_backbone(backbone, args.work, args.overrides))
-        saved.write_text(json.dumps(rows, indent=2) + "\n")
+        try:
+            rows.append(run_backbone(backbone, args.work, args.overrides))
+        except PipelineFailed as failure:  # report it and go on: the other backbones' figures still count
+            log.error("%s: %s", backbone, failure)
+            failed.append({"backbone": backbone, "failed": str(failure)})
+        saved.write_text(json.dumps(rows + failed, indent=2) + "\n")
         print_report(rows)
+    for row in failed:
+        print(f"\n{row['backbone']} FAILED: {row['failed']}")
     print(f"\nfigures: {saved}")
 
 
