@@ -294,3 +294,22 @@ def test_each_backbone_exports_a_qat_onnx_that_tensorrt_accepts_and_agrees_with_
     save_onnx(proto, tmp_path / "broken.onnx")
     diff = output_differences(qat, tmp_path / "broken.onnx", images)["output_bbox"]
     assert any(diff[key] > limit for key, limit in limits["output_bbox"].items()), (diff, limits["output_bbox"])
+
+
+def test_dense_layers_prune_like_convs():
+    """conv -> global pooling -> dense -> dense (the output): the pooled channels and the hidden units shrink."""
+    inp = keras.Input((8, 8, 3), name="in")
+    y = L.GlobalAveragePooling2D(name="pool")(L.Conv2D(8, 3, padding="same", use_bias=False, name="a")(inp))
+    y = L.Dense(2, name="out")(L.Dense(6, name="hidden")(y))
+    model = keras.Model(inp, y)
+    _weaken_odd_filters(model)
+    hidden = model.get_layer("hidden").get_weights()
+    hidden[0] = np.where(hidden[0] >= 0, 1.0, -1.0).astype(np.float32)
+    hidden[0][:, 1::2] *= 0.01
+    model.get_layer("hidden").set_weights(hidden)
+    pruned, _ = prune_model(model, PruneSpec(threshold=0.5, granularity=1, min_filters=1))
+    assert pruned.get_layer("a").filters == 4 and pruned.get_layer("hidden").kernel.shape == (4, 3)
+    assert pruned.get_layer("out").kernel.shape == (3, 2)  # the output keeps its units
+    masked = _masked(model, lambda layer: {"hidden": list(range(1, 8, 2)), "out": [1, 3, 5]}.get(layer.name, []))
+    x = np.random.default_rng(5).normal(size=(2, 8, 8, 3)).astype(np.float32)
+    np.testing.assert_allclose(pruned(x).numpy(), masked(x).numpy(), rtol=1e-5, atol=1e-5)

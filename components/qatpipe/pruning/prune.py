@@ -54,7 +54,8 @@ def prune_model(model: keras.Model, settings: PruneSpec) -> tuple[keras.Model, P
     keep: list[np.ndarray] = []
     report_groups = []
     for group in graph.groups:
-        total = model.get_layer(group.producers[0]).filters if group.producers else 0
+        # a producer's last kernel axis is its output channels (Conv2D filters, Dense units)
+        total = model.get_layer(group.producers[0]).kernel.shape[-1] if group.producers else 0
         if not group.prunable or not group.producers:
             keep.append(np.arange(total))
             report_groups.append({"convs": group.producers, "before": total, "after": total,
