@@ -51,24 +51,30 @@ def save_onnx(proto, path: str | Path) -> Path:
     return path
 
 
-def output_differences(model, onnx_path: str | Path, inputs: np.ndarray) -> dict[str, dict]:
+def output_differences(model, onnx_path: str | Path, inputs: np.ndarray, reference: dict | None = None
+                       ) -> dict[str, dict]:
     """Per output, how far ONNX Runtime is from TensorFlow on `inputs`: the largest absolute difference, and
-    percentiles of the difference in int8 steps of that output's range (max |TF| / 127)."""
+    percentiles of the difference in int8 steps of that output's range (max |TF| / 127). `reference`: the
+    model's outputs on `inputs` (tf_outputs), when the caller already has them."""
     from qatpipe.runtime.onnx_runtime import OnnxModel
 
-    return _step_differences(_tf_outputs(model, inputs), OnnxModel(onnx_path).run(inputs))
+    reference = tf_outputs(model, inputs) if reference is None else reference
+    return _step_differences(reference, OnnxModel(onnx_path).run(inputs))
 
 
-def rounding_sensitivity(model, inputs: np.ndarray, relative: float, seed: int = 0) -> dict[str, dict]:
+def rounding_sensitivity(model, inputs: np.ndarray, relative: float, seed: int = 0,
+                         reference: dict | None = None) -> dict[str, dict]:
     """The same figures for TensorFlow against itself on `inputs` moved by +-`relative` (a few ulps): how far a
     quantised model's outputs move when values near int8 rounding boundaries flip, which is all an exact
     conversion may differ by. A deep quantised network carries such flips much further than a shallow one."""
     signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), size=inputs.shape)
     moved = (inputs * (1 + signs * np.float32(relative))).astype(np.float32)
-    return _step_differences(_tf_outputs(model, inputs), _tf_outputs(model, moved))
+    reference = tf_outputs(model, inputs) if reference is None else reference
+    return _step_differences(reference, tf_outputs(model, moved))
 
 
-def _tf_outputs(model, inputs) -> dict[str, np.ndarray]:
+def tf_outputs(model, inputs) -> dict[str, np.ndarray]:
+    """Output name -> the Keras model's outputs on `inputs` (inference mode), as NumPy."""
     outputs = model(inputs, training=False)
     outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
     return dict(zip([name.split("/")[0] for name in model.output_names], (o.numpy() for o in outputs)))

@@ -33,13 +33,22 @@ def _initializers(graph) -> dict:
 
 
 
+def _along(values: np.ndarray, axis: int, ndim: int) -> np.ndarray:
+    """A per-channel vector shaped to broadcast along `axis` of an `ndim`-array (a single value: everywhere)."""
+    values = np.asarray(values)
+    return values.reshape([-1 if i == axis and values.size > 1 else 1 for i in range(ndim)])
+
+
+def _channel_index(shape: tuple, axis: int) -> np.ndarray:
+    """Each element's index along `axis`, for an array of `shape`."""
+    return np.broadcast_to(_along(np.arange(shape[axis]), axis, len(shape)), shape)
+
+
 def _quantize(values: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int) -> np.ndarray:
     """ONNX QuantizeLinear for int8: round half to even, saturate."""
-    shape = [1] * values.ndim
-    if scale.ndim == 1 and scale.size > 1:
-        shape[axis] = scale.size
-    q = np.rint(values.astype(np.float32) / scale.reshape(shape).astype(np.float32))  # np.rint: half to even
-    return np.clip(q + zero_point.reshape(shape).astype(np.float32), -128, 127).astype(np.int8)
+    scale, zero_point = _along(scale, axis, values.ndim), _along(zero_point, axis, values.ndim)
+    q = np.rint(values.astype(np.float32) / scale.astype(np.float32))  # np.rint: half to even
+    return np.clip(q + zero_point.astype(np.float32), -128, 127).astype(np.int8)
 
 
 def fold_weight_quantizers(model) -> int:
@@ -101,8 +110,7 @@ def _fold_weight_layout(graph) -> int:
         weight, scale = inits[node.input[0]], inits[node.input[1]]
         axis = attribute(node, "axis", 1)
         # the channel index of every element, carried through the same ops, shows where the channel axis lands
-        channel = np.broadcast_to(np.arange(weight.shape[axis]).reshape(
-            [-1 if i == axis else 1 for i in range(weight.ndim)]), weight.shape)
+        channel = _channel_index(weight.shape, axis)
         for op in chain:
             if op.op_type == "Reshape":
                 shape = [d if d != 0 else weight.shape[i] for i, d in enumerate(inits[op.input[1]].tolist())]
@@ -112,9 +120,8 @@ def _fold_weight_layout(graph) -> int:
                 weight, channel = weight.transpose(perm), channel.transpose(perm)
         new_axis = None
         if scale.size > 1:
-            new_axis = next((b for b in range(weight.ndim) if weight.shape[b] == scale.size and np.array_equal(
-                channel, np.broadcast_to(np.arange(scale.size).reshape(
-                    [-1 if i == b else 1 for i in range(weight.ndim)]), weight.shape))), None)
+            new_axis = next((b for b in range(weight.ndim) if weight.shape[b] == scale.size
+                             and np.array_equal(channel, _channel_index(weight.shape, b))), None)
             if new_axis is None:
                 continue  # the channels are spread over several axes: left as it is, the check names it
         name = f"{node.input[0]}_relaid"
@@ -212,10 +219,8 @@ def strip_qdq(model) -> dict[str, float]:
     for node in graph.node:
         if node.op_type == "DequantizeLinear" and node.input[0] in inits:  # a weight
             weight, scale = inits[node.input[0]].astype(np.float32), inits[node.input[1]].astype(np.float32)
-            shape = [1] * weight.ndim
-            if scale.size > 1:
-                shape[attribute(node, "axis", 1)] = scale.size
-            graph.initializer.append(numpy_helper.from_array(weight * scale.reshape(shape), node.output[0]))
+            dequantized = weight * _along(scale, attribute(node, "axis", 1), weight.ndim)
+            graph.initializer.append(numpy_helper.from_array(dequantized, node.output[0]))
             removed.append(node)
         elif node.op_type in ("QuantizeLinear", "DequantizeLinear"):
             rename[node.output[0]] = node.input[0]

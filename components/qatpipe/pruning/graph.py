@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import tf_keras as keras
 
 from qatpipe.errors import ModelFileError
-from qatpipe.models.graph import LayerGraph, inbound_layers
+from qatpipe.models.graph import LayerGraph
 
 # layers that keep their input's channels one-to-one
 PASSTHROUGH = (keras.layers.BatchNormalization, keras.layers.Activation, keras.layers.ReLU,
@@ -60,12 +60,12 @@ def analyse(model: keras.Model, excluded: set[str]) -> ChannelGraph:
     in_group: dict[str, int] = {}
     producers: dict[int, list[str]] = {}
     frozen: dict[int, str] = {}
-    LayerGraph(model)  # refuses a layer used twice
+    graph = LayerGraph(model)  # refuses a layer used twice
     for layer in model.layers:
         if isinstance(layer, keras.layers.InputLayer):
             out_group[layer.name] = -1
             continue
-        sources = [out_group[src.name] for src in inbound_layers(layer)]
+        sources = [out_group[src.name] for src in graph.producers(layer)]
         if type(layer) in PRODUCERS:
             if getattr(layer, "groups", 1) != 1:
                 raise ModelFileError(f"layer {layer.name}: grouped convolutions cannot be pruned")

@@ -48,7 +48,7 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
     """Write `output_path` (.onnx, dynamic batch) and `<stem>_export.json` beside it (QAT: also the
     calibration cache pair, and a tracking.json for the pipeline); fail if ONNX Runtime disagrees with
     TensorFlow on sample inputs."""
-    from qatpipe.export.onnx_export import export_onnx, output_differences, rounding_sensitivity
+    from qatpipe.export.onnx_export import export_onnx, output_differences, rounding_sensitivity, tf_outputs
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
     from qatpipe.quantization.layers import is_quantized_model
@@ -66,11 +66,13 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
     report["size_mb"] = round(output_path.stat().st_size / 2**20, 3)
     # inputs in the model's range ([0, 1] pixels); two images exercise the dynamic batch
     sample = np.random.default_rng(0).uniform(size=(2, *model.input_shape[1:])).astype(np.float32)
-    differences = output_differences(model, output_path, sample)
+    reference = tf_outputs(model, sample)
+    differences = output_differences(model, output_path, sample, reference)
     report["difference_vs_tensorflow"] = differences
     limits = {}
     if qat:
-        report["tensorflow_rounding_sensitivity"] = rounding_sensitivity(model, sample, ROUNDING_PERTURBATION)
+        report["tensorflow_rounding_sensitivity"] = rounding_sensitivity(model, sample, ROUNDING_PERTURBATION,
+                                                                         reference=reference)
         limits = report["difference_limits"] = qat_limits(report["tensorflow_rounding_sensitivity"])
     report_path = write_json(output_path.with_name(f"{output_path.stem}_export.json"), report)
     for name, d in differences.items():
