@@ -25,7 +25,7 @@ import os
 import time
 from pathlib import Path
 
-from recipe import PAIRS, _ci, _json, _num, collect  # bench/recipe.py, beside this script
+from recipe import PAIRS, _ci, _num, collect  # bench/recipe.py, beside this script
 
 log = logging.getLogger("bench")
 BACKBONES = ("resnet", "mobilenet_v2", "efficientnet_b0")
@@ -41,12 +41,34 @@ def run_backbone(backbone: str, work: Path, overrides: list[str]) -> dict:
 
 
 def describe(backbone: str, work: Path, sets: list[str], wall: float | None) -> dict:
-    row = collect(backbone, work, sets, wall)
-    variants = _json(work / backbone / "summary.json").get("variants", {})
-    for name, figures in row["variants"].items():
-        source = variants.get(name, {})
-        figures.update({key: source.get(key) for key in ("params", "gflops", "latency_ms_p50", "engine")})
-    return {"backbone": backbone, **row}
+    return {"backbone": backbone, **collect(backbone, work, sets, wall)}
+
+
+def _finished_run(backbone: str, work: Path) -> dict:
+    """What the follow-up experiments read from a finished run: the FP32 model's evaluation folder and ONNX,
+    and the retrain specs by qat.enabled (False: the FP32 retrain's, True: the QAT retrain's)."""
+    from runs import evaluation_folders
+
+    from qatpipe.spec import load_spec
+
+    kfp_root = work / backbone / "kfp"
+    return {
+        "fp32_eval": evaluation_folders(kfp_root)["fp32"],
+        "fp32_onnx": next(p for p in kfp_root.rglob("model_export.json")
+                          if "QAT" not in p.read_text()).with_name("model.onnx"),
+        "specs": {load_spec(p).qat.enabled: p for p in kfp_root.rglob("spec.yaml")
+                  if p.parent.parent.name.startswith("retrain")},
+    }
+
+
+def _scored_against_fp32(spec, onnx: Path, folder: Path, fp32_eval: Path, variant: str) -> tuple[float, dict]:
+    """mAP@0.5 of `onnx` on the val set, and the paired bootstrap of `variant` - fp32 over the same images."""
+    from qatpipe.stages.compare import uncertainty
+    from qatpipe.stages.evaluate import evaluate
+
+    result = evaluate(spec, onnx, folder / "evaluation")
+    pairs = uncertainty({"fp32": fp32_eval, variant: folder / "evaluation"})["pairs"]
+    return result["map50"], pairs[f"{variant}-fp32"]["map50"]
 
 
 SWEEP = (("minmax", 16), ("minmax", 200), ("entropy", 16), ("entropy", 200), ("percentile", 16),
@@ -55,29 +77,20 @@ SWEEP = (("minmax", 16), ("minmax", 200), ("entropy", 16), ("entropy", 200), ("p
 
 def ptq_sweep(backbone: str, work: Path) -> list[dict]:
     """Each SWEEP setting on the finished run's FP32 ONNX: PTQ, evaluation, paired bootstrap against FP32."""
-    from runs import evaluation_folders
-
     from qatpipe.spec import load_spec
-    from qatpipe.stages.compare import uncertainty
-    from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.ptq import ptq
 
-    kfp_root = work / backbone / "kfp"
-    fp32_eval = evaluation_folders(kfp_root)["fp32"]
-    fp32_onnx = next(p for p in kfp_root.rglob("model_export.json")
-                     if "QAT" not in p.read_text()).with_name("model.onnx")
-    spec_file = next(p for p in kfp_root.rglob("spec.yaml") if p.parent.parent.name.startswith("retrain"))
-    spec = load_spec(spec_file)
+    run = _finished_run(backbone, work)
+    spec = load_spec(run["specs"][False])
     rows = []
     for method, images in SWEEP:
         spec.ptq.method, spec.ptq.calibration_images = method, images
         folder = work / f"{backbone}_ptq_sweep" / f"{method}_{images}"
-        ptq(spec, fp32_onnx, folder / "model.onnx")
-        result = evaluate(spec, folder / "model.onnx", folder / "evaluation")
-        pair = uncertainty({"fp32": fp32_eval, "ptq": folder / "evaluation"})["pairs"]["ptq-fp32"]["map50"]
+        ptq(spec, run["fp32_onnx"], folder / "model.onnx")
+        map50, pair = _scored_against_fp32(spec, folder / "model.onnx", folder, run["fp32_eval"], "ptq")
         rows.append({"backbone": backbone, "method": method, "calibration_images": images,
-                     "map50": result["map50"], "diff": pair["diff"], "ci95": pair["ci95"]})
-        log.info("%s PTQ %s/%d: mAP@0.5 %.4f (%+.2f points vs FP32)", backbone, method, images, result["map50"],
+                     "map50": map50, "diff": pair["diff"], "ci95": pair["ci95"]})
+        log.info("%s PTQ %s/%d: mAP@0.5 %.4f (%+.2f points vs FP32)", backbone, method, images, map50,
                  100 * pair["diff"])
     return rows
 
@@ -86,26 +99,18 @@ def qat_from_fp32(backbone: str, work: Path) -> dict:
     """The run's QAT retrain (same spec, epochs and schedule) started from its retrained FP32 model instead of
     the pruned one, as NVIDIA's QAT toolkit fine-tunes a trained model: exported, evaluated and compared with
     the FP32 model by the paired bootstrap."""
-    from runs import evaluation_folders
-
     from qatpipe.spec import load_spec
-    from qatpipe.stages.compare import uncertainty
-    from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.export import export
     from qatpipe.stages.retrain import retrain
 
-    kfp_root = work / backbone / "kfp"
-    fp32_eval = evaluation_folders(kfp_root)["fp32"]
-    specs = {load_spec(p).qat.enabled: p for p in kfp_root.rglob("spec.yaml")
-             if p.parent.parent.name.startswith("retrain")}
-    spec = load_spec(specs[True])
+    run = _finished_run(backbone, work)
+    spec = load_spec(run["specs"][True])
     folder = work / f"{backbone}_qat_from_fp32"
-    summary = retrain(spec, specs[False].with_name("model.keras"), folder / "retrain")
+    summary = retrain(spec, run["specs"][False].with_name("model.keras"), folder / "retrain")
     export(spec, summary["model"], folder / "qat.onnx")
-    result = evaluate(spec, folder / "qat.onnx", folder / "evaluation")
-    pair = uncertainty({"fp32": fp32_eval, "qat": folder / "evaluation"})["pairs"]["qat-fp32"]["map50"]
+    map50, pair = _scored_against_fp32(spec, folder / "qat.onnx", folder, run["fp32_eval"], "qat")
     row = {"backbone": backbone, "start": "fp32 retrained", "epochs": spec.retrain.epochs,
-           "map50": result["map50"], "diff": pair["diff"], "ci95": pair["ci95"]}
+           "map50": map50, "diff": pair["diff"], "ci95": pair["ci95"]}
     print(f"\n{backbone}: QAT from the FP32 model ({row['epochs']} epochs): mAP@0.5 {row['map50']:.4f}, QAT - FP32 "
           f"{100 * row['diff']:+.2f} points [{100 * row['ci95'][0]:+.2f}, {100 * row['ci95'][1]:+.2f}]")
     return row

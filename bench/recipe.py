@@ -60,7 +60,8 @@ def collect(kind: str, work: Path, sets: list[str], wall: float | None) -> dict:
         "kind": kind, "overrides": sets, "wall_seconds": None if wall is None else round(wall, 1),
         "variants": {name: {"map50": row["map50"], "map": row["map"],
                             "map50_ci95": [row.get("map50_ci95_lo"), row.get("map50_ci95_hi")]
-                            if row.get("map50_ci95_lo") is not None else None}
+                            if row.get("map50_ci95_lo") is not None else None,
+                            **{key: row.get(key) for key in ("params", "gflops", "latency_ms_p50", "engine")}}
                      for name, row in summary["variants"].items()},
         "comparisons": summary.get("comparisons", {}),
         "pruning": summary.get("pruning", {}),

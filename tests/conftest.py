@@ -190,3 +190,21 @@ def PreemptAfter(epoch: int):  # noqa: N802 (used like a class)
                 raise Preempted()
 
     return _PreemptAfter()
+
+
+def masked_copy(model, removed_of):
+    """`model` with every removed channel cut off downstream: the weights of each Conv2D/Dense that read a
+    removed channel zeroed (`removed_of(layer)`: the input channels removed for that layer). A pruned model must
+    compute exactly what this copy computes."""
+    import tf_keras as keras
+
+    masked = keras.models.clone_model(model)
+    masked.set_weights(model.get_weights())
+    for layer in masked.layers:
+        if type(layer) in (keras.layers.Conv2D, keras.layers.Dense):
+            removed = removed_of(layer)
+            if removed:
+                weights = layer.get_weights()
+                weights[0][..., removed, :] = 0
+                layer.set_weights(weights)
+    return masked

@@ -10,6 +10,7 @@ import onnx
 import pytest
 import tf_keras as keras
 
+from conftest import masked_copy
 from qatpipe.errors import SpecError
 from qatpipe.models import get_architecture
 from qatpipe.models.backbones import BACKBONES
@@ -42,21 +43,6 @@ def _weaken_odd_filters(model, factor=0.01):
             kernel = np.where(weights[0] >= 0, 1.0, -1.0) / np.sqrt(np.prod(weights[0].shape[:-1]))
             kernel[..., 1::2] *= factor
             layer.set_weights([kernel.astype(np.float32), *weights[1:]])
-
-
-def _masked(model, removed_of) -> keras.Model:
-    """`model` with every removed channel cut off downstream: the weights of each Conv2D/Dense that read a
-    removed channel zeroed (`removed_of(layer)`: the input channels removed for that layer)."""
-    masked = keras.models.clone_model(model)
-    masked.set_weights(model.get_weights())
-    for layer in masked.layers:
-        if type(layer) in (L.Conv2D, L.Dense):
-            removed = removed_of(layer)
-            if removed:
-                weights = layer.get_weights()
-                weights[0][..., removed, :] = 0
-                layer.set_weights(weights)
-    return masked
 
 
 def _bn_stats(model, seed=0):
@@ -146,7 +132,7 @@ def test_depthwise_follows_its_input_and_the_pruned_block_equals_the_masked_one(
     assert pruned.get_layer("project").filters == pruned.get_layer("short").filters == 4  # tied by the add
     assert report.flops_after < report.flops_before and conv_flops(pruned) == report.flops_after
     odd = list(range(1, 8, 2))
-    masked = _masked(model, lambda layer: odd if layer.name in ("project", "head") else [])
+    masked = masked_copy(model, lambda layer: odd if layer.name in ("project", "head") else [])
     x = np.random.default_rng(1).normal(size=(2, 8, 8, 3)).astype(np.float32)
     np.testing.assert_allclose(pruned(x).numpy(), masked(x).numpy(), rtol=1e-5, atol=1e-5)
 
@@ -161,7 +147,7 @@ def test_squeeze_excitation_ties_its_expand_to_the_features_it_scales():
     assert pruned.get_layer("a").filters == pruned.get_layer("expand").filters == 4
     assert pruned.get_layer("reduce").filters == 2 and pruned.get_layer("reduce").kernel.shape[2] == 4
     odd4, odd8 = [1, 3], list(range(1, 8, 2))
-    masked = _masked(model, lambda layer: {"reduce": odd8, "expand": odd4, "head": odd8}.get(layer.name, []))
+    masked = masked_copy(model, lambda layer: {"reduce": odd8, "expand": odd4, "head": odd8}.get(layer.name, []))
     x = np.random.default_rng(2).normal(size=(2, 8, 8, 3)).astype(np.float32)
     np.testing.assert_allclose(pruned(x).numpy(), masked(x).numpy(), rtol=1e-5, atol=1e-5)
 
@@ -310,6 +296,6 @@ def test_dense_layers_prune_like_convs():
     pruned, _ = prune_model(model, PruneSpec(threshold=0.5, granularity=1, min_filters=1))
     assert pruned.get_layer("a").filters == 4 and pruned.get_layer("hidden").kernel.shape == (4, 3)
     assert pruned.get_layer("out").kernel.shape == (3, 2)  # the output keeps its units
-    masked = _masked(model, lambda layer: {"hidden": list(range(1, 8, 2)), "out": [1, 3, 5]}.get(layer.name, []))
+    masked = masked_copy(model, lambda layer: {"hidden": list(range(1, 8, 2)), "out": [1, 3, 5]}.get(layer.name, []))
     x = np.random.default_rng(5).normal(size=(2, 8, 8, 3)).astype(np.float32)
     np.testing.assert_allclose(pruned(x).numpy(), masked(x).numpy(), rtol=1e-5, atol=1e-5)

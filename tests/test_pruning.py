@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
+from conftest import masked_copy
 from qatpipe.errors import ModelFileError, SpecError
 from qatpipe.pruning import prune_model
 from qatpipe.pruning.criteria import equalize, filter_scores, kept_channels
@@ -92,14 +93,10 @@ def test_pruned_model_equals_the_masked_original():
     original = residual_model()
     pruned, _ = prune_model(original, _settings())
     kept_a, kept_bs = [0, 2, 4, 5, 6, 7], [0, 1, 3, 6]
-    masked = keras.models.clone_model(original)
-    masked.set_weights(original.get_weights())
     # a removed channel contributes nothing downstream: zero the consumers' weights that read it
-    for consumer, kept in (("conv_b", kept_a), ("head", kept_bs)):
-        weights = masked.get_layer(consumer).get_weights()
-        removed = [c for c in range(weights[0].shape[2]) if c not in kept]
-        weights[0][:, :, removed, :] = 0
-        masked.get_layer(consumer).set_weights(weights)
+    kept = {"conv_b": kept_a, "head": kept_bs}
+    masked = masked_copy(original, lambda layer: [c for c in range(8) if layer.name in kept
+                                                  and c not in kept[layer.name]])
     x = np.random.default_rng(1).normal(size=(4, 8, 8, 3)).astype(np.float32)
     np.testing.assert_allclose(pruned(x, training=False).numpy(), masked(x, training=False).numpy(),
                                rtol=1e-5, atol=1e-5)
