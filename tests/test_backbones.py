@@ -237,6 +237,7 @@ def test_each_backbone_exports_a_qat_onnx_that_tensorrt_accepts_and_agrees_with_
     from qatpipe.export.qdq import check_explicit_quantization, fold_weight_quantizers
     from qatpipe.stages.export import ROUNDING_PERTURBATION, qat_limits
 
+    keras.utils.set_random_seed(0)  # the untrained weights decide how far a planted error shows: fix them
     model = get_architecture(small_spec(backbone)).build_model()
     _bn_stats(model)
     images = np.random.default_rng(4).uniform(size=(4, 64, 96, 3)).astype(np.float32)
@@ -271,11 +272,13 @@ def test_each_backbone_exports_a_qat_onnx_that_tensorrt_accepts_and_agrees_with_
     limits = qat_limits(rounding_sensitivity(qat, images, ROUNDING_PERTURBATION))
     for name, diff in output_differences(qat, path, images).items():
         assert all(diff[key] <= limit for key, limit in limits[name].items()), (name, diff, limits[name])
-    # a wrong weight scale on one of the twelve bbox channels is caught
+    # a wrong weight scale on one of the twelve bbox channels is caught: the channel with the largest outputs
+    # (untrained, some channels are near zero and a 1.5x error on them moves nothing measurable)
+    channel = int(np.argmax(np.abs(qat(images)[1].numpy()).max(axis=(0, 1, 2))))
     head = next(n for n in graph.node if n.op_type == "Conv" and "conv_bbox" in n.output[0])
     scale = next(i for i in graph.initializer if i.name == producers[head.input[1]].input[1])
     values = numpy_helper.to_array(scale).copy()
-    values[0] *= 1.5
+    values[channel] *= 1.5
     scale.CopyFrom(numpy_helper.from_array(values, scale.name))
     save_onnx(proto, tmp_path / "broken.onnx")
     diff = output_differences(qat, tmp_path / "broken.onnx", images)["output_bbox"]
