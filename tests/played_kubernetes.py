@@ -1,7 +1,8 @@
-"""A small HTTP server that plays the Kubernetes API for the MPIJob tests (no cluster can run on this
-machine). It stores the MPIJob it is sent, answers status reads, lists the launcher pod and serves its log;
-it also serves the Secrets a test puts in `secrets` (the credentials check).
-What an operator would do is scripted: the MPIJob's conditions advance one step per status read, and the
+"""A small HTTP server that plays the Kubernetes API for the MPIJob and TrainJob tests (no cluster can run on
+this machine). It stores the MPIJob or TrainJob it is sent (and a TrainJob's TrainingRuntime), answers status
+reads, lists the launcher pod and serves its log; it also serves the Secrets a test puts in `secrets` (the
+credentials check).
+What an operator would do is scripted: the job's conditions advance one step per status read, and the
 launcher's log grows a few characters per read. `on_create` lets a test act as the operator's pods (run the
 job's command) when a job is created."""
 
@@ -26,6 +27,10 @@ RUNNING = CREATED + [condition("Running")]
 SUCCEEDED = CREATED + [{**condition("Running"), "status": "False"}, condition("Succeeded")]
 FAILED = CREATED + [{**condition("Running"), "status": "False"},
                     condition("Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")]
+# Kubeflow Trainer v2's TrainJob conditions
+TJ_CREATED = [condition("Created", "JobsCreationSucceeded")]
+TJ_COMPLETE = TJ_CREATED + [condition("Complete", "JobSetCompleted", "jobset completed successfully")]
+TJ_FAILED = TJ_CREATED + [condition("Failed", "FailedJobs", "jobset failed")]
 LOG_LINES = [f"[1,0]<stdout>:Epoch {i}/12 - loss: {1.0 / i:.4f} - mAP: {0.05 * i:.3f}" for i in range(1, 13)]
 
 
@@ -36,6 +41,8 @@ class PlayedKubernetes:
     def __init__(self, script: list[list[dict]], log: str, chunk: int = 40):
         self.script, self.log, self.chunk = script, log, chunk
         self.jobs: dict[str, dict] = {}
+        self.runtimes: dict[str, dict] = {}  # TrainingRuntimes by name
+        self.deleted_runtimes: list[str] = []
         self.created: list[dict] = []
         self.deleted: list[tuple[str, str]] = []  # (name, propagationPolicy)
         self.reads = 0
@@ -51,7 +58,18 @@ class PlayedKubernetes:
         return self.script[min(self.reads, len(self.script)) - 1] if self.reads else []
 
     def finished(self) -> bool:
-        return any(c["type"] in ("Succeeded", "Failed") and c["status"] == "True" for c in self.conditions())
+        return any(c["type"] in ("Succeeded", "Complete", "Failed") and c["status"] == "True"
+                   for c in self.conditions())
+
+    def launcher_template(self, job: dict) -> tuple[dict, str]:
+        """(the launcher's pod template, its container's name) of an MPIJob or of a TrainJob's runtime."""
+        if job["kind"] == "MPIJob":
+            template = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]
+        else:
+            runtime = self.runtimes[job["spec"]["runtimeRef"]["name"]]
+            [launcher] = [j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"] if j["name"] == "launcher"]
+            template = launcher["template"]["spec"]["template"]
+        return template, template["spec"]["containers"][0]["name"]
 
     def log_so_far(self) -> str:
         return self.log if self.finished() else self.log[:self.reads * self.chunk]
@@ -63,7 +81,12 @@ def status_body(code: int, reason: str, message: str, details: dict | None = Non
 
 
 def make_handler(kube: PlayedKubernetes):
-    jobs_path = re.compile(r"^/apis/kubeflow\.org/(v1|v2beta1)/namespaces/([^/]+)/mpijobs(?:/([^/]+))?$")
+    jobs_path = re.compile(r"^/apis/(?:kubeflow\.org/(?:v1|v2beta1)/namespaces/([^/]+)/(mpijobs)|trainer\.kubeflow\.org"
+                           r"/v1alpha1/namespaces/([^/]+)/(trainjobs|trainingruntimes))(?:/([^/]+))?$")
+
+    def parts(match) -> tuple[str, str | None]:
+        """(plural, name) of a jobs_path match."""
+        return match.group(2) or match.group(4), match.group(5)
     pods_path = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)/log)?$")
     secret_path = re.compile(r"^/api/v1/namespaces/([^/]+)/secrets/([^/]+)$")
 
@@ -83,18 +106,19 @@ def make_handler(kube: PlayedKubernetes):
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length))
             match = jobs_path.match(urlsplit(self.path).path)
-            if not match or match.group(3):
+            if not match or parts(match)[1]:
                 return self.reply(404, "404 page not found", "text/plain")
+            plural = parts(match)[0]
+            store = kube.runtimes if plural == "trainingruntimes" else kube.jobs
             with kube.lock:
                 if kube.create_error:
                     return self.reply(*kube.create_error)
                 name = body["metadata"]["name"]
-                if name in kube.jobs:
-                    return self.reply(409, status_body(409, "AlreadyExists",
-                                                       f'mpijobs.kubeflow.org "{name}" already exists'))
+                if name in store:
+                    return self.reply(409, status_body(409, "AlreadyExists", f'{plural} "{name}" already exists'))
                 kube.created.append(copy.deepcopy(body))
-                kube.jobs[name] = body
-            if kube.on_create:
+                store[name] = body
+            if kube.on_create and store is kube.jobs:
                 threading.Thread(target=kube.on_create, args=(copy.deepcopy(body),), daemon=True).start()
             self.reply(201, json.dumps(body))
 
@@ -110,16 +134,29 @@ def make_handler(kube: PlayedKubernetes):
                 return self.reply(200, json.dumps({"kind": "Secret", "apiVersion": "v1", "type": "Opaque", "data": data,
                                                    "metadata": {"name": match.group(2), "namespace": match.group(1)}}))
             if match := jobs_path.match(url.path):
+                plural, name = parts(match)
                 with kube.lock:
-                    job = kube.jobs.get(match.group(3))
+                    if plural == "trainingruntimes":
+                        runtime = kube.runtimes.get(name)
+                        return self.reply(*((200, json.dumps(runtime)) if runtime else
+                                            (404, status_body(404, "NotFound", "not found"))))
+                    job = kube.jobs.get(name)
                     if job is None:
                         return self.reply(404, status_body(404, "NotFound", "not found"))
                     kube.reads += 1
                     conditions = kube.conditions()
-                    running = not kube.finished() and any(c["type"] == "Running" for c in conditions)
-                    workers = job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"]
-                    replicas = {"Launcher": {"active": 1}, "Worker": {"active": workers}} if running else {}
-                    status = {"conditions": conditions, "replicaStatuses": replicas}
+                    if job["kind"] == "MPIJob":
+                        running = not kube.finished() and any(c["type"] == "Running" for c in conditions)
+                        workers = job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"]
+                        replicas = {"Launcher": {"active": 1}, "Worker": {"active": workers}} if running else {}
+                        status = {"conditions": conditions, "replicaStatuses": replicas}
+                    else:  # a TrainJob: one entry per replicated job of its JobSet
+                        running = not kube.finished() and bool(conditions)
+                        status = {"conditions": conditions, "jobsStatus": [
+                            {"name": "launcher", "active": int(running), "ready": 0, "succeeded": 0, "failed": 0,
+                             "suspended": 0},
+                            {"name": "node", "active": int(running), "ready": int(running), "succeeded": 0,
+                             "failed": 0, "suspended": 0}]} if running else {"conditions": conditions}
                     return self.reply(200, json.dumps({**job, "status": status}))
             if match := pods_path.match(url.path):
                 with kube.lock:
@@ -130,7 +167,7 @@ def make_handler(kube: PlayedKubernetes):
                     wanted = dict(pair.split("=", 1) for pair in selector.split(",") if pair)
                     pods = []
                     for name, job in kube.jobs.items():
-                        template = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]
+                        template, container = kube.launcher_template(job)
                         # what the operators put on the pod: the template's labels plus their own
                         labels = {**template["metadata"]["labels"], "training.kubeflow.org/job-name": name,
                                   "training.kubeflow.org/job-role": "launcher"}
@@ -139,7 +176,7 @@ def make_handler(kube: PlayedKubernetes):
                                                       "namespace": match.group(1),
                                                       "creationTimestamp": "2026-01-01T00:00:00Z"},
                                          "status": {"phase": "Running", "containerStatuses": [
-                                             {"name": "qatpipe", "restartCount": 0, "ready": True, "image": "x",
+                                             {"name": container, "restartCount": 0, "ready": True, "image": "x",
                                               "imageID": "", "started": True}]}})
                     return self.reply(200, json.dumps({"kind": "PodList", "apiVersion": "v1", "items": pods,
                                                        "metadata": {}}))
@@ -151,11 +188,16 @@ def make_handler(kube: PlayedKubernetes):
             length = int(self.headers.get("Content-Length") or 0)
             if length:
                 self.rfile.read(length)
+            plural, name = parts(match) if match else (None, None)
+            store = kube.runtimes if plural == "trainingruntimes" else kube.jobs
             with kube.lock:
-                if not match or kube.jobs.pop(match.group(3), None) is None:
+                if not match or store.pop(name, None) is None:
                     return self.reply(404, status_body(404, "NotFound", "not found"))
                 policy = parse_qs(url.query).get("propagationPolicy", [""])[0]
-                kube.deleted.append((match.group(3), policy))
+                if store is kube.runtimes:
+                    kube.deleted_runtimes.append(name)
+                else:
+                    kube.deleted.append((name, policy))
             self.reply(200, status_body(200, "", "deleted").replace('"Failure"', '"Success"'))
 
     return Handler

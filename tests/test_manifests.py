@@ -28,8 +28,10 @@ OVERLAYS = {
 # what must live where the pipeline's pods run (manifests/pipeline-access/)
 PIPELINE_ACCESS = {("ServiceAccount", "qatpipe-pipeline-runner"), ("Role", "qatpipe-mpijob-runner"),
                    ("RoleBinding", "qatpipe-mpijob-runner"), ("PersistentVolumeClaim", "qatpipe-cache")}
-# (apiGroup, resource, verb): exactly what the pipeline needs for its MPIJobs, nothing more
+# (apiGroup, resource, verb): exactly what the pipeline needs for its MPIJobs and TrainJobs, nothing more
 RBAC_RULES = {("kubeflow.org", "mpijobs", verb) for verb in ("create", "get", "list", "watch", "delete")} | {
+    ("trainer.kubeflow.org", "trainjobs", verb) for verb in ("create", "get", "list", "watch", "delete")} | {
+    ("trainer.kubeflow.org", "trainingruntimes", verb) for verb in ("create", "get", "delete")} | {
     ("", "pods", "get"), ("", "pods", "list"), ("", "pods", "watch"), ("", "pods/log", "get"),
 }
 # A key that holds a secret: ends in one of these words (after camelCase is split: dbPassword -> db_Password).

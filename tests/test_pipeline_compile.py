@@ -114,7 +114,7 @@ def test_parameters(compiled):
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert {name: p["parameterType"] for name, p in params.items()} == {
         "spec_uri": "STRING", "spec_overrides": "LIST", "run_name": "STRING", "gpus": "NUMBER_INTEGER",
-        "workers": "NUMBER_INTEGER", "mpijob_api_version": "STRING", "training_image": "STRING",
+        "workers": "NUMBER_INTEGER", "mpijob_api_version": "STRING", "launcher": "STRING", "training_image": "STRING",
         "engine_image": "STRING", "node_selector": "STRUCT", "tolerations": "LIST", "credentials_secret": "STRING",
         "kfp_ui_url": "STRING", "gpu_type": "STRING", **{f"{kind}_{what}": "STRING" for kind in ("training", "gpu_stage", "cpu_stage", "light")
                                    for what in ("cpu", "memory")},
@@ -211,7 +211,7 @@ def test_train_and_retrain_get_the_scale_out_parameters(compiled):
     tasks = _all_tasks(spec)
     for name in ("train", "retrain-fp32", "retrain-qat"):
         params = tasks[name]["inputs"]["parameters"]
-        for key in ("gpus", "workers", "mpijob_api_version", "training_image", "credentials_secret",
+        for key in ("gpus", "workers", "mpijob_api_version", "launcher", "training_image", "credentials_secret",
                     "node_selector", "tolerations"):
             assert params[key]["componentInputParameter"] == f"pipelinechannel--{key}", (name, key)
 

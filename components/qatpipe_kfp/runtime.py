@@ -80,8 +80,8 @@ def training_work_root() -> Path | None:
 
 
 def cluster_settings(training_image: str, credentials_secret: str, node_selector: dict, tolerations: list,
-                     mpijob_api_version: str):
-    """Where a train / retrain MPIJob runs: this pod's image, Secret, placement, and its dataset-cache PVC as
+                     mpijob_api_version: str, launcher: str = "mpijob"):
+    """Where a train / retrain MPIJob or TrainJob runs: this pod's image, Secret, placement, and its dataset-cache PVC as
     the job's shared volume."""
     from qatpipe.stages.scale_out import ClusterSettings
     from qatpipe_kfp.settings import TRAINING_IMAGE
@@ -90,7 +90,7 @@ def cluster_settings(training_image: str, credentials_secret: str, node_selector
         image=training_image or TRAINING_IMAGE, shared_pvc=os.environ.get(CACHE_PVC_ENV, ""),
         shared_mount=os.environ.get(CACHE_DIR_ENV, ""), api_version=mpijob_api_version,
         secret_env=credentials_secret or None, secret_env_keys=list(CREDENTIAL_KEYS),
-        node_selector=dict(node_selector or {}), tolerations=list(tolerations or []),
+        node_selector=dict(node_selector or {}), tolerations=list(tolerations or []), launcher=launcher,
     )
 
 

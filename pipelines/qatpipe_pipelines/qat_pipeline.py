@@ -160,6 +160,7 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         gpus: int = 1,
         workers: int = 1,
         mpijob_api_version: str = "v2beta1",
+        launcher: str = "mpijob",
         training_image: str = TRAINING_IMAGE,
         engine_image: str = ENGINE_IMAGE,
         node_selector: dict = {},
@@ -187,6 +188,8 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             workers: nodes for train and retrain: above 1, each runs as an MPIJob of `workers` x `gpus` Horovod
                 processes (needs the mpi-operator, and the pipeline compiled with --cache-pvc for a shared volume).
             mpijob_api_version: v2beta1 (mpi-operator) or v1 (Kubeflow Training Operator).
+            launcher: how train and retrain run across nodes: mpijob (an MPIJob, of mpijob_api_version) or trainjob
+                (a Kubeflow Trainer v2 TrainJob on a TrainingRuntime of its own; needs Trainer v2.3+).
             training_image: the image of every stage but build-engine and validate (images/build.sh).
             engine_image: the image of build-engine and validate: TensorRT (images/build.sh).
             node_selector: node labels for GPU stages, e.g. {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}.
@@ -234,7 +237,7 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
                            network=True, reads_data=True)
             run.logged(data.outputs["dataset"], parent_run_id, "log-prepare-data")
 
-            scale_out = dict(gpus=gpus, workers=workers, mpijob_api_version=mpijob_api_version,
+            scale_out = dict(gpus=gpus, workers=workers, mpijob_api_version=mpijob_api_version, launcher=launcher,
                              training_image=training_image, credentials_secret=credentials_secret,
                              node_selector=node_selector, tolerations=tolerations, mpijob=mpijob)
 

@@ -1,12 +1,16 @@
-"""Run an MPIJob to its end: create it, follow its conditions and its launcher's log, delete it.
+"""Run a training job to its end: create it, follow its conditions and its launcher's log, delete it.
 
-The MPIJob's status is read with a plain `get` every `poll_seconds` (no watch: simple, and it survives API
+Two kinds of job, one class each: MpiJobLauncher (MPIJob, mpi-operator's v2beta1 or the Training Operator's
+v1) and TrainJobLauncher (Kubeflow Trainer v2's TrainJob, with the TrainingRuntime trainjob.py makes for it).
+The job's status is read with a plain `get` every `poll_seconds` (no watch: simple, and it survives API
 server restarts without resourceVersion bookkeeping). The launcher pod is found by the `qatpipe.io/mpijob`
-and `qatpipe.io/mpijob-role` labels that mpijob.py puts on the pod templates (both operators copy template
-labels onto their pods); its log is re-read each poll and only lines not yet shown are logged.
+and `qatpipe.io/mpijob-role` labels that mpijob.py and trainjob.py put on the pod templates (the operators
+and JobSet copy template labels onto their pods); its log is re-read each poll and only lines not yet shown
+are logged.
 
-The RBAC the caller needs in the job's namespace: mpijobs (kubeflow.org) create, get, delete; pods list;
-pods/log get. Without the last two the job still runs, only its log is not shown.
+The RBAC the caller needs in the job's namespace: create, get, delete on the job's resource (mpijobs in
+kubeflow.org; trainjobs and trainingruntimes in trainer.kubeflow.org); pods list; pods/log get. Without the
+last two the job still runs, only its log is not shown.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from qatpipe.cluster.mpijob import API_VERSIONS, GROUP, JOB_LABEL, OPERATORS, PLURAL, ROLE_LABEL
+from qatpipe.cluster import mpijob, trainjob
+from qatpipe.cluster.mpijob import JOB_LABEL, ROLE_LABEL
 from qatpipe.errors import QatpipeError
 
 if TYPE_CHECKING:
@@ -88,75 +94,109 @@ def _rbac_error(verb: str, resource: str, group: str, namespace: str, exc: ApiEx
         f"[{api_group}]) in {namespace!r} and bind it (server said: {_server_message(exc)})")
 
 
-class MpiJobExists(QatpipeError):
-    """An MPIJob of that name is already there."""
+@dataclass(frozen=True)
+class Resource:
+    """A namespaced custom resource as the API server names it."""
+
+    kind: str
+    group: str
+    version: str
+    plural: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}"
+
+    @property
+    def kubectl(self) -> str:
+        """Its name for `kubectl delete`: plural.group, which no other resource's short name shadows."""
+        return f"{self.plural}.{self.group}"
+
+
+class JobExists(QatpipeError):
+    """A job of that name is already there."""
+
+
+MpiJobExists = JobExists  # the name earlier releases raised
 
 
 GONE_TIMEOUT = 300.0  # seconds to wait for a replaced job's deletion
 
 
-class MpiJobLauncher:
-    """Create an MPIJob, follow it to Succeeded or Failed, and delete it."""
+class JobLauncher:
+    """Create a job (and the objects it needs first), follow it to its success or failure, delete it.
+    Subclasses say which resource, which condition means success and where the launcher's container is."""
+
+    resource: Resource
+    succeeded = "Succeeded"  # the condition type of success; "Failed" is failure for every kind
+    install_hint = ""  # what to install when the API server does not know the resource
 
     def __init__(self, api_client: ApiClient | None = None, namespace: str | None = None,
-                 api_version: str = "v2beta1", poll_seconds: float = 5.0):
+                 poll_seconds: float = 5.0):
         from kubernetes import client
 
-        if api_version not in API_VERSIONS:
-            raise QatpipeError(f"api_version must be one of {', '.join(API_VERSIONS)}, got {api_version!r}")
         self.api_client = api_client if api_client is not None else load_api_client()
         self.namespace = namespace  # None: the manifest's metadata.namespace
-        self.api_version = api_version
         self.poll_seconds = poll_seconds
         self.custom = client.CustomObjectsApi(self.api_client)
         self.core = client.CoreV1Api(self.api_client)
+
+    # --- what differs per kind --------------------------------------------------------------------------------
+
+    def companions(self, manifest: dict[str, Any]) -> list[tuple[Resource, dict[str, Any]]]:
+        """Objects created before the job, in this order, and deleted after it."""
+        return []
+
+    def launcher_container(self, manifest: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+    def describe(self, manifest: dict[str, Any]) -> str:
+        return ""
 
     # --- public ---------------------------------------------------------------------------------------------
 
     def run(self, manifest: dict[str, Any], timeout_seconds: float, keep: bool = False,
             replace_existing: bool = False) -> dict[str, Any]:
-        """Create `manifest`, stream its launcher's log, and return the MPIJob's final status once it has
-        Succeeded. Raises QatpipeError when it fails, when `timeout_seconds` pass, or on API errors. The
-        MPIJob (and so its pods) is deleted at the end whatever happened, unless `keep` (for debugging).
-        `replace_existing`: a job of the same name (left by an earlier attempt of the same work) is deleted
-        first instead of being an error."""
+        """Create `manifest`, stream its launcher's log, and return the job's final status once it has
+        succeeded. Raises QatpipeError when it fails, when `timeout_seconds` pass, or on API errors. The job
+        (and so its pods) and its companions are deleted at the end whatever happened, unless `keep` (for
+        debugging). `replace_existing`: a job of the same name (left by an earlier attempt of the same work)
+        is deleted first instead of being an error."""
         name, namespace = self._target(manifest)
-        container = _launcher_container(manifest)
+        container = self.launcher_container(manifest)
+        companions = self.companions(manifest)
+        created: list[tuple[Resource, str]] = []
         try:
-            self._create(manifest, name, namespace)
-        except MpiJobExists:
-            if not replace_existing:
-                raise
-            log.warning("MPIJob %s/%s exists (an earlier attempt): deleting it and starting again", namespace, name)
-            self._delete(name, namespace)
-            self._wait_gone(name, namespace, timeout_seconds=min(timeout_seconds, GONE_TIMEOUT))
-            self._create(manifest, name, namespace)
-        try:
+            for resource, obj in [*companions, (self.resource, manifest)]:
+                self._create_or_replace(resource, obj, namespace, timeout_seconds, replace_existing)
+                created.append((resource, obj["metadata"]["name"]))
             return self._follow(name, namespace, container, timeout_seconds)
         finally:
-            if keep:
-                log.info("Keeping MPIJob %s/%s (keep=True): delete it with `kubectl delete mpijob %s -n %s`",
-                         namespace, name, name, namespace)
-            else:
-                self._delete(name, namespace)
+            for resource, made in reversed(created):
+                if keep:
+                    log.info("Keeping %s %s/%s (keep=True): delete it with `kubectl delete %s %s -n %s`",
+                             resource.kind, namespace, made, resource.kubectl, made, namespace)
+                else:
+                    self._delete(resource, made, namespace)
 
     # --- steps ----------------------------------------------------------------------------------------------
 
     def _target(self, manifest: dict[str, Any]) -> tuple[str, str]:
-        want = f"{GROUP}/{self.api_version}"
-        if manifest.get("apiVersion") != want or manifest.get("kind") != "MPIJob":
-            raise QatpipeError(f"this launcher runs {want} MPIJobs, got {manifest.get('apiVersion')} "
-                               f"{manifest.get('kind')} (set api_version to match the manifest)")
+        want, kind = self.resource.api_version, self.resource.kind
+        if manifest.get("apiVersion") != want or manifest.get("kind") != kind:
+            raise QatpipeError(f"this launcher runs {want} {kind}s, got {manifest.get('apiVersion')} "
+                               f"{manifest.get('kind')}" + (" (set api_version to match the manifest)"
+                                                            if kind == "MPIJob" else ""))
         metadata = manifest.get("metadata") or {}
         name, namespace = metadata.get("name"), metadata.get("namespace")
         if not name:
-            raise QatpipeError("the MPIJob manifest has no metadata.name")
+            raise QatpipeError(f"the {kind} manifest has no metadata.name")
         if self.namespace and namespace and namespace != self.namespace:
-            raise QatpipeError(f"MPIJob {name}: manifest namespace {namespace!r} differs from the launcher's "
+            raise QatpipeError(f"{kind} {name}: manifest namespace {namespace!r} differs from the launcher's "
                                f"{self.namespace!r}")
         namespace = self.namespace or namespace
         if not namespace:
-            raise QatpipeError(f"MPIJob {name}: no namespace (set metadata.namespace or the launcher's)")
+            raise QatpipeError(f"{kind} {name}: no namespace (set metadata.namespace or the launcher's)")
         return name, namespace
 
     def _api(self, call, *args, **kwargs):
@@ -169,132 +209,198 @@ class MpiJobLauncher:
             host = _safe_host(self.api_client.configuration.host)
             raise QatpipeError(f"cannot reach the Kubernetes API at {host}: {type(exc).__name__}") from exc
 
-    def _wait_gone(self, name: str, namespace: str, timeout_seconds: float) -> None:
+    def _create_or_replace(self, resource: Resource, obj: dict[str, Any], namespace: str, timeout_seconds: float,
+                           replace_existing: bool) -> None:
+        name = obj["metadata"]["name"]
+        try:
+            self._create(resource, obj, name, namespace)
+        except JobExists:
+            if not replace_existing:
+                raise
+            log.warning("%s %s/%s exists (an earlier attempt): deleting it and starting again", resource.kind,
+                        namespace, name)
+            self._delete(resource, name, namespace)
+            self._wait_gone(resource, name, namespace, timeout_seconds=min(timeout_seconds, GONE_TIMEOUT))
+            self._create(resource, obj, name, namespace)
+
+    def _wait_gone(self, resource: Resource, name: str, namespace: str, timeout_seconds: float) -> None:
         from kubernetes.client.exceptions import ApiException
 
         deadline = time.monotonic() + timeout_seconds
         while True:
             try:
-                self._api(self.custom.get_namespaced_custom_object, GROUP, self.api_version, namespace, PLURAL,
-                          name)
+                self._api(self.custom.get_namespaced_custom_object, resource.group, resource.version, namespace,
+                          resource.plural, name)
             except ApiException as exc:
                 if exc.status == 404:
                     return
             if time.monotonic() > deadline:
-                raise QatpipeError(f"MPIJob {namespace}/{name}: still there {timeout_seconds:.0f} s after its "
-                                   "deletion; delete it by hand (kubectl delete mpijob) and retry")
+                raise QatpipeError(f"{resource.kind} {namespace}/{name}: still there {timeout_seconds:.0f} s after "
+                                   f"its deletion; delete it by hand (kubectl delete {resource.kubectl} {name} -n "
+                                   f"{namespace}) and retry")
             time.sleep(self.poll_seconds)
 
-    def _create(self, manifest: dict[str, Any], name: str, namespace: str) -> None:
+    def _create(self, resource: Resource, obj: dict[str, Any], name: str, namespace: str) -> None:
         from kubernetes.client.exceptions import ApiException
 
-        spec = manifest.get("spec") or {}
-        replicas = spec.get("mpiReplicaSpecs") or {}
-        workers = (replicas.get("Worker") or {}).get("replicas")
-        log.info("Creating MPIJob %s/%s (%s/%s): %s worker(s) x %s slot(s)", namespace, name, GROUP,
-                 self.api_version, workers, spec.get("slotsPerWorker", 1))
+        what = f"{resource.kind} {namespace}/{name} ({resource.api_version})"
+        details = self.describe(obj) if resource == self.resource else ""
+        log.info("Creating %s%s", what, f": {details}" if details else "")
         try:
-            self._api(self.custom.create_namespaced_custom_object, GROUP, self.api_version, namespace, PLURAL,
-                      manifest)
+            self._api(self.custom.create_namespaced_custom_object, resource.group, resource.version, namespace,
+                      resource.plural, obj)
         except ApiException as exc:
             if exc.status == 403:
-                raise _rbac_error("create", PLURAL, GROUP, namespace, exc) from None
+                raise _rbac_error("create", resource.plural, resource.group, namespace, exc) from None
             if exc.status == 404:
                 message = _server_message(exc)
                 if 'namespaces "' in message:
-                    raise QatpipeError(f"MPIJob {name}: namespace {namespace!r} does not exist") from None
+                    raise QatpipeError(f"{resource.kind} {name}: namespace {namespace!r} does not exist") from None
                 raise QatpipeError(
-                    f"MPIJob {name}: the API server does not know {PLURAL}.{GROUP}/{self.api_version}: the "
-                    f"MPIJob CRD of that version is not installed. Install {OPERATORS[self.api_version]}, or "
-                    f"pick the api_version the cluster has (kubectl get crd mpijobs.{GROUP} -o "
-                    f"jsonpath='{{.spec.versions[*].name}}')") from None
+                    f"{resource.kind} {name}: the API server does not know {resource.plural}.{resource.group}/"
+                    f"{resource.version}: the {resource.kind} CRD of that version is not installed. Install "
+                    f"{self.install_hint} (kubectl get crd {resource.plural}.{resource.group} -o "
+                    "jsonpath='{.spec.versions[*].name}' shows the versions it has)") from None
             if exc.status == 409:
-                raise MpiJobExists(
-                    f"an MPIJob named {name!r} already exists in namespace {namespace!r}: use another name "
-                    f"(job_name() adds a unique part) or delete it (kubectl delete mpijob {name} -n "
+                raise JobExists(
+                    f"a {resource.kind} named {name!r} already exists in namespace {namespace!r}: use another name "
+                    f"(job_name() adds a unique part) or delete it (kubectl delete {resource.kubectl} {name} -n "
                     f"{namespace})") from None
-            raise QatpipeError(f"MPIJob {namespace}/{name}: the API server refused it (HTTP {exc.status}): "
-                               f"{_server_message(exc)}") from None
-        log.info("Created MPIJob %s/%s", namespace, name)
+            raise QatpipeError(f"{resource.kind} {namespace}/{name}: the API server refused it (HTTP "
+                               f"{exc.status}): {_server_message(exc)}") from None
+        log.info("Created %s %s/%s", resource.kind, namespace, name)
 
     def _get(self, name: str, namespace: str) -> dict[str, Any] | None:
-        """The MPIJob, or None after a transient error (the next poll tries again)."""
+        """The job, or None after a transient error (the next poll tries again)."""
         from kubernetes.client.exceptions import ApiException
 
+        r = self.resource
         try:
-            return self._api(self.custom.get_namespaced_custom_object, GROUP, self.api_version, namespace,
-                             PLURAL, name)
+            return self._api(self.custom.get_namespaced_custom_object, r.group, r.version, namespace, r.plural,
+                             name)
         except ApiException as exc:
             if exc.status == 403:
-                raise _rbac_error("get", PLURAL, GROUP, namespace, exc) from None
+                raise _rbac_error("get", r.plural, r.group, namespace, exc) from None
             if exc.status == 404:
-                raise QatpipeError(f"MPIJob {namespace}/{name} disappeared while running (deleted by someone "
+                raise QatpipeError(f"{r.kind} {namespace}/{name} disappeared while running (deleted by someone "
                                    "else?)") from None
             if exc.status in _TRANSIENT:
-                log.warning("MPIJob %s/%s: reading its status failed (HTTP %s), retrying", namespace, name,
+                log.warning("%s %s/%s: reading its status failed (HTTP %s), retrying", r.kind, namespace, name,
                             exc.status)
                 return None
-            raise QatpipeError(f"MPIJob {namespace}/{name}: reading its status failed (HTTP {exc.status}): "
+            raise QatpipeError(f"{r.kind} {namespace}/{name}: reading its status failed (HTTP {exc.status}): "
                                f"{_server_message(exc)}") from None
         except QatpipeError as exc:  # unreachable for a moment: the deadline still bounds the wait
-            log.warning("MPIJob %s/%s: %s, retrying", namespace, name, exc)
+            log.warning("%s %s/%s: %s, retrying", r.kind, namespace, name, exc)
             return None
 
     def _follow(self, name: str, namespace: str, container: str, timeout_seconds: float) -> dict[str, Any]:
+        kind = self.resource.kind
         launcher_log = _LauncherLog(self, name, namespace, container)
-        progress = _Progress(name, namespace)
+        progress = _Progress(kind, name, namespace)
         start = time.monotonic()
         while True:
             job = self._get(name, namespace)
             elapsed = time.monotonic() - start
             status = (job or {}).get("status") or {}
             progress.update(status, elapsed)
-            finished = _true_condition(status, "Succeeded") or _true_condition(status, "Failed")
+            finished = _true_condition(status, self.succeeded) or _true_condition(status, "Failed")
             launcher_log.poll(final=finished is not None)
-            if finished is not None and finished["type"] == "Succeeded":
-                log.info("MPIJob %s/%s succeeded after %.0f s", namespace, name, elapsed)
+            if finished is not None and finished["type"] == self.succeeded:
+                log.info("%s %s/%s succeeded after %.0f s", kind, namespace, name, elapsed)
                 return status
             if finished is not None:
                 why = ": ".join(str(finished[k]) for k in ("reason", "message") if finished.get(k))
-                raise QatpipeError(f"MPIJob {namespace}/{name} failed after {elapsed:.0f} s: "
+                raise QatpipeError(f"{kind} {namespace}/{name} failed after {elapsed:.0f} s: "
                                    f"{why or 'no reason given'}" + launcher_log.tail_text())
             if elapsed >= timeout_seconds:
                 launcher_log.poll(final=True)
-                raise QatpipeError(f"MPIJob {namespace}/{name} timed out after {timeout_seconds:g} s "
+                raise QatpipeError(f"{kind} {namespace}/{name} timed out after {timeout_seconds:g} s "
                                    f"(last state: {progress.state or 'not started'})" + launcher_log.tail_text())
             time.sleep(max(0.0, min(self.poll_seconds, timeout_seconds - elapsed)))
 
-    def _delete(self, name: str, namespace: str) -> None:
+    def _delete(self, resource: Resource, name: str, namespace: str) -> None:
         """Best effort, never raises: it runs in `finally`, where an error would hide the real one."""
         from kubernetes.client.exceptions import ApiException
 
+        by_hand = f"kubectl delete {resource.kubectl} {name} -n {namespace}"
         try:
-            # Background: the MPIJob goes at once (its name is free again); the GC removes its pods after
-            self._api(self.custom.delete_namespaced_custom_object, GROUP, self.api_version, namespace, PLURAL,
-                      name, propagation_policy="Background")
-            log.info("Deleted MPIJob %s/%s", namespace, name)
+            # Background: the object goes at once (its name is free again); the GC removes its pods after
+            self._api(self.custom.delete_namespaced_custom_object, resource.group, resource.version, namespace,
+                      resource.plural, name, propagation_policy="Background")
+            log.info("Deleted %s %s/%s", resource.kind, namespace, name)
         except ApiException as exc:
             if exc.status == 404:
-                log.info("MPIJob %s/%s was already deleted", namespace, name)
+                log.info("%s %s/%s was already deleted", resource.kind, namespace, name)
             elif exc.status == 403:
-                log.warning("Could not delete MPIJob %s/%s: %s. Delete it by hand: kubectl delete mpijob %s "
-                            "-n %s", namespace, name, _rbac_error("delete", PLURAL, GROUP, namespace, exc), name,
-                            namespace)
+                log.warning("Could not delete %s %s/%s: %s. Delete it by hand: %s", resource.kind, namespace, name,
+                            _rbac_error("delete", resource.plural, resource.group, namespace, exc), by_hand)
             else:
-                log.warning("Could not delete MPIJob %s/%s (HTTP %s: %s): kubectl delete mpijob %s -n %s",
-                            namespace, name, exc.status, _server_message(exc), name, namespace)
+                log.warning("Could not delete %s %s/%s (HTTP %s: %s): %s", resource.kind, namespace, name,
+                            exc.status, _server_message(exc), by_hand)
         except QatpipeError as exc:
-            log.warning("Could not delete MPIJob %s/%s (%s): kubectl delete mpijob %s -n %s", namespace, name,
-                        exc, name, namespace)
+            log.warning("Could not delete %s %s/%s (%s): %s", resource.kind, namespace, name, exc, by_hand)
 
 
-def _launcher_container(manifest: dict[str, Any]) -> str:
-    """The name of the launcher's main container (the one running mpirun), whose log is followed."""
-    try:
-        return manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["name"]
-    except (KeyError, IndexError, TypeError):
-        raise QatpipeError("the MPIJob manifest has no launcher container (spec.mpiReplicaSpecs.Launcher."
-                           "template.spec.containers[0].name); build it with mpijob_manifest()") from None
+class MpiJobLauncher(JobLauncher):
+    """MPIJobs: mpi-operator's kubeflow.org/v2beta1 or the Training Operator's kubeflow.org/v1."""
+
+    def __init__(self, api_client: ApiClient | None = None, namespace: str | None = None,
+                 api_version: str = "v2beta1", poll_seconds: float = 5.0):
+        if api_version not in mpijob.API_VERSIONS:
+            raise QatpipeError(f"api_version must be one of {', '.join(mpijob.API_VERSIONS)}, got {api_version!r}")
+        self.api_version = api_version
+        self.resource = Resource(mpijob.KIND, mpijob.GROUP, api_version, mpijob.PLURAL)
+        self.install_hint = (f"{mpijob.OPERATORS[api_version]}, or pick the api_version the cluster has")
+        super().__init__(api_client, namespace, poll_seconds)
+
+    def launcher_container(self, manifest: dict[str, Any]) -> str:
+        """The name of the launcher's main container (the one running mpirun), whose log is followed."""
+        try:
+            return manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["name"]
+        except (KeyError, IndexError, TypeError):
+            raise QatpipeError("the MPIJob manifest has no launcher container (spec.mpiReplicaSpecs.Launcher."
+                               "template.spec.containers[0].name); build it with mpijob_manifest()") from None
+
+    def describe(self, manifest: dict[str, Any]) -> str:
+        spec = manifest.get("spec") or {}
+        workers = ((spec.get("mpiReplicaSpecs") or {}).get("Worker") or {}).get("replicas")
+        return f"{workers} worker(s) x {spec.get('slotsPerWorker', 1)} slot(s)"
+
+
+class TrainJobLauncher(JobLauncher):
+    """Kubeflow Trainer v2 TrainJobs (trainer.kubeflow.org/v1alpha1). `run` takes the TrainJob; the
+    TrainingRuntime it refers to (trainjob.training_runtime_manifest) is given to the constructor when the
+    job brings its own, and is then created first and deleted with the job."""
+
+    resource = Resource(trainjob.KIND, trainjob.GROUP, trainjob.VERSION, trainjob.PLURAL)
+    succeeded = "Complete"
+    install_hint = "Kubeflow Trainer v2 (v2.3 or later), or run the job as an MPIJob (launcher: mpijob)"
+
+    def __init__(self, api_client: ApiClient | None = None, namespace: str | None = None,
+                 runtime: dict[str, Any] | None = None, poll_seconds: float = 5.0):
+        self.runtime = runtime
+        super().__init__(api_client, namespace, poll_seconds)
+
+    def companions(self, manifest: dict[str, Any]) -> list[tuple[Resource, dict[str, Any]]]:
+        if self.runtime is None:
+            return []
+        ref = (manifest.get("spec") or {}).get("runtimeRef") or {}
+        made = self.runtime["metadata"]["name"]
+        if ref.get("kind") != trainjob.RUNTIME_KIND or ref.get("name") != made:
+            raise QatpipeError(f"TrainJob {manifest['metadata'].get('name')}: its runtimeRef {ref} is not the "
+                               f"TrainingRuntime {made!r} given with it")
+        return [(Resource(trainjob.RUNTIME_KIND, trainjob.GROUP, trainjob.VERSION, trainjob.RUNTIME_PLURAL),
+                 self.runtime)]
+
+    def launcher_container(self, manifest: dict[str, Any]) -> str:
+        return trainjob.NODE  # the MPI plugin's name for the containers it mounts the SSH keys into
+
+    def describe(self, manifest: dict[str, Any]) -> str:
+        trainer = (manifest.get("spec") or {}).get("trainer") or {}
+        ref = (manifest.get("spec") or {}).get("runtimeRef") or {}
+        return (f"{trainer.get('numNodes')} node(s) x {trainer.get('numProcPerNode')} process(es), runtime "
+                f"{ref.get('kind')} {ref.get('name')}")
 
 
 def _true_condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
@@ -305,9 +411,10 @@ def _true_condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
 
 
 class _Progress:
-    """Logs each condition that becomes true (Created, Running, Restarting, ...) and replica counts."""
+    """Logs each condition that becomes true (Created, Running, Restarting, ...) and the pods' counts."""
 
-    def __init__(self, name: str, namespace: str):
+    def __init__(self, kind: str, name: str, namespace: str):
+        self.kind = kind
         self.job = f"{namespace}/{name}"
         self.seen: dict[str, tuple[str, str]] = {}
         self.replicas = ""
@@ -322,21 +429,33 @@ class _Progress:
             self.seen[kind] = key
             if value == "True":
                 self.state = kind
-                level = logging.WARNING if kind in ("Failed", "Restarting") else logging.INFO
-                log.log(level, "MPIJob %s: %s%s after %.0f s", self.job, kind,
+                level = logging.WARNING if kind in ("Failed", "Restarting", "Suspended") else logging.INFO
+                log.log(level, "%s %s: %s%s after %.0f s", self.kind, self.job, kind,
                         f" ({condition['reason']})" if condition.get("reason") else "", elapsed)
-        replicas = ", ".join(
-            f"{role}: " + " ".join(f"{n} {k}" for k, n in sorted(counts.items()) if isinstance(n, int) and n)
-            for role, counts in sorted((status.get("replicaStatuses") or {}).items()) if isinstance(counts, dict))
+        replicas = _counts(status)
         if replicas and replicas != self.replicas:
             self.replicas = replicas
-            log.info("MPIJob %s: pods %s", self.job, replicas)
+            log.info("%s %s: pods %s", self.kind, self.job, replicas)
+
+
+def _counts(status: dict[str, Any]) -> str:
+    """"Launcher: 1 active, Worker: 2 active": MPIJob's replicaStatuses (role -> counts) or TrainJob's
+    jobsStatus (one entry per replicated job)."""
+    if isinstance(status.get("jobsStatus"), list):
+        groups = [(s.get("name", "?"), s) for s in status["jobsStatus"] if isinstance(s, dict)]
+    else:
+        groups = sorted((role, counts) for role, counts in (status.get("replicaStatuses") or {}).items()
+                        if isinstance(counts, dict))
+    return ", ".join(f"{role}: " + " ".join(f"{n} {k}" for k, n in sorted(counts.items())
+                                             if isinstance(n, int) and not isinstance(n, bool) and n)
+                     for role, counts in groups)
 
 
 class _LauncherLog:
     """Follows the launcher pod's log: logs each complete line once, keeps the last TAIL_LINES."""
 
-    def __init__(self, launcher: MpiJobLauncher, name: str, namespace: str, container: str):
+    def __init__(self, launcher: JobLauncher, name: str, namespace: str, container: str):
+        self.kind = launcher.resource.kind
         self.core = launcher.core
         self.api = launcher._api
         self.name, self.namespace, self.container = name, namespace, container
@@ -380,7 +499,7 @@ class _LauncherLog:
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
             self.warned.add(key)
-            log.warning("MPIJob %s/%s: %s", self.namespace, self.name, message)
+            log.warning("%s %s/%s: %s", self.kind, self.namespace, self.name, message)
 
     def _launcher_pod(self):
         from kubernetes.client.exceptions import ApiException

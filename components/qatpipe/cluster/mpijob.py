@@ -14,13 +14,13 @@ rules, so a bad job fails here rather than as a silently pruned field or an oper
 
 from __future__ import annotations
 
-import functools
 import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qatpipe.cluster.crd import raise_problems, schema_problems
 from qatpipe.errors import QatpipeError
 
 GROUP = "kubeflow.org"
@@ -190,9 +190,9 @@ def _mpirun_command(r: MpiJobRequest) -> list[str]:
     return ["mpirun", "-np", str(r.processes), *HOROVOD_MPIRUN_FLAGS, *forwarded, *r.command]
 
 
-def _container(r: MpiJobRequest, role: str) -> dict[str, Any]:
+def _container(r: MpiJobRequest, role: str, name: str) -> dict[str, Any]:
     container: dict[str, Any] = {
-        "name": CONTAINER,
+        "name": name,
         "image": r.image,
         "imagePullPolicy": "IfNotPresent",
         "env": [{"name": k, "value": v} for k, v in sorted({**DEFAULT_ENV, **r.env}.items())],
@@ -219,12 +219,15 @@ def _container(r: MpiJobRequest, role: str) -> dict[str, Any]:
     return container
 
 
-def _pod_template(r: MpiJobRequest, role: str) -> dict[str, Any]:
+def pod_template(r: MpiJobRequest, role: str, container: str = CONTAINER) -> dict[str, Any]:
+    """The pod template of the launcher (`role` "launcher": mpirun, no GPU) or of a worker ("worker": sshd
+    or the operator's command, the GPUs, /dev/shm, the node selector and tolerations), its one container
+    named `container`. MPIJobs and TrainJobs (trainjob.py) both run these pods."""
     spec: dict[str, Any] = {
         # non-root, as the restricted Pod Security Standard asks; fsGroup makes the PVC writable for uid 1000
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
                             "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [_container(r, role)],
+        "containers": [_container(r, role, container)],
     }
     if r.service_account:
         spec["serviceAccountName"] = r.service_account
@@ -257,9 +260,9 @@ def mpijob_manifest(request: MpiJobRequest) -> dict[str, Any]:
     if r.ttl_seconds_after_finished is not None:
         run_policy["ttlSecondsAfterFinished"] = r.ttl_seconds_after_finished
     replicas = {
-        "Launcher": {"replicas": 1, "restartPolicy": "OnFailure", "template": _pod_template(r, "launcher")},
+        "Launcher": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod_template(r, "launcher")},
         # OnFailure: a worker whose process dies comes back, so a launcher retry finds all its hosts
-        "Worker": {"replicas": r.workers, "restartPolicy": "OnFailure", "template": _pod_template(r, "worker")},
+        "Worker": {"replicas": r.workers, "restartPolicy": "OnFailure", "template": pod_template(r, "worker")},
     }
     spec: dict[str, Any] = {"slotsPerWorker": r.slots_per_worker, "runPolicy": run_policy}
     if r.api_version == "v2beta1":
@@ -283,47 +286,6 @@ def mpijob_manifest(request: MpiJobRequest) -> dict[str, Any]:
 
 
 # --- validation ---------------------------------------------------------------------------------------------
-
-def _kubernetes_to_jsonschema(node: Any) -> Any:
-    """The CRD's structural schema as plain JSON Schema: int-or-string fields take either type, nullable
-    fields take null, and objects with declared properties reject unknown ones (the API server would prune
-    them silently: a misspelt field would be lost) unless marked x-kubernetes-preserve-unknown-fields."""
-    if isinstance(node, list):
-        return [_kubernetes_to_jsonschema(item) for item in node]
-    if not isinstance(node, dict):
-        return node
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        if key == "properties":  # field names, not keywords: keep them all
-            out[key] = {name: _kubernetes_to_jsonschema(sub) for name, sub in value.items()}
-        elif not key.startswith("x-kubernetes-") and key != "description":
-            out[key] = _kubernetes_to_jsonschema(value)
-    if node.get("x-kubernetes-int-or-string") and "anyOf" not in node:
-        out.pop("type", None)
-        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-    if node.get("nullable") and "type" in out:
-        out["type"] = [out["type"], "null"]
-    if "properties" in out and "additionalProperties" not in out \
-            and not node.get("x-kubernetes-preserve-unknown-fields"):
-        out["additionalProperties"] = False
-    return out
-
-
-@functools.lru_cache(maxsize=8)
-def _crd_schemas(crd_path: str, mtime: float) -> tuple[str, str, dict[str, dict]]:
-    """(group, kind, {version: JSON Schema}); `mtime` is only part of the cache key."""
-    import yaml
-
-    try:
-        # the C loader when PyYAML has it: these CRDs are ~9000 lines
-        crd = yaml.load(Path(crd_path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
-        versions = {v["name"]: _kubernetes_to_jsonschema(v["schema"]["openAPIV3Schema"])
-                    for v in crd["spec"]["versions"]}
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as exc:
-        raise QatpipeError(f"{crd_path}: not a readable CustomResourceDefinition with schemas ({exc})") from exc
-    return group, kind, versions
-
 
 def _operator_problems(manifest: dict[str, Any], version: str) -> list[str]:
     """Rules the operators enforce in their controllers rather than in the CRD schema (after mpi-operator's
@@ -364,29 +326,6 @@ def _operator_problems(manifest: dict[str, Any], version: str) -> list[str]:
 def validate_manifest(manifest: dict[str, Any], crd_path: str | Path) -> None:
     """Raise QatpipeError listing every problem (path: message) of `manifest` against the CRD at
     `crd_path` (the version named by its apiVersion) and the operator's own admission rules."""
-    import jsonschema
-
-    crd_path = Path(crd_path)
-    if not crd_path.is_file():
-        raise QatpipeError(f"{crd_path}: CRD file not found")
-    group, kind, versions = _crd_schemas(str(crd_path), crd_path.stat().st_mtime)
-    api_version = str(manifest.get("apiVersion", ""))
-    want_group, _, version = api_version.partition("/")
-    if want_group != group or manifest.get("kind") != kind or version not in versions:
-        raise QatpipeError(f"manifest is {api_version or '?'} {manifest.get('kind', '?')}, but {crd_path} "
-                           f"defines {kind} in {group} versions {', '.join(versions)}")
-    validator = jsonschema.Draft7Validator(versions[version])
-    problems = []
-    for error in sorted(validator.iter_errors(manifest), key=lambda e: [str(p) for p in e.absolute_path]):
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
-        message = error.message
-        if error.validator == "pattern" and "[KMGTPE]i" in str(error.validator_value):
-            message = f"{error.instance!r} is not a Kubernetes quantity (like 500m, 2, 16Gi)"
-        message = message if len(message) <= 200 else message[:197] + "..."
-        problems.append(f"{where or '(root)'}: {message}")
-    problems += _operator_problems(manifest, version)
-    if problems:
-        shown = problems[:25]
-        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-        raise QatpipeError(f"MPIJob {api_version} manifest is invalid against {crd_path.name} "
-                           f"({len(problems)} problem(s)):\n  " + "\n  ".join(shown) + more)
+    problems = schema_problems(manifest, crd_path)
+    version = str(manifest.get("apiVersion", "")).partition("/")[2]
+    raise_problems(manifest, crd_path, problems + _operator_problems(manifest, version))

@@ -1,10 +1,11 @@
 """Run the train / retrain stage at the scale asked for: one process, N Horovod processes on this host, or an
-MPIJob across nodes (what the KFP train and retrain components call).
+MPIJob or TrainJob across nodes (what the KFP train and retrain components call).
 
 - 1 node, 1 process: the stage function, in this process.
 - 1 node, N processes: `qatpipe train|retrain ... --gpus N` (horovodrun in this pod).
-- W nodes (W > 1): an MPIJob of W workers with N processes each (mpi-operator, `kubeflow.org/v2beta1`, or the
-  Training Operator's `v1`). Its pods cannot see this pod's files, so the job works in a folder of the shared
+- W nodes (W > 1): a job of W workers with N processes each: an MPIJob (mpi-operator, `kubeflow.org/v2beta1`,
+  or the Training Operator's `v1`) or a Kubeflow Trainer v2 TrainJob (`launcher` "trainjob"), the same pods
+  either way. Its pods cannot see this pod's files, so the job works in a folder of the shared
   dataset-cache volume (ReadWriteMany): the spec, the data set when it is a local folder, the pruned model and
   the results go there, and the results come back to `results_dir` when the job succeeded. The folder is named
   after the job's inputs: a retried pipeline task resumes from the checkpoints the failed job left.
@@ -28,10 +29,12 @@ from qatpipe.spec import ExperimentSpec, dump_spec, spec_to_yaml
 
 log = logging.getLogger(__name__)
 
+LAUNCHERS = ("mpijob", "trainjob")
+
 
 @dataclass
 class ClusterSettings:
-    """Where and how an MPIJob runs (pipeline parameters, not experiment settings)."""
+    """Where and how a multi-node job runs (pipeline parameters, not experiment settings)."""
 
     image: str
     shared_pvc: str  # claim name of the ReadWriteMany volume mounted at shared_mount in this pod too
@@ -43,6 +46,11 @@ class ClusterSettings:
     node_selector: dict = field(default_factory=dict)
     tolerations: list = field(default_factory=list)
     timeout_seconds: int = 24 * 3600
+    launcher: str = "mpijob"  # or "trainjob": Kubeflow Trainer v2 (api_version is then not used)
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise QatpipeError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
 
 
 def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path, *, pruned_model: Path | None = None,
@@ -68,7 +76,7 @@ def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path
                 _on_this_host(stage, spec, work, pruned_model, processes_per_node)
             return _keep_results(work, results_dir)
     if cluster is None or not cluster.shared_pvc:
-        raise QatpipeError(f"{nodes} node(s) as an MPIJob: it needs a shared ReadWriteMany volume for its data and "
+        raise QatpipeError(f"{nodes} node(s) as a cluster job: it needs a shared ReadWriteMany volume for its data and "
                            "results; compile the pipeline with --cache-pvc NAME (manifests/ makes qatpipe-cache)")
     return _on_mpijob(stage, spec, results_dir, pruned_model, processes_per_node, nodes, cluster)
 
@@ -187,8 +195,8 @@ def worker_resources(processes: int):
 
 
 def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster: ClusterSettings) -> dict:
-    from qatpipe.cluster.launcher import MpiJobLauncher, pod_namespace
-    from qatpipe.cluster.mpijob import MpiJobRequest, PvcMount, job_name, mpijob_manifest
+    from qatpipe.cluster.launcher import pod_namespace
+    from qatpipe.cluster.mpijob import MpiJobRequest, PvcMount, job_name
 
     name = _job_folder_name(stage, spec, pruned_model, f"{nodes}x{processes}")
     shared = Path(cluster.shared_mount) / "jobs" / name
@@ -202,27 +210,42 @@ def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster
     job_results = shared / "results"
     namespace = cluster.namespace or pod_namespace()
     if not namespace:
-        raise QatpipeError("MPIJob: no namespace given and this pod's service account namespace is unreadable")
+        raise QatpipeError("multi-node job: no namespace given and this pod's service account namespace is unreadable")
     request = MpiJobRequest(
         worker_resources=worker_resources(processes),
         name=job_name(name, ""), namespace=namespace, image=cluster.image,
         command=["qatpipe", *_command(stage, shared / "spec.yaml", job_results, job_model)],
-        workers=nodes, gpus_per_worker=processes, api_version=cluster.api_version,
-        secret_env=cluster.secret_env, secret_env_keys=list(cluster.secret_env_keys), pvc=PvcMount(cluster.shared_pvc, cluster.shared_mount),
+        workers=nodes, gpus_per_worker=processes,
+        # a TrainJob's workers serve SSH, as mpi-operator's (v2beta1) do
+        api_version="v2beta1" if cluster.launcher == "trainjob" else cluster.api_version,
+        secret_env=cluster.secret_env, secret_env_keys=list(cluster.secret_env_keys),
+        pvc=PvcMount(cluster.shared_pvc, cluster.shared_mount),
         node_selector=dict(cluster.node_selector), tolerations=list(cluster.tolerations),
         timeout_seconds=cluster.timeout_seconds, env={"TF_USE_LEGACY_KERAS": "1", **_live_curves_env()},
     )
-    log.info("%s: MPIJob %s/%s, %d workers x %d processes, working in %s", stage, namespace, request.name, nodes,
-             processes, shared)
-    launcher = MpiJobLauncher(namespace=namespace, api_version=cluster.api_version)
+    launcher, manifest = _launcher(request, cluster, namespace)
+    log.info("%s: %s %s/%s, %d workers x %d processes, working in %s", stage, manifest["kind"], namespace,
+             request.name, nodes, processes, shared)
     with _sigterm_as_exit():  # a cancelled or evicted task still deletes its job (the launcher's `finally`)
         # the job's name is its folder's: a job left by an earlier attempt of this work is replaced, and the
         # new one resumes from the checkpoints in the folder
-        launcher.run(mpijob_manifest(request), timeout_seconds=cluster.timeout_seconds, replace_existing=True)
+        launcher.run(manifest, timeout_seconds=cluster.timeout_seconds, replace_existing=True)
     summary = _keep_results(job_results, results_dir)
     shutil.rmtree(shared, ignore_errors=True)  # done: only a failed job's folder stays, for the retry
-    log.info("%s: results of MPIJob %s copied to %s", stage, request.name, results_dir)
+    log.info("%s: results of %s %s copied to %s", stage, manifest["kind"], request.name, results_dir)
     return summary
+
+
+def _launcher(request, cluster: ClusterSettings, namespace: str):
+    """(the launcher, the job's manifest) for `cluster.launcher`."""
+    from qatpipe.cluster.launcher import MpiJobLauncher, TrainJobLauncher
+    from qatpipe.cluster.mpijob import mpijob_manifest
+    from qatpipe.cluster.trainjob import training_runtime_manifest, trainjob_manifest
+
+    if cluster.launcher == "trainjob":
+        return (TrainJobLauncher(namespace=namespace, runtime=training_runtime_manifest(request)),
+                trainjob_manifest(request))
+    return MpiJobLauncher(namespace=namespace, api_version=cluster.api_version), mpijob_manifest(request)
 
 
 @contextlib.contextmanager

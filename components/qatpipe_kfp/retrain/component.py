@@ -1,5 +1,6 @@
 """retrain: fine-tune the pruned detector, in FP32 or quantisation-aware (`qat`), like TAO's retrain; one
-Horovod process per GPU, and with `workers` > 1 an MPIJob across nodes."""
+Horovod process per GPU, and with `workers` > 1 an MPIJob or TrainJob across
+nodes."""
 
 from kfp.dsl import Dataset, Input, Metrics, Model, Output
 
@@ -9,11 +10,11 @@ from qatpipe_kfp.settings import component
 @component
 def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input[Model], model: Output[Model],
             metrics: Output[Metrics], gpus: int = 1, workers: int = 1, mpijob_api_version: str = "v2beta1",
-            training_image: str = "", credentials_secret: str = "", node_selector: dict = {},
+            launcher: str = "mpijob", training_image: str = "", credentials_secret: str = "", node_selector: dict = {},
             tolerations: list = [], mpijob: bool = False):
     """Fine-tune the pruned detector in FP32 or quantisation-aware (QAT), like TAO's retrain.
 
-    One Horovod process per GPU; with `workers` > 1, or `mpijob`, an MPIJob across nodes.
+    One Horovod process per GPU; with `workers` > 1, or `mpijob`, an MPIJob (or TrainJob) across nodes.
 
     Args:
         retrain_spec: The spec's retrain view, as YAML: without the qat section for the FP32 task, with it for
@@ -24,6 +25,8 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
         gpus: Horovod processes per node, one per GPU.
         workers: Nodes; above 1 the training runs as an MPIJob.
         mpijob_api_version: The MPIJob API version: v2beta1 (mpi-operator) or v1 (Kubeflow Training Operator).
+        launcher: How a multi-node training runs: mpijob (an MPIJob) or trainjob (a Kubeflow Trainer v2 TrainJob
+            on a TrainingRuntime of its own).
         training_image: The image of the MPIJob's launcher and workers. Empty: the project's training image.
         credentials_secret: The Secret whose credentials the MPIJob's containers get. Empty: none.
         node_selector: Node labels for the MPIJob's pods.
@@ -51,7 +54,7 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
         spec.qat.enabled = qat
         source = Path(pruned.path) / pruned.metadata.get("file", "model.keras")
         cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
-                                   mpijob_api_version)
+                                   mpijob_api_version, launcher)
         summary = run_training_stage("retrain", spec, model.path, pruned_model=source, processes_per_node=gpus,
                                      nodes=workers, cluster=cluster, use_mpijob=mpijob, work_root=training_work_root())
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],

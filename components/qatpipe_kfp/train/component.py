@@ -1,5 +1,6 @@
 """train: train the unpruned detector (TAO `train`) on the prepared data set; one Horovod process per GPU,
-and with `workers` > 1 an MPIJob across nodes."""
+and with `workers` > 1 an MPIJob or TrainJob across
+nodes."""
 
 from kfp.dsl import Dataset, Input, Metrics, Model, Output
 
@@ -8,11 +9,12 @@ from qatpipe_kfp.settings import component
 
 @component
 def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metrics: Output[Metrics],
-          gpus: int = 1, workers: int = 1, mpijob_api_version: str = "v2beta1", training_image: str = "",
-          credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [], mpijob: bool = False):
+          gpus: int = 1, workers: int = 1, mpijob_api_version: str = "v2beta1", launcher: str = "mpijob",
+          training_image: str = "", credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [],
+          mpijob: bool = False):
     """Train the unpruned detector on the prepared data set (TAO `train`).
 
-    One Horovod process per GPU; with `workers` > 1, or `mpijob`, an MPIJob across nodes.
+    One Horovod process per GPU; with `workers` > 1, or `mpijob`, an MPIJob (or TrainJob) across nodes.
 
     Args:
         train_spec: The spec's train view (sections dataset, model, augmentation, train, evaluate), as YAML; its
@@ -21,6 +23,8 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
         gpus: Horovod processes per node, one per GPU.
         workers: Nodes; above 1 the training runs as an MPIJob.
         mpijob_api_version: The MPIJob API version: v2beta1 (mpi-operator) or v1 (Kubeflow Training Operator).
+        launcher: How a multi-node training runs: mpijob (an MPIJob) or trainjob (a Kubeflow Trainer v2 TrainJob
+            on a TrainingRuntime of its own).
         training_image: The image of the MPIJob's launcher and workers. Empty: the project's training image.
         credentials_secret: The Secret whose credentials the MPIJob's containers get. Empty: none.
         node_selector: Node labels for the MPIJob's pods.
@@ -43,7 +47,7 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
         spec = spec_with_prepared_dataset(load_stage_spec(train_spec), dataset.path)
         parent_run_from_kfp()  # live training curves in MLflow (tracking/live.py)
         cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
-                                   mpijob_api_version)
+                                   mpijob_api_version, launcher)
         summary = run_training_stage("train", spec, model.path, processes_per_node=gpus, nodes=workers,
                                      cluster=cluster, use_mpijob=mpijob, work_root=training_work_root())
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],

@@ -2,7 +2,7 @@
 
 from qatpipe_kfp.train.component import train
 
-SCALE_OUT_INPUTS = {"gpus": "Integer", "workers": "Integer", "mpijob_api_version": "String",
+SCALE_OUT_INPUTS = {"gpus": "Integer", "workers": "Integer", "mpijob_api_version": "String", "launcher": "String",
                     "training_image": "String", "credentials_secret": "String", "node_selector": "Dict",
                     "tolerations": "List", "mpijob": "Boolean"}
 
