@@ -106,6 +106,49 @@ def test_ptq_gives_symmetric_int8_qdq_that_still_detects(trained_tiny, tmp_path,
     assert int8 > 0.5 * fp32  # a sane INT8 model; the real comparison is bench/'s job
 
 
+@pytest.mark.parametrize("bins, levels, tail", [(512, 255, "lognormal"), (1000, 255, "outlier"), (300, 64, "relu"),
+                                               (128, 128, "normal")])
+def test_entropy_threshold_is_onnxruntimes_own(bins, levels, tail):
+    """The vectorised search gives the thresholds of ORT's HistogramCollector.get_entropy_threshold."""
+    from onnxruntime.quantization.calibrate import HistogramCollector
+
+    from qatpipe.quantization.ptq import entropy_threshold
+
+    rng = np.random.default_rng(bins)
+    data = {"lognormal": rng.lognormal(0, 1, 20000), "outlier": np.append(rng.normal(0, 1, 50000), 40.0),
+            "relu": np.maximum(rng.normal(0, 1, 5000), 0), "normal": rng.normal(0, 1, 1000)}[tail]
+    collector = HistogramCollector("entropy", False, bins, levels, 99.99, "same")
+    collector.collect({"t": data.astype(np.float32)})
+    histogram = collector.histogram_dict["t"]
+    assert entropy_threshold(histogram, levels) == collector.get_entropy_threshold(histogram, levels)
+
+
+def test_entropy_and_percentile_clip_a_long_tail_that_minmax_keeps(tmp_path):
+    """One activation with rare large values: entropy and percentile calibration choose a range below its
+    maximum. (Through quantize_static's own calibrator, entropy had 128 bins and 128 levels, one candidate,
+    and gave minmax's range.)"""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qatpipe.quantization.ptq import quantize_ptq
+
+    weight = numpy_helper.from_array(np.ones((4, 3, 1, 1), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], [weight])
+    fp32 = tmp_path / "conv.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), fp32)
+    rng = np.random.default_rng(0)
+    images = rng.normal(0, 1, (64, 3, 8, 8)).astype(np.float32)
+    images[5, 0, 2, 2] = 60.0  # one value in 12,288, far out
+    scales = {}
+    for method in ("minmax", "entropy", "percentile"):
+        quantize_ptq(fp32, tmp_path / f"{method}.onnx", [images], method)
+        inits = {i.name: numpy_helper.to_array(i) for i in onnx.load(tmp_path / f"{method}.onnx").graph.initializer}
+        [scales[method]] = [float(v) for k, v in inits.items() if k.startswith("x_") and k.endswith("scale")]
+    assert scales["minmax"] == pytest.approx(60.0 / 127, rel=1e-3)
+    assert scales["entropy"] < 0.5 * scales["minmax"] and scales["percentile"] < 0.5 * scales["minmax"]
+
+
 def test_qat_onnx_follows_tensorrt_explicit_quantization_rules(qat_export):
     from onnx import numpy_helper
 
