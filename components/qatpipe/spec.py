@@ -276,6 +276,8 @@ class PtqSpec(_Section):
     method: Literal["entropy", "percentile", "minmax"] = "percentile"  # bench/README.md: the PTQ sweep
     percentile: float = Field(99.99, gt=90, le=100, description="for method: percentile")
     seed: int = 0
+    report_images: int = Field(16, ge=0, description="calibration images of the precision report (FP16 flags, "
+                               "the INT8 model against FP32 layer by layer); 0: no report")
 
 
 class ExportSpec(_Section):
