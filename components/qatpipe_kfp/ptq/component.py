@@ -1,14 +1,14 @@
 """ptq: the PTQ baseline: calibrate the FP32 ONNX on training images (ONNX Runtime static quantisation,
 symmetric int8 Q/DQ) into an INT8 ONNX."""
 
-from kfp.dsl import Dataset, Input, Metrics, Model, Output
+from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
 
 from qatpipe_kfp.settings import component
 
 
 @component
 def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_onnx: Output[Model],
-        metrics: Output[Metrics]):
+        metrics: Output[Metrics], precision: Output[Markdown]):
     """Build the PTQ baseline: an INT8 ONNX calibrated from the FP32 ONNX on training images.
 
     ONNX Runtime static quantisation, symmetric int8 Q/DQ; `ptq.method` and `ptq.calibration_images` set the
@@ -23,15 +23,18 @@ def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_on
             (default model.onnx).
 
     Returns:
-        int8_onnx: Folder with model.onnx (int8 Q/DQ), model_ptq.json and tracking.json; its metadata names the
-            framework, file, variant and calibration method.
-        metrics: The number of calibration images and the INT8 model's size in MB.
+        int8_onnx: Folder with model.onnx (int8 Q/DQ), model_ptq.json, precision_report.json/.md and
+            tracking.json; its metadata names the framework, file, variant and calibration method.
+        metrics: The number of calibration images, the INT8 model's size in MB, and the precision report's
+            figures: tensors FP16 must leave in FP32, the INT8 model's worst layer error against FP32.
+        precision: The precision report: which tensors FP16 must leave alone, and the INT8 model against the
+            FP32 one layer by layer.
     """
     from pathlib import Path
 
     from qatpipe.data.prepare import spec_with_prepared_dataset
     from qatpipe.stages.ptq import ptq as ptq_stage
-    from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics
+    from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics, write_text
 
     with stage("ptq"):
         spec = spec_with_prepared_dataset(load_stage_spec(ptq_spec), dataset.path)
@@ -39,4 +42,8 @@ def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_on
         report = ptq_stage(spec, source, Path(int8_onnx.path) / "model.onnx")
         int8_onnx.metadata.update({"framework": "onnx", "file": "model.onnx", "variant": "ptq",
                                    "quantization": f"int8 Q/DQ, PTQ ({report['method']})"})
-        write_metrics(metrics, {"calibration_images": report["calibration_images"], "size_mb": report["size_mb"]})
+        write_metrics(metrics, {key: report.get(key) for key in ("calibration_images", "size_mb", "fp16_flags",
+                                                                  "layer_max_error")})
+        markdown = Path(int8_onnx.path) / "precision_report.md"
+        write_text(precision, markdown.read_text() if markdown.is_file() else "No precision report "
+                   "(ptq.report_images: 0).\n")

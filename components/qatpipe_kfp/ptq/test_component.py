@@ -8,4 +8,5 @@ def test_interface():
     assert {k: v.type for k, v in spec.inputs.items()} == {
         "ptq_spec": "String", "dataset": "system.Dataset@0.0.1", "fp32_onnx": "system.Model@0.0.1"}
     assert {k: v.type for k, v in spec.outputs.items()} == {"int8_onnx": "system.Model@0.0.1",
-                                                            "metrics": "system.Metrics@0.0.1"}
+                                                            "metrics": "system.Metrics@0.0.1",
+                                                            "precision": "system.Markdown@0.0.1"}
