@@ -25,6 +25,7 @@ from typing import Any
 
 from qatpipe.cluster.crd import raise_problems, schema_problems
 from qatpipe.cluster.mpijob import JOB_LABEL, MpiJobRequest, PvcMount, pod_template
+from qatpipe.errors import QatpipeError
 
 GROUP = "trainer.kubeflow.org"
 VERSION = "v1alpha1"
@@ -43,6 +44,7 @@ CLUSTER_RUNTIME_NAME = "qatpipe-horovod"
 # JobSet names pods <jobset>-<replicated job>-<job index>-<pod index>, and that is their hostname in the MPI
 # hostfile: a DNS label of at most 63 characters
 _HOSTNAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME = 63 - len(f"-{LAUNCHER}-0-0")  # 50: the launcher pod's hostname stays a DNS label
 
 
 def _replicated_job(r: MpiJobRequest, role: str) -> dict[str, Any]:
@@ -95,6 +97,9 @@ def trainjob_manifest(request: MpiJobRequest, runtime_kind: str = RUNTIME_KIND,
     """The TrainJob of `request` on its own TrainingRuntime (default) or on a named (Cluster)TrainingRuntime.
     It sets only the job's size; `request.timeout_seconds` becomes activeDeadlineSeconds."""
     r = request
+    if len(r.name) > MAX_NAME:
+        raise QatpipeError(f"TrainJob name {r.name!r} is {len(r.name)} characters; at most {MAX_NAME}, so that its "
+                           f"pods' hostnames ({r.name}-{LAUNCHER}-0-0) stay DNS labels")
     spec: dict[str, Any] = {
         "runtimeRef": {"apiGroup": GROUP, "kind": runtime_kind, "name": runtime_name or r.name},
         "trainer": {"numNodes": r.workers, "numProcPerNode": r.slots_per_worker},
