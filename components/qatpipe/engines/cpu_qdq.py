@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from qatpipe.export.onnx_graph import attribute, drop_unused_initializers, graph_maps, sort_topologically
-
-# ops whose output keeps the sign of their input: a ReLU output stays non-negative through them
-SIGN_KEEPING_OPS = ("MaxPool", "Transpose", "Reshape", "Identity", "Flatten")
+from qatpipe.export.onnx_graph import (RANGE_KEEPING_OPS, attribute, drop_unused_initializers, graph_maps,
+                                      sort_topologically)
 
 
 
@@ -146,7 +144,7 @@ def activations_to_uint8(model, zero_point_0_after_relu: bool = False) -> int:
     producers, consumers = graph_maps(graph)
     non_negative = set()
     for node in graph.node:  # sorted: producers first
-        if node.op_type == "Relu" or (node.op_type in SIGN_KEEPING_OPS and node.input[0] in non_negative):
+        if node.op_type == "Relu" or (node.op_type in RANGE_KEEPING_OPS and node.input[0] in non_negative):
             non_negative.update(node.output)
     shifted, changed = 0, set()
     for node in list(graph.node):
@@ -174,7 +172,7 @@ def activations_to_uint8(model, zero_point_0_after_relu: bool = False) -> int:
             for consumer in consumers[tensor]:
                 if consumer.op_type == "DequantizeLinear":
                     consumer.input[1], consumer.input[2] = scale, name
-                elif consumer.op_type in SIGN_KEEPING_OPS:
+                elif consumer.op_type in RANGE_KEEPING_OPS:
                     frontier.extend(consumer.output)
                 else:
                     raise ValueError(f"{consumer.name}: reads the int8 tensor {tensor} directly; cannot shift it")

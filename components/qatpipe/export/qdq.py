@@ -15,12 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from qatpipe.export.onnx_graph import attribute, drop_unused_initializers, graph_maps
+from qatpipe.export.onnx_graph import RANGE_KEEPING_OPS, attribute, drop_unused_initializers, graph_maps
 
 QUANTIZED_OPS = ("Conv", "Gemm", "MatMul")
-# ops that move or pick values without changing their range: a tensor they produce from a quantised one
-# has the same scale (tf2onnx puts a Transpose between the model input's Q and DQ; max pooling follows ReLU)
-RANGE_KEEPING_OPS = ("Transpose", "Reshape", "Identity", "Flatten", "MaxPool")
 # TensorRT's version as NV_TENSORRT_VERSION writes it: 10.3.0 (DeepStream 7.1) -> 100300; 8.6.1 -> 8601
 DEFAULT_TRT_VERSION = 100300
 
