@@ -97,6 +97,9 @@ def test_default_cpu_engine_of_a_qdq_model_is_the_fast_form_with_integer_kernels
     assert metadata["precision"] == "int8 (explicit Q/DQ, CPU form fast)"
     assert metadata["label"] == "onnxruntime cpu int8"
     assert json.loads((built["fp32"][1] / "engine.json").read_text())["label"] == "onnxruntime cpu fp32"
+    # the compute layers per precision, read from the source ONNX: every conv of the QAT model is INT8
+    fp32_layers = json.loads((built["fp32"][1] / "engine.json").read_text())["layer_precision"]
+    assert metadata["layer_precision"] == {"int8": fp32_layers["fp32"], "fp16": 0, "fp32": 0}
     graph = onnx.load(engine_dir / "model.onnx").graph
     assert not [n for n in graph.node if n.op_type == "BatchNormalization"]  # folded, as TensorRT does
     inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}

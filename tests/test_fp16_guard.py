@@ -83,3 +83,26 @@ def test_report_of_the_tiny_detector_and_its_ptq_model(trained_tiny, tmp_path):
     assert layers["compared"] > 20 and layers["worst"]["max_error"] > 0  # INT8 differs from FP32 somewhere
     text = md_path.read_text()
     assert "# Precision report" in text and "Layer by layer against FP32" in text
+
+
+def test_layer_precision_counts_int8_fp16_and_fp32_layers(tmp_path):
+    """Three convs: one behind Q/DQ on data and weight, one on float16 data, one float32."""
+    w = numpy_helper.from_array(np.ones((3, 3, 1, 1), np.float32), "w")
+    w16 = numpy_helper.from_array(np.ones((3, 3, 1, 1), np.float16), "w16")
+    wq = numpy_helper.from_array(np.ones((3, 3, 1, 1), np.int8), "wq")
+    scale = numpy_helper.from_array(np.array(0.1, np.float32), "s")
+    zero = numpy_helper.from_array(np.array(0, np.int8), "zp")
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s", "zp"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "s", "zp"], ["wd"]),
+             helper.make_node("Conv", ["xd", "wd"], ["a"], name="int8_conv"),
+             helper.make_node("Cast", ["a"], ["a16"], to=TensorProto.FLOAT16),
+             helper.make_node("Conv", ["a16", "w16"], ["b16"], name="fp16_conv"),
+             helper.make_node("Cast", ["b16"], ["b"], to=TensorProto.FLOAT),
+             helper.make_node("Conv", ["b", "w"], ["y"], name="fp32_conv")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 4, 4])],
+                              [w, w16, wq, scale, zero])
+    path = tmp_path / "mixed.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    assert precision.layer_precision(path) == {"int8": 1, "fp16": 1, "fp32": 1}

@@ -34,6 +34,7 @@ class EngineMetadata:
     built_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     extra: dict = field(default_factory=dict)
     label: str = ""  # what the engine is, for tables: "onnxruntime cpu int8", "tensorrt fp16"
+    layer_precision: dict = field(default_factory=dict)  # compute layers per precision: {"int8": n, ...}
 
     def __post_init__(self):
         if not self.label:  # engine.json written before labels: the backend and the precision's first word

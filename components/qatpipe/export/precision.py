@@ -203,6 +203,35 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+COMPUTE_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def layer_precision(onnx_path: str | Path) -> dict[str, int]:
+    """How many compute layers (Conv, Gemm, MatMul) the ONNX runs in each precision, as a strongly typed
+    TensorRT engine reads it: int8 where both the data and the weight come through DequantizeLinear, fp16
+    where the data is float16 (an explicit cast), fp32 elsewhere."""
+    import onnx
+
+    model = load_onnx_proto(onnx_path)
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in
+             [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    types.update({i.name: i.data_type for i in model.graph.initializer})
+    producers = {out: node.op_type for node in model.graph.node for out in node.output}
+    counts = {"int8": 0, "fp16": 0, "fp32": 0}
+    for node in model.graph.node:
+        if node.op_type not in COMPUTE_OPS or len(node.input) < 2:
+            continue
+        data, weight = node.input[0], node.input[1]
+        if producers.get(data) == producers.get(weight) == "DequantizeLinear":
+            counts["int8"] += 1
+        elif types.get(data) == onnx.TensorProto.FLOAT16:
+            counts["fp16"] += 1
+        else:
+            counts["fp32"] += 1
+    return counts
+
+
 def write_report(report: dict, folder: str | Path) -> tuple[Path, Path]:
     """precision_report.json and precision_report.md in `folder`."""
     from qatpipe.fileio import write_json

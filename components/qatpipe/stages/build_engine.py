@@ -18,20 +18,25 @@ def build_engine(spec: ExperimentSpec, onnx_path: str | Path, output: str | Path
     from dataclasses import asdict
 
     from qatpipe.engines import select_backend
+    from qatpipe.export.precision import layer_precision
     from qatpipe.runtime.onnx_runtime import load_onnx_proto
 
     onnx_path, output = Path(onnx_path), Path(output)
     load_onnx_proto(onnx_path)  # a clear error for a missing or wrong-kind file before any backend starts
     engine = select_backend(backend or spec.engine.backend)
     metadata = engine.build(onnx_path, output, spec.engine)
+    metadata.layer_precision = layer_precision(onnx_path)  # what the graph asks each layer to run in
+    metadata.write(output)
     size_mb = round((output / metadata.engine_file).stat().st_size / 2**20, 3)
     StageRecord(
         stage=stage_name, params={"engine.backend": metadata.backend, "engine": metadata.label,
                                   "precision": metadata.precision, "runtime_version": metadata.runtime_version,
                                   "device": metadata.device},
-        metrics={"engine_size_mb": size_mb}, artifacts=["engine.json"],
+        metrics={"engine_size_mb": size_mb, **{f"{kind}_layers": n for kind, n in metadata.layer_precision.items()}},
+        artifacts=["engine.json"],
     ).write(output)
-    log.info("engine %s: %s (%s), %.2f MB", output, metadata.label, metadata.precision, size_mb)
+    log.info("engine %s: %s (%s; compute layers %s), %.2f MB", output, metadata.label, metadata.precision,
+             ", ".join(f"{kind} {n}" for kind, n in metadata.layer_precision.items()), size_mb)
     return {**asdict(metadata), "engine_size_mb": size_mb}
 
 
