@@ -117,9 +117,6 @@ class JobExists(QatpipeError):
     """A job of that name is already there."""
 
 
-MpiJobExists = JobExists  # the name earlier releases raised
-
-
 GONE_TIMEOUT = 300.0  # seconds to wait for a replaced job's deletion
 
 
