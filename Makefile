@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 RESULTS ?= results/pipeline
 
-.PHONY: install main test bench clean
+.PHONY: install main test bench clean lock
 
 $(STAMP): pyproject.toml images/horovod/build-wheel.sh
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/pipeline_local.py
+
+# The images' lock files, images/<kind>/requirements.lock: pyproject.toml's dependencies and
+# images/<kind>/requirements.in resolved by pip for each image's Python and platform, every package pinned and
+# hashed (images/README.md). Needs only a Python >= 3.11 with pip, and PyPI; the Dockerfiles install what it writes.
+lock:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) images/lock.py
 
 clean:
 	rm -rf results .pytest_cache

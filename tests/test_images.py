@@ -9,12 +9,18 @@ installed, but nothing can build), and a GPU image build takes far longer than a
 - `images/build.sh --dry-run` prints docker commands whose image names are exactly what
   `python -m qatpipe_kfp.settings` gives for the same repository and tag, so the pipeline and the images agree;
 - .dockerignore keeps the checkout's bulk (.venv, .git, results, ONNX files...) out of the build context and
-  everything the Dockerfiles copy in it.
+  everything the Dockerfiles copy in it;
+- every image installs its Python packages from its lock file (images/<kind>/requirements.lock, `make lock`,
+  images/lock.py) with --require-hashes and --no-deps, the lock pins every top-level requirement (pyproject.toml's,
+  images/<kind>/requirements.in's) within its range, and, with PyPI reachable, pip's resolver accepts it for the
+  image's Python and platform: each pin as the Dockerfile installs it, and the whole closure with dependencies;
+- every image carries the commit it was built from (the revision label and $QATPIPE_GIT_COMMIT).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -22,10 +28,14 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "images"
@@ -128,6 +138,18 @@ def apt_packages(stage: Stage) -> set[str]:
 
 def relative(path: Path) -> str:
     return str(path.relative_to(ROOT))
+
+
+def _load_lock_module():
+    """images/lock.py, which writes the lock files (`make lock`) and reads them back."""
+    spec = importlib.util.spec_from_file_location("qatpipe_images_lock", IMAGES / "lock.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+LOCK = _load_lock_module()
 
 
 def test_every_image_has_a_dockerfile():
@@ -269,15 +291,22 @@ def test_engine_is_on_nvidia_tensorrt():
 
 
 def test_mlflow_server_matches_the_client():
-    """The server image pins one exact MLflow release within the project's own mlflow==X.Y.* range."""
+    """The server image pins one exact MLflow release within the project's own mlflow==X.Y.* range (its lock, from
+    images/mlflow/requirements.in), the same release the training and engine images' clients get."""
     pyproject = (ROOT / "pyproject.toml").read_text()
     client = re.search(r'"mlflow==(\d+\.\d+)\.\*"', pyproject).group(1)
+    pins = {kind: {pin.name: pin.version for pin in LOCK.read_lock(LOCK.TARGETS[kind].lock)} for kind in KINDS}
+    server = pins["mlflow"]["mlflow"]
+    assert re.fullmatch(rf"{re.escape(client)}\.\d+", server), f"server mlflow=={server}, client {client}.*"
+    assert re.search(rf"^mlflow\[auth\]=={re.escape(server)}\s*(#.*)?$",
+                     LOCK.TARGETS["mlflow"].requirements_in.read_text(), re.M), (
+        "images/mlflow/requirements.in must pin mlflow[auth] exactly")
+    assert {kind: versions["mlflow"] for kind, versions in pins.items()} == dict.fromkeys(KINDS, server)
+    assert "psycopg2-binary" in pins["mlflow"] and "boto3" in pins["mlflow"]
+    # the Deployment runs `mlflow server --app-name=basic-auth`, which imports Flask-WTF (mlflow's [auth] extra)
+    assert "flask-wtf" in pins["mlflow"], "the mlflow image cannot run the basic-auth app without Flask-WTF"
     _, stages = read_dockerfile(IMAGES / "mlflow" / "Dockerfile")
     final = stages[-1]
-    runs = " ".join(run.args for run in final.all("RUN"))
-    server = re.search(r"\bmlflow==(\S+)", runs).group(1)
-    assert re.fullmatch(rf"{re.escape(client)}\.\d+", server), f"server mlflow=={server}, client {client}.*"
-    assert "psycopg2-binary==" in runs and "boto3==" in runs
     assert "5000" in " ".join(e.args for e in final.all("EXPOSE"))
     assert "mlflow" in final.all("ENTRYPOINT")[-1].args
 
@@ -475,3 +504,284 @@ def test_dockerignore_keeps_what_the_dockerfiles_use():
     assert "components/qatpipe/cli.py" in files and "pipelines/qatpipe_pipelines/qat_pipeline.py" in files
     left_out = sorted(f for f in files if ignored(f) and "__pycache__" not in f and ".egg-info" not in f)
     assert not left_out, f".dockerignore leaves out files the images need: {left_out[:10]}"
+
+
+# --- lock files: images/<kind>/requirements.lock (`make lock`, images/lock.py) ------------------------------------
+
+# pip options that take a value (the next word)
+PIP_VALUE_OPTIONS = {"-r", "--requirement", "-c", "--constraint", "-f", "--find-links", "-i", "--index-url",
+                     "--extra-index-url", "-t", "--target", "--prefix", "--root", "--report", "--platform",
+                     "--python-version", "--implementation", "--abi", "--no-binary", "--only-binary", "-e",
+                     "--editable", "--src", "--cache-dir", "--progress-bar", "--upgrade-strategy"}
+
+
+def _bind_mounts(run: Instruction) -> dict[str, str]:
+    """target -> source of the RUN's bind mounts of the build context (source defaults to the context itself)."""
+    mounts = {}
+    for mount in re.findall(r"--mount=(\S+)", run.args):
+        fields = dict(f.partition("=")[::2] for f in mount.split(","))
+        if fields.get("type", "bind") == "bind" and "from" not in fields:
+            mounts[fields.get("target") or fields.get("dst") or fields.get("destination")] = fields.get("source", ".")
+    return mounts
+
+
+def _pip_installs(run: Instruction) -> list[list[str]]:
+    """The words after `pip install` of every such command in the RUN (`pip`, `python3 -m pip`, `/x/bin/pip`)."""
+    words = shlex.split(re.sub(r"--mount=\S+", "", run.args))
+    commands, current = [], []
+    for word in words + ["&&"]:
+        if word in ("&&", "||", ";", "|"):
+            commands.append(current)
+            current = []
+        else:
+            current.append(word)
+    installs = []
+    for command in commands:
+        for i, word in enumerate(command[:-1]):
+            if (word in ("pip", "pip3") or word.endswith("/pip")) and command[i + 1] == "install":
+                installs.append(command[i + 2:])
+                break
+    return installs
+
+
+def _split_pip_words(words: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """(option -> values, positional arguments) of a pip install command line."""
+    options: dict[str, list[str]] = {}
+    positional = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word.startswith("-"):
+            name, has_value, value = word.partition("=")
+            if not has_value and name in PIP_VALUE_OPTIONS and i + 1 < len(words):
+                value, i = words[i + 1], i + 1
+            options.setdefault(name, []).append(value)
+        else:
+            positional.append(word)
+        i += 1
+    return options, positional
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dockerfile_installs_exactly_its_lock(kind):
+    """Every package from the index comes from the image's lock files, hash-checked, without pip resolving
+    anything (--no-deps: the lock is the whole closure); the other installs are local wheels and sources."""
+    target = LOCK.TARGETS[kind]
+    dockerfile = IMAGES / kind / "Dockerfile"
+    expected = [relative(target.lock)] + ([relative(target.base_lock)] if target.base_lock else [])
+    installed = []
+    for stage in read_dockerfile(dockerfile)[1]:
+        for run in stage.all("RUN"):
+            where = f"{relative(dockerfile)}:{run.line}"
+            assert "pyproject.toml" not in run.args and "tomllib" not in run.args, (
+                f"{where}: dependencies come from the lock, no longer from pyproject.toml's ranges")
+            mounts = _bind_mounts(run)
+            for words in _pip_installs(run):
+                options, positional = _split_pip_words(words)
+                assert "--no-deps" in options, f"{where}: pip install without --no-deps: {shlex.join(words)}"
+                files = options.get("-r", []) + options.get("--requirement", [])
+                if files:
+                    assert "--require-hashes" in options, f"{where}: a lock installed without --require-hashes"
+                    assert not positional and "-c" not in options, f"{where}: more than the lock: {words}"
+                    for file in files:
+                        assert mounts.get(file) in expected, (
+                            f"{where}: -r {file} is not one of {expected} (bind-mounted from the context)")
+                        installed.append(mounts[file])
+                else:  # a wheel or source tree of this build, or Horovod's wheel with --no-index
+                    assert "--no-index" in options or all(p.startswith("/") for p in positional), (
+                        f"{where}: installs from the index outside the lock: {shlex.join(words)}")
+    assert sorted(installed) == sorted(expected), f"{relative(dockerfile)} installs {installed}, not {expected}"
+    if target.base_lock:  # its first part, in its own layer, before the rest
+        assert installed.index(relative(target.base_lock)) < installed.index(relative(target.lock))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_image_records_its_commit(kind):
+    """images/build.sh passes QATPIPE_GIT_COMMIT: the final stage turns it into the OCI revision label and an ENV
+    (MLflow runs in the image record it as mlflow.source.git.commit)."""
+    dockerfile = IMAGES / kind / "Dockerfile"
+    final = read_dockerfile(dockerfile)[1][-1]
+    assert any(arg.args.partition("=")[0].strip() == "QATPIPE_GIT_COMMIT" for arg in final.all("ARG")), (
+        f"{relative(dockerfile)}: no ARG QATPIPE_GIT_COMMIT in the final stage")
+    assert re.fullmatch(r"\$\{?QATPIPE_GIT_COMMIT\}?", final.env().get("QATPIPE_GIT_COMMIT", "")), (
+        f"{relative(dockerfile)}: no ENV QATPIPE_GIT_COMMIT=${{QATPIPE_GIT_COMMIT}}")
+    labels = " ".join(label.args for label in final.all("LABEL"))
+    assert re.search(r'org\.opencontainers\.image\.revision="?\$\{?QATPIPE_GIT_COMMIT\}?"?(\s|$)', labels), (
+        f"{relative(dockerfile)}: no org.opencontainers.image.revision label from QATPIPE_GIT_COMMIT")
+
+
+def _header_field(text: str, key: str) -> str:
+    return re.search(rf"^# {key}: +(\S+?),?(\s|$)", text, re.M).group(1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lock_pins_every_requirement_within_its_range(kind):
+    """The lock against its inputs (no network): every top-level requirement of the image, pyproject.toml's and
+    images/<kind>/requirements.in's, pinned at a version its specifier allows, with its extras; one line and one
+    sha256 per package; sdists only where images/lock.py allows them; the file exactly as images/lock.py writes
+    it (header for this image's target, sorted), so a hand edit or a changed input shows."""
+    target = LOCK.TARGETS[kind]
+    pins = LOCK.read_lock(target.lock)  # fails on a line that is not `name==version --hash=sha256:<64 hex>`
+    names = [pin.name for pin in pins]
+    assert len(names) == len(set(names)), f"twice: {sorted({n for n in names if names.count(n) > 1})}"
+    by_name = {pin.name: pin for pin in pins}
+    environment = target.environment()
+    for text in LOCK.top_level(target):
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate({**environment, "extra": ""}):
+            continue
+        pin = by_name.get(canonicalize_name(requirement.name))
+        assert pin is not None, f"{text!r} is not in {relative(target.lock)}: run `make lock`"
+        assert requirement.specifier.contains(pin.version, prereleases=True), (
+            f"{relative(target.lock)} pins {pin.name}=={pin.version}, outside {text!r}: run `make lock`")
+        assert {canonicalize_name(e) for e in requirement.extras} <= set(pin.extras), (
+            f"{relative(target.lock)}: {pin.name} without the extras of {text!r}")
+    assert {pin.name for pin in pins if pin.sdist} <= LOCK.SDISTS
+    text = target.lock.read_text()
+    pip_version = re.search(r"^# resolver: +pip (\S+),", text, re.M).group(1)
+    index = _header_field(text, "index")
+    assert text == LOCK.render(target, pins, pip_version, index), (
+        f"{relative(target.lock)} is not as images/lock.py writes it: run `make lock`")
+    if target.base_lock:  # the first layer: a part of the lock, the same lines
+        base = LOCK.read_lock(target.base_lock)
+        assert set(base) <= set(pins), f"{relative(target.base_lock)} differs from {relative(target.lock)}"
+        assert set(target.first_layer) <= {pin.name for pin in base}
+        assert target.base_lock.read_text() == LOCK.render(target, base, pip_version, index, base=True)
+
+
+def test_training_lock_has_tensorflow_for_gpus_and_leaves_horovod_out():
+    target = LOCK.TARGETS["training"]
+    pins = {pin.name: pin for pin in LOCK.read_lock(target.lock)}
+    assert "and-cuda" in pins["tensorflow"].extras
+    assert {"nvidia-cudnn-cu12", "nvidia-cublas-cu12", "nvidia-nccl-cu12"} <= set(pins)
+    # Horovod is built in the image and installed --no-deps: not locked, but its run-time dependencies are
+    assert "horovod" not in pins
+    assert {"cloudpickle", "psutil", "pyyaml", "packaging"} <= set(pins)
+    base = {pin.name for pin in LOCK.read_lock(target.base_lock)}
+    assert {"tensorflow", "nvidia-cudnn-cu12", "setuptools", "wheel", "packaging"} <= base
+
+
+def test_engine_lock_leaves_the_images_tensorrt_and_cuda_alone():
+    """TensorRT and CUDA are the base image's: nothing in the lock replaces or shadows them."""
+    names = {pin.name for pin in LOCK.read_lock(LOCK.TARGETS["engine"].lock)}
+    assert not {n for n in names if n.startswith(("tensorrt", "nvidia-", "cuda-", "onnxruntime-gpu"))}
+    assert {"polygraphy", "onnxruntime", "tensorflow"} <= names
+
+
+@functools.cache
+def _registry_unreachable() -> str | None:
+    request = urllib.request.Request(f"{LOCK.INDEX_URL}/pip/", headers={
+        "Accept": "application/vnd.pypi.simple.v1+json", "User-Agent": "qatpipe-tests"})
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            response.read(1)
+    except OSError as error:  # URLError, timeouts, DNS
+        return f"{LOCK.INDEX_URL} is unreachable ({error}): the lock files cannot be checked against it"
+    return None
+
+
+# pip's dry runs of the locks (below): the image's top-level requirements as constraints for the run with dependencies
+_DRY_RUNS = {"test_lock_installs_on_the_image_as_the_dockerfile_installs_it": "no-deps",
+             "test_lock_resolves_with_its_dependencies": "deps"}
+
+
+def _top_level_constraints(target) -> str:
+    lines = []
+    for text in LOCK.top_level(target):  # constraints take no extras; the lock's lines carry them
+        requirement = Requirement(text)
+        requirement.extras = set()
+        lines.append(f"{requirement}\n")
+    return "".join(lines)
+
+
+@pytest.fixture(scope="module")
+def pip_dry_run(request, tmp_path_factory):
+    """pip install --dry-run --require-hashes of each image's lock for the image's Python and platform (images/lock.py
+    runs pip with the image's environment markers and the project's pip alone, no pip.conf), for the tests of this
+    session that use it: all started at once, as they wait on the network more than on the CPU (about 40 s for the
+    six instead of 100 s one after another). Returns a function of (kind, mode): pip's report."""
+    unreachable = _registry_unreachable()
+    if unreachable:
+        pytest.skip(unreachable)
+    wanted = sorted({(item.callspec.params["kind"], _DRY_RUNS[item.originalname]) for item in request.session.items
+                     if getattr(item, "originalname", None) in _DRY_RUNS and hasattr(item, "callspec")})
+    workdir = tmp_path_factory.mktemp("pip-dry-runs")
+    runs = {}
+    for kind, mode in wanted:
+        target = LOCK.TARGETS[kind]
+        args = ["install", "--dry-run", "--ignore-installed", "--quiet", "--require-hashes",
+                "--report", str(workdir / f"{kind}-{mode}.json"), "--index-url", LOCK.INDEX_URL,
+                *target.pip_options(), "-r", str(target.lock)]
+        if mode == "no-deps":
+            args.append("--no-deps")
+        else:
+            constraints = workdir / f"{kind}-top-level.txt"
+            constraints.write_text(_top_level_constraints(target))
+            args += ["-c", str(constraints)]
+        log = open(workdir / f"{kind}-{mode}.log", "w")  # closed once the run is waited for
+        runs[kind, mode] = (subprocess.Popen(LOCK.pip_command(target, args), env=LOCK.pip_env(),
+                                             stdout=subprocess.DEVNULL, stderr=log), log, time.monotonic())
+
+    def result(kind: str, mode: str) -> dict:
+        process, log, started = runs[kind, mode]
+        try:
+            returncode = process.wait(timeout=max(1.0, 300 - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            returncode = process.wait()
+        log.close()
+        target = LOCK.TARGETS[kind]
+        assert returncode == 0, (
+            f"pip rejects {relative(target.lock)} ({mode}) for {target.describe()} (exit {returncode}); run "
+            f"`make lock`:\n{(workdir / f'{kind}-{mode}.log').read_text()[-4000:]}")
+        return json.loads((workdir / f"{kind}-{mode}.json").read_text())
+
+    yield result
+    for process, log, _ in runs.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def _assert_pip_took_the_lock(report: dict, target) -> None:
+    """pip's choice, file by file (sha256 as the index gives it), is the lock: nothing added, dropped or swapped."""
+    took = {(canonicalize_name(item["metadata"]["name"]), item["metadata"]["version"],
+             item["download_info"]["archive_info"]["hashes"]["sha256"]) for item in report["install"]}
+    locked = {(pin.name, pin.version, pin.sha256) for pin in LOCK.read_lock(target.lock)}
+    assert took == locked, (
+        f"pip's choice differs from {relative(target.lock)} (run `make lock`):\n"
+        f"  pip took, not locked: {sorted(took - locked)}\n  locked, not taken: {sorted(locked - took)}")
+
+
+@pytest.mark.slow  # the index pages of every locked package, and their metadata: 15-40 s, all six at once
+@pytest.mark.parametrize("kind", KINDS)
+def test_lock_installs_on_the_image_as_the_dockerfile_installs_it(kind, pip_dry_run):
+    """pip's own check of the lock as the Dockerfile installs it (--require-hashes --no-deps), for the image's
+    Python and platform: every pinned version exists on the index with a file for that target whose sha256 (as the
+    index gives it) is the lock's, and pip takes exactly those files. It reads the wheels' metadata, PEP 658 files
+    or ranges of the wheels (images/lock.py), and downloads none of them: some 60 MB of index pages and 10 MB of
+    metadata for the training image, instead of its 3.7 GB of wheels."""
+    _assert_pip_took_the_lock(pip_dry_run(kind, "no-deps"), LOCK.TARGETS[kind])
+
+
+@pytest.mark.slow  # as above
+@pytest.mark.parametrize("kind", KINDS)
+def test_lock_resolves_with_its_dependencies(kind, pip_dry_run):
+    """pip's resolver, with dependencies this time, over the lock and the image's top-level requirements (as
+    constraints): in --require-hashes mode pip must find every dependency in the lock (it fails on one that is not
+    pinned and hashed there) and no conflict, and install exactly the lock. And nothing in the lock is left over:
+    every package is needed by a top-level requirement (its first layer: by those of Target.first_layer)."""
+    target = LOCK.TARGETS[kind]
+    report = pip_dry_run(kind, "deps")
+    _assert_pip_took_the_lock(report, target)
+    pins = LOCK.read_lock(target.lock)
+    top_level = LOCK.top_level(target)
+    requires = {canonicalize_name(item["metadata"]["name"]): item["metadata"].get("requires_dist") or []
+                for item in report["install"]}
+    environment = target.environment()
+    needed = LOCK.closure(top_level, requires, environment)
+    assert needed == {pin.name for pin in pins}, f"locked but not needed: {sorted({p.name for p in pins} - needed)}"
+    if target.base_lock:
+        roots = [text for text in top_level if canonicalize_name(Requirement(text).name) in target.first_layer]
+        assert LOCK.closure(roots, requires, environment) == {pin.name for pin in LOCK.read_lock(target.base_lock)}
