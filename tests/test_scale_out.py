@@ -62,12 +62,37 @@ def _play_the_pods(kube: PlayedKubernetes, succeed: bool = True):
     kube.on_create = run
 
 
+def _service_account_token(path: Path, namespace: str, name: str) -> Path:
+    """A token file shaped like a pod's projected ServiceAccount token (a JWT; the signature is not read)."""
+    import base64
+
+    def part(obj) -> str:
+        return base64.urlsafe_b64encode(json.dumps(obj).encode()).decode().rstrip("=")
+
+    claims = {"sub": f"system:serviceaccount:{namespace}:{name}", "kubernetes.io": {"namespace": namespace}}
+    path.write_text(f"{part({'alg': 'RS256'})}.{part(claims)}.c2lnbmF0dXJl")
+    return path
+
+
+def test_the_pod_service_account_is_read_from_its_token(tmp_path, monkeypatch, caplog):
+    from qatpipe.cluster import launcher
+
+    monkeypatch.setattr(launcher, "TOKEN_FILE", tmp_path / "token")
+    assert launcher.pod_service_account() is None  # outside a pod
+    _service_account_token(tmp_path / "token", "kubeflow-user-example-com", "default-editor")
+    assert launcher.pod_service_account() == "default-editor"
+    (tmp_path / "token").write_text("not-a-jwt")
+    assert launcher.pod_service_account() is None and "not a ServiceAccount token" in caplog.text
+
+
 @pytest.mark.slow
 def test_train_on_an_mpijob_stages_data_on_the_shared_volume_and_brings_the_results_back(
-        played_cluster, tiny_spec, tmp_path):
-    from qatpipe.cluster import validate_manifest
+        played_cluster, tiny_spec, tmp_path, monkeypatch):
+    from qatpipe.cluster import launcher, validate_manifest
 
     _play_the_pods(played_cluster)
+    # the task's pod runs as the pipeline's account: the job's pods run as it too (Istio lets it reach MLflow)
+    monkeypatch.setattr(launcher, "TOKEN_FILE", _service_account_token(tmp_path / "token", "ml", "default-editor"))
     spec = tiny_spec("train.epochs=1")
     shared = tmp_path / "shared"
     cluster = ClusterSettings(image="registry.local/qatpipe-training:test", shared_pvc="qatpipe-cache",
@@ -83,6 +108,9 @@ def test_train_on_an_mpijob_stages_data_on_the_shared_volume_and_brings_the_resu
     worker = job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     assert worker["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
                                    "limits": {"memory": "32Gi", "nvidia.com/gpu": "2"}}
+    for role in ("Launcher", "Worker"):
+        pod = job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]
+        assert pod["serviceAccountName"] == "default-editor" and pod["automountServiceAccountToken"] is False
     if SCHEMAS.is_dir():
         validate_manifest(job, SCHEMAS / "mpi-operator-v0.8.2" / "kubeflow.org_mpijobs.yaml")
     assert played_cluster.deleted and played_cluster.deleted[0][0] == job["metadata"]["name"]

@@ -41,11 +41,31 @@ _TRANSIENT = {0, 429, 500, 502, 503, 504}
 
 
 NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+TOKEN_FILE = NAMESPACE_FILE.with_name("token")
 
 
 def pod_namespace() -> str | None:
     """The namespace of this pod's ServiceAccount; None outside a pod."""
     return NAMESPACE_FILE.read_text().strip() if NAMESPACE_FILE.is_file() else None
+
+
+def pod_service_account() -> str | None:
+    """The name of this pod's ServiceAccount, read from its token's claims (`sub` is
+    system:serviceaccount:<namespace>:<name>; the signature is not checked: the token is this pod's own and
+    only its name is wanted); None outside a pod or when the token is not a JWT."""
+    import base64
+
+    if not TOKEN_FILE.is_file():
+        return None
+    try:
+        payload = TOKEN_FILE.read_text().strip().split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+        prefix, _, name = claims["sub"].rpartition(":")
+    except (IndexError, ValueError, KeyError, AttributeError):
+        log.warning("%s is not a ServiceAccount token: the job's pods run as the namespace's default account",
+                    TOKEN_FILE)
+        return None
+    return name if prefix.startswith("system:serviceaccount:") and name else None
 
 
 def load_api_client() -> ApiClient:

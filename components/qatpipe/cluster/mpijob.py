@@ -231,6 +231,10 @@ def pod_template(r: MpiJobRequest, role: str, container: str = CONTAINER) -> dic
     }
     if r.service_account:
         spec["serviceAccountName"] = r.service_account
+    if r.api_version == "v2beta1":
+        # the processes talk to MLflow and S3, never to the Kubernetes API: no token, whatever the account may do
+        # (v2beta1 launchers reach their workers over SSH; v1's launcher needs its operator-made account's token)
+        spec["automountServiceAccountToken"] = False
     volumes: list[dict[str, Any]] = []
     if r.pvc:
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": r.pvc.claim_name,

@@ -47,6 +47,9 @@ class ClusterSettings:
     tolerations: list = field(default_factory=list)
     timeout_seconds: int = 24 * 3600
     launcher: str = "mpijob"  # or "trainjob": Kubeflow Trainer v2 (api_version is then not used)
+    # the job's pods' ServiceAccount. None: this pod's own, so that the job's pods have the pipeline's identity
+    # (Istio's AuthorizationPolicy for MLflow names it; manifests/overlays/kubeflow), not the namespace's default
+    service_account: str | None = None
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
@@ -195,7 +198,7 @@ def worker_resources(processes: int):
 
 
 def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster: ClusterSettings) -> dict:
-    from qatpipe.cluster.launcher import pod_namespace
+    from qatpipe.cluster.launcher import pod_namespace, pod_service_account
     from qatpipe.cluster.mpijob import MpiJobRequest, PvcMount, job_name
 
     name = _job_folder_name(stage, spec, pruned_model, f"{nodes}x{processes}")
@@ -222,6 +225,7 @@ def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster
         pvc=PvcMount(cluster.shared_pvc, cluster.shared_mount),
         node_selector=dict(cluster.node_selector), tolerations=list(cluster.tolerations),
         timeout_seconds=cluster.timeout_seconds, env={"TF_USE_LEGACY_KERAS": "1", **_live_curves_env()},
+        service_account=cluster.service_account or pod_service_account(),
     )
     launcher, manifest = _launcher(request, cluster, namespace)
     log.info("%s: %s %s/%s, %d workers x %d processes, working in %s", stage, manifest["kind"], namespace,
