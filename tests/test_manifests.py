@@ -1,9 +1,11 @@
-"""manifests/: both kustomize overlays, built with the real kustomize and checked against the Kubernetes 1.33
+"""manifests/: the three kustomize overlays, built with the real kustomize and checked against the Kubernetes 1.33
 schemas and the project's rules (non-root, limits, probes, pinned images, no committed secret, least-privilege
-RBAC, the MLflow server's settings). No cluster needed; skipped without kustomize or kubectl."""
+RBAC, the MLflow server's settings and authentication, the Istio policies). No cluster needed; skipped without
+kustomize or kubectl. One test starts the MLflow server as the Deployment does, on loopback."""
 
 from __future__ import annotations
 
+import configparser
 import functools
 import re
 import shutil
@@ -86,6 +88,9 @@ def only(objects, kind: str, name: str) -> dict:
 
 
 overlays = pytest.mark.parametrize("overlay", list(OVERLAYS))
+# Istio's kinds (the Kubeflow overlay's AuthorizationPolicies) are not in the Kubernetes schemas:
+# test_istio_lets_only_the_pipeline_reach_mlflow_and_only_mlflow_reach_postgres checks them field by field.
+ISTIO_KINDS = {("security.istio.io/v1", "AuthorizationPolicy")}
 
 
 @overlays
@@ -93,6 +98,8 @@ def test_overlay_builds_to_valid_objects_in_its_namespace(overlay):
     objects = build(overlay)
     errors = []
     for obj in objects:
+        if (obj["apiVersion"], obj["kind"]) in ISTIO_KINDS:
+            continue
         try:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
@@ -277,13 +284,13 @@ def test_mlflow_server_settings(overlay):
     assert argv[:2] == ["mlflow", "server"]
     options = dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
 
-    # the database URI (with its password) comes through the environment, never the command line, which any
-    # process list shows; the kubelet expands it from the variables defined before it
-    assert "--backend-store-uri" not in options and not [a for a in argv if "POSTGRES_PASSWORD" in a]
+    # the database URI comes through the environment, the kubelet expanding it from the variables defined
+    # before it; it holds no password (libpq reads $PGPASSWORD) and no password is on the command line, which
+    # any process list shows
+    assert "--backend-store-uri" not in options and not [a for a in argv if "PASSWORD" in a]
     names = [e["name"] for e in c["env"]]
-    assert names.index("MLFLOW_BACKEND_STORE_URI") > names.index("POSTGRES_PASSWORD")
-    assert _expand(env["MLFLOW_BACKEND_STORE_URI"], env) == (
-        "postgresql://mlflow:$(POSTGRES_PASSWORD)@postgres:5432/mlflow")
+    assert names.index("MLFLOW_BACKEND_STORE_URI") > max(names.index("POSTGRES_USER"), names.index("POSTGRES_DB"))
+    assert _expand(env["MLFLOW_BACKEND_STORE_URI"], env) == "postgresql+psycopg2://mlflow@postgres:5432/mlflow"
     assert options["--artifacts-destination"].startswith("s3://")
     assert "--serve-artifacts" in argv
     assert options["--host"] == "0.0.0.0" and options["--port"] == "5000"
@@ -297,11 +304,11 @@ def test_mlflow_server_settings(overlay):
     assert {"name": "http", "containerPort": 5000} in c["ports"]
     service = only(objects, "Service", "mlflow")
     assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(5000, "http")]
-    # the password reaches the server from the same Secret as PostgreSQL's
+    # the password reaches the server (as libpq's PGPASSWORD) from the same Secret as PostgreSQL's
     database = only(objects, "StatefulSet", "postgres")["spec"]["template"]["spec"]["containers"][0]
-    password = [e["valueFrom"]["secretKeyRef"] for e in c["env"] + database["env"]
-                if e["name"] == "POSTGRES_PASSWORD"]
-    assert len(password) == 2 and password[0] == password[1]
+    [server_password] = [e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "PGPASSWORD"]
+    [database_password] = [e["valueFrom"]["secretKeyRef"] for e in database["env"] if e["name"] == "POSTGRES_PASSWORD"]
+    assert server_password == database_password == {"name": "qatpipe-postgres", "key": "POSTGRES_PASSWORD"}
 
 
 @overlays
@@ -329,3 +336,266 @@ def test_only_mlflow_reaches_postgres_and_only_the_pipeline_reaches_mlflow(overl
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": pipeline}}}])
     assert rule["from"] == expected
 
+
+# --- MLflow's authentication (its basic-auth app) -------------------------------------------------------------
+
+MLFLOW_AUTH_SECRET = "qatpipe-mlflow-auth"
+MLFLOW_AUTH_KEYS = ("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY")
+
+
+def _auth_ini(objects, container: dict, pod: dict) -> tuple[str, configparser.ConfigParser]:
+    """(the ConfigMap, the parsed ini) that MLFLOW_AUTH_CONFIG_PATH names, through the container's volume mounts."""
+    [path] = [e["value"] for e in container["env"] if e["name"] == "MLFLOW_AUTH_CONFIG_PATH"]
+    [mount] = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mount.get("readOnly") is True
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    config_map = only(objects, "ConfigMap", volume["configMap"]["name"])
+    parser = configparser.ConfigParser()
+    parser.read_string(config_map["data"][path[len(mount["mountPath"].rstrip("/")) + 1:]])
+    return config_map["metadata"]["name"], parser
+
+
+@overlays
+def test_mlflow_runs_the_basic_auth_app_with_its_secrets_from_secret_refs(overlay):
+    objects = build(overlay)
+    pod = only(objects, "Deployment", "mlflow")["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    assert "--app-name=basic-auth" in c["args"]
+    env = {e["name"]: e for e in c["env"]}
+    # the admin account and the Flask key (the app refuses to start without one; it signs the sign-up form's CSRF
+    # token, so both workers need the same): from the Secret, required, nowhere else
+    for key in MLFLOW_AUTH_KEYS:
+        assert env[key]["valueFrom"] == {"secretKeyRef": {"name": MLFLOW_AUTH_SECRET, "key": key}}, key
+    assert env["PGPASSWORD"]["valueFrom"] == {"secretKeyRef": {"name": "qatpipe-postgres", "key": "POSTGRES_PASSWORD"}}
+    assert not [a for a in c["args"] if "PASSWORD" in a or "SECRET" in a]
+
+    _, ini = _auth_ini(objects, c, pod)
+    mlflow = ini["mlflow"]
+    # least privilege: a signed-in user without a grant sees nothing (requests without credentials get 401 anyway)
+    assert mlflow["default_permission"] == "NO_PERMISSIONS"
+    assert mlflow["authorization_function"] == "mlflow.server.auth:authenticate_request_basic_auth"
+    # the admin comes from the environment only: nothing secret in the ConfigMap
+    assert not {"admin_username", "admin_password"} & set(mlflow)
+    # the users live in the tracking server's own PostgreSQL (not a SQLite file lost on restart), the password
+    # from $PGPASSWORD; psycopg2 named, as the image installs it (SQLAlchemy 2.1 maps postgresql:// to psycopg 3)
+    assert mlflow["database_uri"] == "postgresql+psycopg2://mlflow@postgres:5432/mlflow"
+    image = MANIFESTS.parent / "images" / "mlflow"
+    assert "psycopg2-binary==" in "".join(
+        (image / name).read_text() for name in ("Dockerfile", "requirements.in") if (image / name).is_file())
+
+    # its own identity, which Istio's policy for PostgreSQL names (overlays/kubeflow)
+    account = only(objects, "ServiceAccount", pod["serviceAccountName"])
+    assert account["automountServiceAccountToken"] is False and pod["automountServiceAccountToken"] is False
+
+
+def _pod_labels(objects, kind: str, name: str) -> dict:
+    return only(objects, kind, name)["spec"]["template"]["metadata"]["labels"]
+
+
+@overlays
+def test_istio_lets_only_the_pipeline_reach_mlflow_and_only_mlflow_reach_postgres(overlay):
+    """The Kubeflow overlay's AuthorizationPolicies (Istio's kind, not in the Kubernetes schemas), field by field."""
+    objects = build(overlay)
+    policies = {o["metadata"]["name"]: o for o in objects if o["apiVersion"].startswith("security.istio.io/")}
+    if overlay != "kubeflow":  # no mesh assumed there
+        assert not policies
+        return
+    tracking, pipeline, accounts = OVERLAYS[overlay]
+    mlflow_pod = only(objects, "Deployment", "mlflow")["spec"]["template"]["spec"]
+    port = {"mlflow": [p["containerPort"] for p in mlflow_pod["containers"][0]["ports"]],
+            "postgres": [p["containerPort"] for p in only(objects, "StatefulSet", "postgres")["spec"]["template"]
+                         ["spec"]["containers"][0]["ports"]]}
+    sources = {
+        # Kubeflow Pipelines runs the pipeline's pods as default-editor, or qatpipe-pipeline-runner when asked
+        "mlflow": {f"cluster.local/ns/{pipeline}/sa/{account}" for account in accounts},
+        "postgres": {f"cluster.local/ns/{tracking}/sa/{mlflow_pod['serviceAccountName']}"},
+    }
+    workloads = {"mlflow": ("Deployment", "mlflow"), "postgres": ("StatefulSet", "postgres")}
+    assert set(policies) == set(workloads)
+    for name, policy in policies.items():
+        assert (policy["apiVersion"], policy["kind"]) in ISTIO_KINDS
+        assert policy["metadata"]["namespace"] == tracking
+        spec = policy["spec"]
+        assert set(spec) == {"selector", "action", "rules"}
+        # DENY: the profile's own ALLOW policy lets every pod of the namespace in, and ALLOW policies add up
+        assert spec["action"] == "DENY"
+        # selects its workload's pods, and no other pod here
+        selector = spec["selector"]["matchLabels"]
+        assert selector.items() <= _pod_labels(objects, *workloads[name]).items()
+        for other in set(workloads) - {name}:
+            assert not selector.items() <= _pod_labels(objects, *workloads[other]).items()
+        # denied: any source but those named (one without an mTLS identity too), on the workload's port
+        [rule] = spec["rules"]
+        assert set(rule) == {"from", "to"}
+        [source] = rule["from"]
+        assert set(source) == {"source"} and set(source["source"]) == {"notPrincipals"}
+        assert set(source["source"]["notPrincipals"]) == sources[name]
+        assert rule["to"] == [{"operation": {"ports": [str(p) for p in port[name]]}}]
+    # the accounts named exist where they are named: MLflow's here, the pipeline's (but the profile's
+    # default-editor) from pipeline-access
+    names = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in objects if o["kind"] == "ServiceAccount"}
+    assert (tracking, mlflow_pod["serviceAccountName"]) in names
+    assert {(pipeline, account) for account in accounts - {"default-editor"}} <= names
+
+
+def _mlflow_as_the_kubelet_starts_it(objects, root: Path, secrets: dict[tuple[str, str], str]):
+    """The MLflow container's argv and environment as the kubelet would start it, on this machine: Secret values
+    from `secrets` ((name, key) -> value; an optional key not there is left out, as the kubelet does), ConfigMap
+    values from the built ConfigMaps, $(VAR) expanded, each volume a folder under `root` (a ConfigMap's holding
+    its keys as files), and any value under a mountPath moved into that folder."""
+    pod = only(objects, "Deployment", "mlflow")["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {}
+    for mount in c["volumeMounts"]:
+        folder = root / mount["name"]
+        folder.mkdir(parents=True)
+        if ref := volumes[mount["name"]].get("configMap"):
+            for key, text in only(objects, "ConfigMap", ref["name"])["data"].items():
+                (folder / key).write_text(text)
+        mounts[mount["mountPath"].rstrip("/")] = folder
+
+    def here(value: str) -> str:
+        for path, folder in mounts.items():
+            if value == path or value.startswith(path + "/"):
+                return str(folder) + value[len(path):]
+        return value
+
+    env: dict[str, str] = {}
+    for e in c["env"]:
+        if "value" in e:
+            value = _expand(e["value"], env)
+        elif ref := e["valueFrom"].get("secretKeyRef"):
+            if (ref["name"], ref["key"]) not in secrets:
+                assert ref.get("optional"), f"no value for the required {ref}"
+                continue
+            value = secrets[ref["name"], ref["key"]]
+        else:
+            ref = e["valueFrom"]["configMapKeyRef"]
+            value = only(objects, "ConfigMap", ref["name"])["data"][ref["key"]]
+        env[e["name"]] = here(value)
+    return [_expand(a, env) for a in c["command"] + c["args"]], env
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:starlette.middleware.wsgi is deprecated")  # raised inside mlflow.server
+def test_the_deployed_server_refuses_strangers_and_serves_the_pipeline_user(tmp_path, monkeypatch):
+    """A real `mlflow server`, started from the plain overlay's Deployment as the kubelet would start it (its
+    arguments, its environment, the auth ini from its ConfigMap), on loopback. Moved for this machine only: the
+    address and port it listens on, and what is PostgreSQL and S3 in the cluster (the runs' and the users'
+    database: SQLite files; the artifact store: a folder)."""
+    import base64
+    import os
+    import secrets as token
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    import mlflow.server
+    from conftest import _free_port
+    from mlflow import MlflowClient
+
+    admin, admin_password = "qatpipe-admin", token.token_hex(16)
+    secrets = {("qatpipe-postgres", "POSTGRES_PASSWORD"): token.token_hex(16),
+               (MLFLOW_AUTH_SECRET, "MLFLOW_AUTH_ADMIN_USERNAME"): admin,
+               (MLFLOW_AUTH_SECRET, "MLFLOW_AUTH_ADMIN_PASSWORD"): admin_password,
+               (MLFLOW_AUTH_SECRET, "MLFLOW_FLASK_SERVER_SECRET_KEY"): token.token_hex(32)}
+    argv, env = _mlflow_as_the_kubelet_starts_it(build("plain"), tmp_path / "pod", secrets)
+
+    # the moves, each checked to replace what it should
+    ini_path = Path(env["MLFLOW_AUTH_CONFIG_PATH"])
+    assert ini_path.is_relative_to(tmp_path)
+    ini, moved = re.subn(r"^database_uri = postgresql\+psycopg2://mlflow@postgres:5432/mlflow$",
+                         f"database_uri = sqlite:///{tmp_path / 'users.db'}", ini_path.read_text(), flags=re.M)
+    assert moved == 1
+    ini_path.write_text(ini)
+    assert env["MLFLOW_BACKEND_STORE_URI"] == "postgresql+psycopg2://mlflow@postgres:5432/mlflow"
+    env["MLFLOW_BACKEND_STORE_URI"] = f"sqlite:///{tmp_path / 'runs.db'}"
+    port = _free_port()
+    replace = {"--host": "127.0.0.1", "--port": str(port), "--artifacts-destination": str(tmp_path / "artifacts")}
+    assert argv[:2] == ["mlflow", "server"]
+    args = [f"{a.split('=')[0]}={replace.pop(a.split('=')[0])}" if a.split("=")[0] in replace else a
+            for a in argv[1:]]
+    assert not replace and "--app-name=basic-auth" in args
+
+    # only the pod's environment speaks to MLflow (none of this test process's MLFLOW_*, AWS_*, PG* settings)
+    server_env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "AWS_", "PG"))} | env
+    log_path = tmp_path / "server.log"
+    uri = f"http://127.0.0.1:{port}"
+
+    def status(path: str, user: str | None = None, password: str = "", body: str | None = None) -> int:
+        request = urllib.request.Request(uri + path, data=body.encode() if body else None,
+                                         headers={"Content-Type": "application/json"} if body else {})
+        if user is not None:
+            request.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "mlflow", *args], env=server_env, stdout=log,
+                                   stderr=subprocess.STDOUT)
+    try:
+        # /health answers without credentials (the probes have none)
+        deadline = time.time() + 90
+        while True:
+            try:
+                if status("/health") == 200:
+                    break
+            except OSError:
+                pass
+            assert process.poll() is None and time.time() < deadline, (
+                f"mlflow server did not start:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+        search = "/api/2.0/mlflow/experiments/search?max_results=1"
+        assert status(search) == 401  # anonymous: the REST API
+        assert status("/") == 401  # ... and the UI
+        assert status(search, admin, "wrong-password") == 401
+        assert status(search, admin, admin_password) == 200
+
+        # the pipeline's own user, made by the admin as manifests/README.md says
+        pipeline_password, viewer_password = token.token_hex(16), token.token_hex(16)
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", admin)
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", admin_password)
+        users = mlflow.server.get_app_client("basic-auth", tracking_uri=uri)
+        users.create_user("qatpipe-pipeline", pipeline_password)
+        users.create_user("someone-else", viewer_password)
+
+        # the pipeline, with its user in MLFLOW_TRACKING_USERNAME / PASSWORD (the keys of qatpipe-credentials)
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "qatpipe-pipeline")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", pipeline_password)
+        client = MlflowClient(uri)
+        experiment = client.create_experiment("qatpipe-auth")
+        run = client.create_run(experiment, run_name="stage").info.run_id
+        client.log_param(run, "precision", "int8")
+        client.log_metric(run, "map50", 0.5, step=1)
+        client.log_text(run, "proxied through the server", "notes.txt")  # --serve-artifacts, authenticated
+        client.set_terminated(run)
+        logged = client.get_run(run)
+        assert logged.data.params == {"precision": "int8"} and logged.data.metrics == {"map50": 0.5}
+        assert client.download_artifacts(run, "notes.txt", str(tmp_path)) and (
+            (tmp_path / "notes.txt").read_text() == "proxied through the server")
+
+        assert status(search, "qatpipe-pipeline", "wrong-password") == 401
+        # least privilege: the pipeline's user makes no users; another user sees nothing not granted to it
+        assert status("/api/2.0/mlflow/users/create", "qatpipe-pipeline", pipeline_password,
+                      body='{"username": "intruder", "password": "0123456789abcdef"}') == 403
+        assert status(f"/api/2.0/mlflow/experiments/get?experiment_id={experiment}", "someone-else",
+                      viewer_password) == 403
+        assert status(f"/api/2.0/mlflow/experiments/get?experiment_id={experiment}", "qatpipe-pipeline",
+                      pipeline_password) == 200
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    # no password, no key in the server's log (the admin's name may be)
+    server_log = log_path.read_text(errors="replace")
+    leaked = [key for (_, key), value in secrets.items() if key != "MLFLOW_AUTH_ADMIN_USERNAME" and value in server_log]
+    leaked += ["the pipeline's password"] if pipeline_password in server_log else []
+    assert not leaked, f"in the server's log: {leaked}"
