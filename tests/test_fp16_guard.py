@@ -82,7 +82,7 @@ def test_report_of_the_tiny_detector_and_its_ptq_model(trained_tiny, tmp_path):
     layers = report["layers"]
     assert layers["compared"] > 20 and layers["worst"]["max_error"] > 0  # INT8 differs from FP32 somewhere
     text = md_path.read_text()
-    assert "# Precision report" in text and "Layer by layer against FP32" in text
+    assert "# Precision report" in text and "Layer by layer against the float32 model" in text
 
 
 def test_layer_precision_counts_int8_fp16_and_fp32_layers(tmp_path):

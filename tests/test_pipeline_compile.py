@@ -80,7 +80,9 @@ def test_dag_shape(compiled):
     # TAO's recipe: prune the trained model, retrain it twice (FP32 and QAT) from the pruned one
     assert upstream("prune") == {"train"}
     assert upstream("retrain-fp32") == upstream("retrain-qat") == {"prepare-data", "prune", "start-tracking"}
-    assert upstream("export-fp32") == {"retrain-fp32"} and upstream("export-qat") == {"retrain-qat"}
+    # export reads the data too: the FP16 guard's ranges come from training images
+    assert upstream("export-fp32") == {"prepare-data", "retrain-fp32"}
+    assert upstream("export-qat") == {"prepare-data", "retrain-qat"}
     # the PTQ baseline calibrates the FP32 retrain's ONNX; every variant is scored from its ONNX
     assert upstream("ptq") == {"prepare-data", "export-fp32"}
     assert upstream("evaluate-fp32") == {"prepare-data", "export-fp32"}
@@ -196,6 +198,7 @@ def test_cache_pvc_option(tmp_path):
     mounted = {name for name, executor in executor_of.items() if k8s[executor].get("pvcMount")}
     # the stages that read the data set
     assert mounted == {"fingerprint-data", "prepare-data", "train", "retrain-fp32", "retrain-qat", "ptq", "evaluate-unpruned",
+                       "export-fp32", "export-qat",
                        *(f"{stage}-{v}" for v in VARIANTS for stage in ("evaluate", "validate"))}
     assert k8s[executor_of["train"]]["pvcMount"][0]["mountPath"] == "/var/cache/qatpipe"
 

@@ -285,6 +285,12 @@ class ExportSpec(_Section):
     calibration_cache_trt_version: int = Field(
         100300, description="TensorRT version in the QAT calibration cache header, as NV_TENSORRT_VERSION "
         "(10.3.0 -> 100300, DeepStream 7.1; 8.6.1 -> 8601)")
+    fp16_onnx: bool = Field(
+        True, description="also write <stem>_fp16.onnx: the float regions in FP16 through explicit casts (the only "
+        "FP16 a strongly typed TensorRT 11 build has), every tensor the FP16 guard flags kept FP32; with "
+        "precision_report.json/.md beside it")
+    fp16_images: int = Field(16, ge=1, description="training images (a seeded sample) the FP16 guard records "
+                             "ranges on and the FP16 form is compared on, layer by layer")
 
 
 class EngineBenchSpec(_Section):

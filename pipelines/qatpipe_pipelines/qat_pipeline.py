@@ -256,7 +256,8 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
                 return task
 
             def exported(name: str, model) -> dsl.PipelineTask:
-                task = run.cpu(export(export_spec=specs.outputs["export_spec"], variant=name, model=model))
+                task = run.cpu(export(export_spec=specs.outputs["export_spec"], variant=name,
+                                      dataset=data.outputs["dataset"], model=model), reads_data=True)
                 task.set_display_name(f"export-{name}")
                 run.logged(task.outputs["onnx_model"], parent_run_id, f"log-export-{name}")
                 return task

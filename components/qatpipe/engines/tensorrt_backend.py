@@ -90,11 +90,14 @@ class TensorRTBackend(EngineBackend):
         trt = _import_tensorrt()
         from qatpipe.runtime.onnx_runtime import load_onnx_proto
 
-        quantized = is_explicitly_quantized(load_onnx_proto(onnx_path))
+        model = load_onnx_proto(onnx_path)
+        quantized = is_explicitly_quantized(model)
+        fp16_casts = any(node.op_type == "Cast" and any(a.name == "to" and a.i == 10 for a in node.attribute)
+                         for node in model.graph.node)  # an FP16 form (export/fp16.py): its types decide
         logger = trt.Logger(trt.Logger.WARNING)
         builder = trt.Builder(logger)
         flags = 0
-        strongly_typed = quantized or major_version(trt) >= 11
+        strongly_typed = quantized or fp16_casts or major_version(trt) >= 11
         if strongly_typed:
             flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
         network = builder.create_network(flags)
@@ -105,7 +108,10 @@ class TensorRTBackend(EngineBackend):
         config = builder.create_builder_config()
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, settings.workspace_mb << 20)
         if strongly_typed:
-            precision = "int8 (explicit Q/DQ, strongly typed)" if quantized else "tf32 (strongly typed)"
+            precision = ("int8 (explicit Q/DQ, strongly typed)" if quantized else
+                         "fp16 (explicit casts, strongly typed)" if fp16_casts else "tf32 (strongly typed)")
+            if quantized and fp16_casts:
+                precision = "int8 + fp16 float regions (explicit Q/DQ and casts, strongly typed)"
         elif settings.fp16 and hasattr(trt.BuilderFlag, "FP16"):  # TensorRT 10
             config.set_flag(trt.BuilderFlag.FP16)
             precision = "fp16"

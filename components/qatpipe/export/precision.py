@@ -44,15 +44,17 @@ class TensorRange:
     subnormal_share: float  # of the non-zero values: |x| < 2^-14, FP16 subnormals
 
 
-def _float_tensors(model) -> list[tuple[str, str, str]]:
-    """(tensor, producer op, producer name) for every float32 tensor a node produces, in graph order."""
+def _float_tensors(model) -> list[tuple[str, str, str, int]]:
+    """(tensor, producer op, producer name, element type) for every float32 or float16 tensor a node produces,
+    in graph order."""
     import onnx
 
     inferred = onnx.shape_inference.infer_shapes(model)
     types = {v.name: v.type.tensor_type.elem_type for v in
              [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]}
-    return [(out, node.op_type, node.name or out) for node in model.graph.node for out in node.output
-            if out and types.get(out) == onnx.TensorProto.FLOAT]
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+    return [(out, node.op_type, node.name or out, types[out]) for node in model.graph.node for out in node.output
+            if out and types.get(out) in floats]
 
 
 def _session_with_every_tensor(onnx_path: str | Path):
@@ -62,11 +64,12 @@ def _session_with_every_tensor(onnx_path: str | Path):
     import onnxruntime as ort
 
     model = load_onnx_proto(onnx_path)
-    tensors = _float_tensors(model)
+    typed = _float_tensors(model)
+    tensors = [(name, op, node) for name, op, node, _ in typed]
     present = {o.name for o in model.graph.output}
-    for name, _, _ in tensors:
+    for name, _, _, elem_type in typed:
         if name not in present:
-            model.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+            model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
@@ -143,7 +146,7 @@ def compare_layers(reference_onnx: str | Path, deployed_onnx: str | Path,
         ref = _run(ref_session, batch, names)
         dep = _run(dep_session, batch, names)
         for name in names:
-            error = np.abs(dep[name].astype(np.float64) - ref[name])
+            error = np.abs(dep[name].astype(np.float64) - ref[name])  # an FP16 form's tensors: as float64
             worst[name] = max(worst[name], float(error.max(initial=0.0)))
             total[name] += float(error.sum())
             elements[name] += error.size
@@ -191,10 +194,16 @@ def report_markdown(report: dict) -> str:
     lines += ["", "## Largest tensors", "", "| tensor | op | largest value | zeroed in FP16 |", "|---|---|---|---|"]
     lines += [f"| `{r['name']}` | {r['op']} | {r['absmax']:.4g} | {100 * r['flushed_share']:.2f}% |"
               for r in report["largest"]]
+    form = report.get("fp16_form")
+    if form:
+        reasons = ", ".join(f"{why} {count}" for why, count in form["fp32_reasons"].items()) or "none"
+        lines += ["", "## FP16 form", "",
+                  f"{form['fp16_nodes']} nodes compute in FP16, {form['fp32_nodes']} stay FP32 ({reasons}); "
+                  f"{form['casts']} casts, inputs and outputs float32."]
     layers = report.get("layers")
     if layers:
         jump = layers["first_jump"]
-        lines += ["", "## Layer by layer against FP32", "",
+        lines += ["", "## Layer by layer against the float32 model", "",
                   f"{layers['compared']} tensors compared (error relative to the FP32 tensor's largest value). "
                   + (f"The error first jumps at `{jump['tensor']}` ({jump['op']}, node `{jump['node']}`): "
                      f"max {jump['max_error']:.3g}." if jump else "No tensor's error jumps."),

@@ -24,6 +24,7 @@ def build_engine(spec: ExperimentSpec, onnx_path: str | Path, output: str | Path
     onnx_path, output = Path(onnx_path), Path(output)
     load_onnx_proto(onnx_path)  # a clear error for a missing or wrong-kind file before any backend starts
     engine = select_backend(backend or spec.engine.backend)
+    onnx_path = engine_source(spec, engine.name, onnx_path)
     metadata = engine.build(onnx_path, output, spec.engine)
     metadata.layer_precision = layer_precision(onnx_path)  # what the graph asks each layer to run in
     metadata.write(output)
@@ -40,4 +41,16 @@ def build_engine(spec: ExperimentSpec, onnx_path: str | Path, output: str | Path
     return {**asdict(metadata), "engine_size_mb": size_mb}
 
 
-__all__ = ["build_engine"]
+def engine_source(spec: ExperimentSpec, backend: str, onnx_path: Path) -> Path:
+    """The ONNX the engine is built from: on TensorRT with `engine.fp16`, the export's FP16 form beside it
+    (`<stem>_fp16.onnx`: float regions FP16 through casts, strongly typed, the same on TensorRT 10 and 11) when
+    there is one; else `onnx_path`. ONNX Runtime's CPU engines stay float32: CPUs without FP16 arithmetic
+    would only emulate it."""
+    fp16_form = onnx_path.with_name(f"{onnx_path.stem}_fp16.onnx")
+    if backend == "tensorrt" and spec.engine.fp16 and fp16_form.is_file():
+        log.info("engine from the FP16 form %s (engine.fp16)", fp16_form.name)
+        return fp16_form
+    return onnx_path
+
+
+__all__ = ["build_engine", "engine_source"]

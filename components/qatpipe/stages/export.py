@@ -88,16 +88,62 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
                                           if key in report]
     if qat:
         files.append(output_path.with_name(f"{output_path.stem}_scales.json"))
+    fp16_metrics = {}
+    if spec.export.fp16_onnx:
+        report["fp16"] = write_fp16_form(spec, output_path, qat)
+        write_json(report_path, report)
+        files += [Path(report["fp16"]["onnx"]), *(Path(p) for p in report["fp16"]["precision_report"])]
+        fp16_metrics = {f"fp16.{key}": report["fp16"][key]
+                        for key in ("fp16_nodes", "fp32_nodes", "guard_flags", "layer_max_error")}
     StageRecord(
-        stage=stage_name, params={"export.opset": spec.export.opset, "quantization": report["quantization"]},
+        stage=stage_name, params={"export.opset": spec.export.opset, "quantization": report["quantization"],
+                                  "export.fp16_onnx": spec.export.fp16_onnx},
         metrics={"size_mb": report["size_mb"], "int8_weights": report.get("int8_weights", 0),
-                 **{f"{name}.max_abs_difference_vs_tf": d["max_abs"] for name, d in differences.items()}},
+                 **{f"{name}.max_abs_difference_vs_tf": d["max_abs"] for name, d in differences.items()},
+                 **fp16_metrics},
         artifacts=[path.name for path in files],
     ).write(output_path.parent)
     log.info("exported %s -> %s (opset %d, %.2f MB, %s; max |TF - ORT| %s)", model_path, output_path,
              spec.export.opset, report["size_mb"], report["quantization"],
              ", ".join(f"{k} {v['max_abs']:.1e}" for k, v in differences.items()))
     return report
+
+
+def write_fp16_form(spec: ExperimentSpec, output_path: Path, qat: bool) -> dict:
+    """`<stem>_fp16.onnx` beside the export: its float regions in FP16 (export/fp16.py), the tensors the FP16
+    guard flags on `export.fp16_images` training images kept FP32; precision_report.json/.md beside it (the
+    guard's ranges and flags, the FP16 form against the float32 one layer by layer). A Q/DQ model's FP16 form
+    must still pass TensorRT's rule check."""
+    import onnx
+
+    from qatpipe.data.pipeline import eval_dataset
+    from qatpipe.data.splits import sample_split
+    from qatpipe.export import fp16
+    from qatpipe.export.onnx_export import save_onnx
+    from qatpipe.export.precision import compare_layers, precision_report, write_report
+    from qatpipe.export.qdq import check_explicit_quantization
+
+    samples = sample_split(spec, "train", spec.export.fp16_images, seed=0)
+    batches = [batch.numpy() for batch in eval_dataset(samples, spec)]
+    report = precision_report(output_path, batches)
+    flags = {flag["name"]: flag["why"] for flag in report["fp16_flags"]}
+    model16, plan = fp16.convert(onnx.load(output_path), flags)
+    if qat:
+        check = check_explicit_quantization(model16)
+        if check.problems:
+            raise QatpipeError(f"{output_path}: its FP16 form breaks TensorRT's Q/DQ rules: "
+                               f"{'; '.join(check.problems[:5])}")
+    fp16_path = save_onnx(model16, output_path.with_name(f"{output_path.stem}_fp16.onnx"))
+    report["layers"] = compare_layers(output_path, fp16_path, batches)
+    report["fp16_form"] = plan.to_dict()
+    written = write_report(report, output_path.parent)
+    worst = report["layers"]["worst"]
+    log.info("FP16 form %s: %d nodes FP16, %d FP32 (%d flagged by the guard); worst tensor %s, max error %.3g of "
+             "its range", fp16_path.name, len(plan.fp16), len(plan.fp32), len(flags), worst["tensor"],
+             worst["max_error"])
+    return {"onnx": str(fp16_path), "fp16_nodes": len(plan.fp16), "fp32_nodes": len(plan.fp32),
+            "guard_flags": len(flags), "casts": plan.casts, "layer_max_error": worst["max_error"],
+            "precision_report": [str(path) for path in written]}
 
 
 def _finish_qat_export(spec: ExperimentSpec, output_path: Path) -> dict:
@@ -127,4 +173,4 @@ def _finish_qat_export(spec: ExperimentSpec, output_path: Path) -> dict:
             "calibration_cache": str(cache), "calibration_tensors": len(scales)}
 
 
-__all__ = ["export"]
+__all__ = ["export", "write_fp16_form"]

@@ -42,7 +42,7 @@ def build_engine(engine_spec: str, variant: str, onnx_model: Input[Model], engin
         report = bench_engine(spec, engine.path)
         engine.metadata.update({"backend": info["backend"], "precision": info["precision"], "variant": variant,
                                 "device": info["device"], "runtime_version": info["runtime_version"],
-                                "source_onnx_file": source.name, "gpu_type": gpu_type})
+                                "source_onnx_file": Path(info["source_onnx"]).name, "gpu_type": gpu_type})
         figures = {"engine_size_mb": report["engine_size_mb"], "peak_memory_mb": report["peak_memory_mb"]}
         for row in report["batches"]:
             for key in ("latency_ms_p50", "latency_ms_p99", "throughput"):

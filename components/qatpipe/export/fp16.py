@@ -1,0 +1,292 @@
+"""FP16 float regions: an ONNX whose float parts compute in FP16 through explicit casts, for TensorRT's strongly
+typed builds (TensorRT 11 has no FP16 builder flag: a layer runs FP16 only where the ONNX's types say so).
+
+What stays FP32 (`fp32_nodes`, each with its reason):
+- the INT8 region of a Q/DQ model: QuantizeLinear / DequantizeLinear themselves, every node that reads a
+  DequantizeLinear (TensorRT runs it in INT8), and every node from which a QuantizeLinear is reached (the
+  BatchNorm / ReLU / Add epilogues TensorRT fuses into the INT8 layer before them). What is left, the float
+  region after the last quantised layer (sigmoid, transposes of the heads), and all of an FP32 model, is FP16;
+- every node that writes or reads a tensor the FP16 guard flags (precision.fp16_flags: it overflows FP16 or
+  FP16 would flush it), so no flagged value is ever held in FP16.
+
+The conversion itself is onnxconverter-common's (`float16.convert_float_to_float16`, with these nodes on its
+block list and the graph's inputs and outputs kept float32); `convert` then checks, node by node, that exactly
+the nodes allowed compute in FP16.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from qatpipe.errors import QatpipeError
+
+log = logging.getLogger(__name__)
+
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+
+
+@dataclass
+class Fp16Plan:
+    """Which nodes compute in FP16 and which stay FP32 (node name -> why)."""
+
+    fp16: list[str] = field(default_factory=list)
+    fp32: dict[str, str] = field(default_factory=dict)
+    casts: int = 0  # Cast nodes the conversion inserted
+    round_trips_removed: int = 0  # float32 -> float16 -> float32 Cast pairs of the converter's, removed
+
+    def to_dict(self) -> dict:
+        reasons: dict[str, int] = defaultdict(int)
+        for why in self.fp32.values():
+            reasons[why.split(":")[0]] += 1
+        return {"fp16_nodes": len(self.fp16), "fp32_nodes": len(self.fp32), "casts": self.casts,
+                "round_trips_removed": self.round_trips_removed,
+                "fp32_reasons": dict(reasons), "fp32": self.fp32}
+
+
+def _named(model) -> None:
+    """Give every node a unique name (the converter's block list goes by name)."""
+    seen: set[str] = set()
+    for index, node in enumerate(model.graph.node):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_{index}"
+        seen.add(node.name)
+
+
+def fp32_nodes(model, flags: dict[str, str]) -> dict[str, str]:
+    """{node name: why} for the nodes of `model` that must compute in FP32; `flags` is {tensor: why} from the
+    FP16 guard. Nodes must be named (`_named`)."""
+    nodes = list(model.graph.node)
+    producer = {out: node for node in nodes for out in node.output if out}
+    consumers: dict[str, list] = defaultdict(list)
+    for node in nodes:
+        for name in node.input:
+            consumers[name].append(node)
+    keep: dict[str, str] = {}
+
+    # the INT8 region: everything upstream of a QuantizeLinear (up to the Q/DQ before it) is fused into, or is,
+    # an INT8 layer; so is every reader of a DequantizeLinear
+    feeds_q: set[str] = set()
+    queue = deque(node for node in nodes if node.op_type == "QuantizeLinear")
+    while queue:
+        for name in queue.popleft().input:
+            source = producer.get(name)
+            if source is not None and source.op_type not in QDQ_OPS and source.name not in feeds_q:
+                feeds_q.add(source.name)
+                queue.append(source)
+    for node in nodes:
+        if node.op_type in QDQ_OPS:
+            keep[node.name] = "quantisation: Q/DQ and their scales stay float32"
+        elif any(producer.get(i) is not None and producer[i].op_type == "DequantizeLinear" for i in node.input):
+            keep[node.name] = "int8: reads a DequantizeLinear, TensorRT runs it in INT8"
+        elif node.name in feeds_q:
+            keep[node.name] = "int8 epilogue: feeds a QuantizeLinear, fused into the INT8 layer before it"
+
+    # the guard: a flagged value is never held in FP16, neither where it is written nor where it is read
+    for tensor, why in flags.items():
+        if tensor in producer:
+            keep[producer[tensor].name] = f"guard: writes {tensor} ({why})"
+        for node in consumers.get(tensor, ()):
+            keep.setdefault(node.name, f"guard: reads {tensor} ({why})")
+    return keep
+
+
+def _unshare_initializers(model, keep: dict[str, str]) -> int:
+    """Give the FP32 readers of a float initializer that FP16 nodes also read their own copy (the converter
+    converts a shared initializer for both, or for neither). Returns the copies made."""
+    import onnx
+
+    floats = {i.name: i for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
+    readers: dict[str, list] = defaultdict(list)
+    for node in model.graph.node:
+        for name in node.input:
+            if name in floats:
+                readers[name].append(node)
+    copies = 0
+    for name, nodes in readers.items():
+        fp32 = [node for node in nodes if node.name in keep]
+        if not fp32 or len(fp32) == len(nodes):
+            continue
+        copy = onnx.TensorProto()
+        copy.CopyFrom(floats[name])
+        copy.name = f"{name}__fp32"
+        model.graph.initializer.append(copy)
+        for node in fp32:
+            for i, input_name in enumerate(node.input):
+                if input_name == name:
+                    node.input[i] = copy.name
+        copies += 1
+    return copies
+
+
+def _drop_round_trips(model) -> int:
+    """Remove float32 -> float16 -> float32 Cast pairs (the converter writes one where a float32 tensor feeds
+    several nodes it must leave in float32: a lossy no-op that would also part a DequantizeLinear from its
+    INT8 layer); their readers read the float32 tensor again. Returns the pairs removed."""
+    import onnx
+
+    nodes = list(model.graph.node)
+    readers: dict[str, list] = defaultdict(list)
+    for node in nodes:
+        for name in node.input:
+            readers[name].append(node)
+    outputs = {o.name for o in model.graph.output}
+
+    def cast_to(node) -> int | None:
+        return next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" else None
+
+    rename: dict[str, str] = {}
+    dropped: set[int] = set()
+    for node in nodes:
+        if cast_to(node) != onnx.TensorProto.FLOAT16 or node.output[0] in outputs:
+            continue
+        after = readers[node.output[0]]
+        if after and all(cast_to(r) == onnx.TensorProto.FLOAT and r.output[0] not in outputs for r in after):
+            dropped.add(id(node))
+            for r in after:
+                dropped.add(id(r))
+                rename[r.output[0]] = node.input[0]
+    if not rename:
+        return 0
+    kept = [node for node in nodes if id(node) not in dropped]
+    for node in kept:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    return len(rename)
+
+
+def _restore_names(original, converted) -> None:
+    """Give the nodes' outputs their original names where the converter renamed them (it renames what a node
+    it leaves in float32 writes): the layer-by-layer comparison with the float32 model goes by name."""
+    before = {node.name: list(node.output) for node in original.graph.node}
+    written = {out for node in converted.graph.node for out in node.output}
+    rename = {}
+    for node in converted.graph.node:
+        for i, (now, was) in enumerate(zip(node.output, before.get(node.name, ()))):
+            if now != was and was not in written:
+                rename[now] = was
+                node.output[i] = was
+    if not rename:
+        return
+    for node in converted.graph.node:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]
+    stale = set(rename.values()) | set(rename)
+    kept = [v for v in converted.graph.value_info if v.name not in stale]
+    del converted.graph.value_info[:]
+    converted.graph.value_info.extend(kept)
+
+
+def _float32_outputs(original, converted) -> int:
+    """Give back float32 to every graph output that was float32 and came out float16 (the converter casts an
+    output to FP16 when a node it must leave in float32 writes it, keep_io_types notwithstanding): that node
+    writes the output itself again, or the Cast casts to float32. Returns the outputs fixed."""
+    import onnx
+
+    was_float = {o.name for o in original.graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+    writer = {out: node for node in converted.graph.node for out in node.output}
+    inferred = onnx.shape_inference.infer_shapes(converted)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.value_info, *inferred.graph.input]}
+    fixed = 0
+    for output in converted.graph.output:
+        if output.name not in was_float or output.type.tensor_type.elem_type != onnx.TensorProto.FLOAT16:
+            continue
+        cast = writer.get(output.name)
+        if cast is None or cast.op_type != "Cast":
+            raise QatpipeError(f"FP16 conversion: graph output {output.name} came out float16 and no Cast writes it")
+        readers = [node for node in converted.graph.node if cast.input[0] in node.input]
+        source = writer.get(cast.input[0])
+        if types.get(cast.input[0]) == onnx.TensorProto.FLOAT and source is not None and readers == [cast]:
+            # the node before writes the output itself
+            source.output[list(source.output).index(cast.input[0])] = output.name
+            converted.graph.node.remove(cast)
+        elif types.get(cast.input[0]) == onnx.TensorProto.FLOAT:
+            cast.op_type = "Identity"
+            del cast.attribute[:]
+        else:
+            for attribute in cast.attribute:
+                if attribute.name == "to":
+                    attribute.i = onnx.TensorProto.FLOAT
+        output.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+        fixed += 1
+    return fixed
+
+
+def _float16_outputs(model) -> dict[str, bool | None]:
+    """{node name: True if it writes float16, False if float32, None if it writes no float}."""
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in
+             [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    result = {}
+    for node in model.graph.node:
+        kinds = {types.get(out) for out in node.output if out}
+        if onnx.TensorProto.FLOAT16 in kinds:
+            result[node.name] = True
+        elif onnx.TensorProto.FLOAT in kinds:
+            result[node.name] = False
+        else:
+            result[node.name] = None
+    return result
+
+
+def convert(model, flags: dict[str, str]):
+    """(the FP16 model, its Fp16Plan): `model` (an onnx.ModelProto, left unchanged) with every node but
+    `fp32_nodes(model, flags)` computing in FP16, inputs and outputs float32. Raises QatpipeError when the
+    converter's result is not that plan."""
+    import onnx
+    from onnxconverter_common import float16
+
+    from qatpipe.export.precision import FP16_MAX, FP16_TINIEST
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    _named(model)
+    keep = fp32_nodes(model, flags)
+    for node in model.graph.node:
+        if node.op_type in float16.DEFAULT_OP_BLOCK_LIST:
+            keep.setdefault(node.name, f"converter: onnxconverter-common has no FP16 form of {node.op_type}")
+    _unshare_initializers(model, keep)
+    original = {node.name for node in model.graph.node}
+    with warnings.catch_warnings():
+        # one warning per weight it clamps into FP16's range (below 2^-24: to 2^-24; a weight beyond FP16_MAX would
+        # be clamped too, but the guard keeps FP32 every node whose output comes near that)
+        warnings.filterwarnings("ignore", category=UserWarning, module="onnxconverter_common")
+        converted = float16.convert_float_to_float16(
+            model, keep_io_types=True, min_positive_val=FP16_TINIEST, max_finite_val=FP16_MAX,
+            check_fp16_ready=False, op_block_list=[*float16.DEFAULT_OP_BLOCK_LIST, *QDQ_OPS],
+            node_block_list=sorted(keep))
+    round_trips = _drop_round_trips(converted)
+    _float32_outputs(model, converted)
+    _restore_names(model, converted)
+    writes16 = _float16_outputs(converted)
+    plan = Fp16Plan(fp32=keep, round_trips_removed=round_trips)
+    wrong = []
+    for node in converted.graph.node:
+        if node.name not in original:
+            if node.op_type == "Cast":
+                plan.casts += 1
+            continue
+        if writes16[node.name] is None:
+            continue
+        if node.name in keep and writes16[node.name]:
+            wrong.append(f"{node.name} ({node.op_type}) computes in FP16 but must stay FP32: {keep[node.name]}")
+        elif node.name not in keep:
+            if writes16[node.name]:
+                plan.fp16.append(node.name)
+            else:
+                wrong.append(f"{node.name} ({node.op_type}) was left in FP32 though nothing keeps it there")
+    if wrong:
+        raise QatpipeError("the FP16 conversion did not follow its plan: " + "; ".join(wrong[:5]))
+    log.info("FP16 graph: %d nodes in FP16, %d kept FP32 (%s), %d casts", len(plan.fp16), len(plan.fp32),
+             ", ".join(f"{k} {v}" for k, v in plan.to_dict()["fp32_reasons"].items()) or "none", plan.casts)
+    return converted, plan
+
+
+__all__ = ["Fp16Plan", "convert", "fp32_nodes"]

@@ -1,0 +1,175 @@
+"""The FP16 form (qatpipe.export.fp16): casts land where the FP16 guard allows and nowhere else, on small ONNX graphs
+with a planted overflow and with Q/DQ, run for real in ONNX Runtime; and the export stage's FP16 form of the tiny
+detector's QAT model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from qatpipe.export import fp16, precision
+from qatpipe.export.qdq import check_explicit_quantization
+
+
+def _model(nodes, inputs, outputs, initializers, shape=(None, 3, 4, 4)):
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in inputs],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in outputs],
+                              initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _const(name, value, dtype=np.float32):
+    return numpy_helper.from_array(np.asarray(value, dtype), name)
+
+
+def _run(model, x):
+    """The model's outputs as written: ONNX Runtime's graph optimisations off (they may fuse FP16 arithmetic into
+    float32 kernels)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
+
+
+def _tensor(model, name, x):
+    """An intermediate tensor's value, as the model holds it (float16 or float32)."""
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    exposed.graph.output.append(helper.make_tensor_value_info(name, TensorProto.UNDEFINED, None))
+    kinds = fp16._float16_outputs(model)
+    writer = next(node.name for node in model.graph.node if name in node.output)
+    exposed.graph.output[-1].type.tensor_type.elem_type = TensorProto.FLOAT16 if kinds[writer] else TensorProto.FLOAT
+    value = _run(exposed, x)[name]
+    assert value.dtype == (np.float16 if kinds[writer] else np.float32)
+    return value
+
+
+def _writes_fp16(model) -> dict[str, bool]:
+    return {name: bool(value) for name, value in fp16._float16_outputs(model).items() if value is not None}
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    return [rng.uniform(0.1, 1.0, (4, 3, 4, 4)).astype(np.float32) for _ in range(3)]
+
+
+def test_a_planted_overflow_stays_fp32_and_everything_else_computes_in_fp16(tmp_path):
+    """x -> amplify (x 1e3) -> boost (x 1e3: up to 1e6, beyond FP16's 65,504) -> relu -> attenuate (x 1e-6) -> y,
+    and x -> double -> sigmoid -> p."""
+    model = _model([helper.make_node("Mul", ["x", "thousand"], ["amplified"], name="amplify"),
+                    helper.make_node("Mul", ["amplified", "thousand"], ["boosted"], name="boost"),
+                    helper.make_node("Relu", ["boosted"], ["rectified"], name="relu"),
+                    helper.make_node("Mul", ["rectified", "small"], ["y"], name="attenuate"),
+                    helper.make_node("Mul", ["x", "two"], ["doubled"], name="double"),
+                    helper.make_node("Sigmoid", ["doubled"], ["p"], name="sigmoid")],
+                   ["x"], ["y", "p"], [_const("thousand", 1e3), _const("small", 1e-6), _const("two", 2.0)])
+    path = tmp_path / "planted.onnx"
+    onnx.save(model, path)
+    flags = precision.fp16_flags(precision.record_ranges(path, _batches()))
+    assert set(flags) == {"boosted", "rectified"}  # the guard names the planted tensors, and only them
+
+    converted, plan = fp16.convert(model, flags)
+    # kept FP32: the writers and readers of the flagged tensors, each with its reason; FP16: the rest
+    assert set(plan.fp32) == {"boost", "relu", "attenuate"}
+    assert sorted(plan.fp16) == ["amplify", "double", "sigmoid"]
+    assert plan.fp32["boost"].startswith("guard: writes boosted (overflow")
+    assert plan.fp32["attenuate"].startswith("guard: reads rectified")
+    original = {node.name for node in model.graph.node}
+    assert {name: fp for name, fp in _writes_fp16(converted).items() if name in original} == {
+        "amplify": True, "boost": False, "relu": False, "attenuate": False, "double": True, "sigmoid": True}
+    # the model's interface stays float32
+    assert [i.type.tensor_type.elem_type for i in [*converted.graph.input, *converted.graph.output]] == [
+        TensorProto.FLOAT] * 3
+
+    x = _batches()[0]
+    reference, deployed = _run(model, x), _run(converted, x)
+    np.testing.assert_allclose(deployed["y"], reference["y"], rtol=2e-3)  # FP16's resolution, from amplify
+    np.testing.assert_allclose(deployed["p"], reference["p"], atol=1e-3)
+    # the planted tensor: float32 and finite with the guard; held in FP16, infinite, without it
+    assert np.isfinite(_tensor(converted, "boosted", x)).all()
+    assert np.isinf(_tensor(fp16.convert(model, {})[0], "boosted", x)).all()
+
+
+def _qdq(name, tensor, scale="s", zero="zp"):
+    return [helper.make_node("QuantizeLinear", [tensor, scale, zero], [f"{name}_q"], name=f"{name}_quantize"),
+            helper.make_node("DequantizeLinear", [f"{name}_q", scale, zero], [f"{name}_dq"], name=f"{name}_dequantize")]
+
+
+def test_a_qdq_model_keeps_its_int8_region_and_computes_only_its_float_tail_in_fp16(tmp_path):
+    """x -> Q/DQ -> conv_a and conv_b (one DQ feeds both, as a residual block's shortcut and first conv do) ->
+    add -> relu -> Q/DQ -> conv_head -> sigmoid -> transpose -> y. INT8: the convs (they read DQs); their
+    epilogues (add, relu) feed a Q; the tail after the last quantised conv is the float region."""
+    rng = np.random.default_rng(1)
+    weights = [numpy_helper.from_array(rng.integers(-100, 100, (3, 3, 1, 1)).astype(np.int8), f"w{i}q")
+               for i in range(3)]
+    nodes = [*_qdq("x", "x"),
+             *[helper.make_node("DequantizeLinear", [f"w{i}q", "ws", "wz"], [f"w{i}"], name=f"w{i}_dequantize",
+                                axis=0) for i in range(3)],
+             helper.make_node("Conv", ["x_dq", "w0"], ["a"], name="conv_a"),
+             helper.make_node("Conv", ["x_dq", "w1"], ["b"], name="conv_b"),
+             helper.make_node("Add", ["a", "b"], ["sum"], name="add"),
+             helper.make_node("Relu", ["sum"], ["r"], name="relu"),
+             *_qdq("r", "r"),
+             helper.make_node("Conv", ["r_dq", "w2"], ["head"], name="conv_head"),
+             helper.make_node("Sigmoid", ["head"], ["p"], name="sigmoid"),
+             helper.make_node("Transpose", ["p"], ["y"], name="transpose", perm=[0, 2, 3, 1])]
+    model = _model(nodes, ["x"], [], [*weights, _const("s", 0.02), _const("zp", 0, np.int8),
+                                      _const("ws", [0.01, 0.02, 0.03]), _const("wz", [0, 0, 0], np.int8)])
+    model.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4, 4, 3]))
+
+    converted, plan = fp16.convert(model, {})
+    assert sorted(plan.fp16) == ["sigmoid", "transpose"]
+    reasons = {name: why.split(":")[0] for name, why in plan.fp32.items()}
+    assert {n: reasons[n] for n in ("conv_a", "conv_b", "conv_head", "add", "relu")} == {
+        "conv_a": "int8", "conv_b": "int8", "conv_head": "int8", "add": "int8 epilogue", "relu": "int8 epilogue"}
+    assert all(reasons[n.name] == "quantisation" for n in model.graph.node if n.op_type in fp16.QDQ_OPS)
+    # every quantised conv still reads its DequantizeLinears directly (the converter's float32 -> float16 ->
+    # float32 round trip on the shared DQ was removed): TensorRT's rules hold
+    assert plan.round_trips_removed == 2 and not check_explicit_quantization(converted).problems
+    producers = {out: node.op_type for node in converted.graph.node for out in node.output}
+    assert all(producers[i] == "DequantizeLinear" for n in converted.graph.node if n.op_type == "Conv"
+               for i in n.input[:2])
+    onnx.save(converted, tmp_path / "converted.onnx")
+    assert precision.layer_precision(tmp_path / "converted.onnx") == {"int8": 3, "fp16": 0, "fp32": 0}
+    # two casts: into FP16 before the sigmoid, back to float32 at the output
+    assert plan.casts == 2
+    x = _batches()[0]
+    np.testing.assert_allclose(_run(converted, x)["y"], _run(model, x)["y"], atol=1e-3)
+
+
+def test_the_export_writes_the_qat_models_fp16_form(qat_export):
+    """The tiny detector's QAT export (export.fp16_onnx is on by default): its FP16 form passes TensorRT's Q/DQ
+    rules, computes in FP16 only after the last quantised layer, and its outputs match the float32 form's within
+    FP16's resolution."""
+    _, _, path, report = qat_export
+    form = report["fp16"]
+    fp16_model = onnx.load(form["onnx"])
+    assert not check_explicit_quantization(fp16_model).problems
+    assert form["fp16_nodes"] > 0 and form["guard_flags"] == 0
+    written = json.loads((path.parent / "precision_report.json").read_text())
+    assert written["fp16_form"]["fp32_reasons"].keys() <= {"quantisation", "int8", "int8 epilogue"}
+    # the FP16 form's outputs against the float32 form's, on the guard's images: within FP16's resolution
+    outputs = {o.name for o in fp16_model.graph.output}
+    worst = {row["tensor"]: row["max_error"] for row in written["layers"]["tensors"] if row["tensor"] in outputs}
+    assert worst.keys() == outputs and max(worst.values()) < 0.01
+    assert precision.layer_precision(form["onnx"]) == precision.layer_precision(path)  # all INT8 still
+
+
+def test_tensorrt_builds_from_the_fp16_form_and_onnx_runtime_from_the_float32_model(tmp_path):
+    """The engine's source (stages/build_engine.engine_source): TensorRT with engine.fp16 takes the FP16 form beside
+    the export when there is one; ONNX Runtime, engine.fp16 off, or no FP16 form: the model given."""
+    from qatpipe.spec import bundled_spec_path, load_spec
+    from qatpipe.stages.build_engine import engine_source
+
+    spec = load_spec(bundled_spec_path("tiny"))
+    model = tmp_path / "model.onnx"
+    assert engine_source(spec, "tensorrt", model) == model  # no FP16 form written
+    (tmp_path / "model_fp16.onnx").write_bytes(b"")
+    assert engine_source(spec, "tensorrt", model) == tmp_path / "model_fp16.onnx"
+    assert engine_source(spec, "onnxruntime", model) == model
+    spec.engine.fp16 = False
+    assert engine_source(spec, "tensorrt", model) == model
