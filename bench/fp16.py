@@ -6,7 +6,10 @@ tensors the FP16 guard flags kept FP32), with the paired bootstrap's 95% CI over
 
 A run is a `qatpipe run --local` work folder (bench/backbones.py's WORK/<backbone>, or make main's results). Each
 variant's FP16 form is written afresh from its export's model.onnx (`stages.export.write_fp16_form`, the
-export stage's own step) into DIR, then both forms are evaluated by the evaluate stage on the run's val set.
+export stage's own step) into DIR, then both forms are evaluated by the evaluate stage on the run's val set, the FP16
+form as `export.fp16.rounded_form` (every value an FP16 node reads or writes rounded to FP16, arithmetic inside a
+node float32, as TensorRT's FP16 kernels accumulate): ONNX Runtime's x86 build has no FP16 kernels for most ops
+and would compute the FP16 form itself in float32 between its casts.
 Target: the FP16 form within 0.2 points of its float32 form. Writes DIR/bench_fp16.json.
 """
 
@@ -55,7 +58,14 @@ def bench_run(run: Path, work: Path) -> list[dict]:
         form = write_fp16_form(spec, model, qat=variant == "qat")
         seconds = time.perf_counter() - started
         scores, matched = {}, {}
-        for name, path in (("float32", model), ("fp16", Path(form["onnx"]))):
+        # the FP16 form as ONNX Runtime's CPU build scores it faithfully (export/fp16.rounded_form)
+        import onnx
+
+        from qatpipe.export.fp16 import rounded_form
+        from qatpipe.export.onnx_export import save_onnx
+
+        rounded = save_onnx(rounded_form(onnx.load(model), onnx.load(form["onnx"])), folder / "model_fp16_rounded.onnx")
+        for name, path in (("float32", model), ("fp16", rounded)):
             result = evaluate(spec, path, folder / f"evaluation_{name}")
             scores[name] = result["map50"]
             truth = read_json(folder / f"evaluation_{name}" / GROUND_TRUTH_FILE, "ground truth")

@@ -289,4 +289,81 @@ def convert(model, flags: dict[str, str]):
     return converted, plan
 
 
-__all__ = ["Fp16Plan", "convert", "fp32_nodes"]
+def rounded_form(float32_model, fp16_model):
+    """The FP16 form as ONNX Runtime's CPU build can score it faithfully: the float32 model with every value an
+    FP16 node of `fp16_model` reads or writes rounded to FP16 (an explicit float32 -> float16 -> float32 Cast pair,
+    which ONNX Runtime keeps) and its weights replaced by the FP16 form's; the arithmetic inside each node stays
+    float32, as TensorRT's FP16 kernels accumulate. Running the FP16 form itself would not do: ORT's x86 build
+    has no FP16 kernels for most ops and computes each run of such nodes in float32 with casts only at its ends,
+    so the values between them are never rounded."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.ModelProto()
+    model.CopyFrom(float32_model)
+    _named(model)
+    writes16 = _float16_outputs(fp16_model)
+    fp16 = {node.name for node in fp16_model.graph.node if writes16.get(node.name) and node.op_type != "Cast"}
+    missing = fp16 - {node.name for node in model.graph.node}
+    if missing:
+        raise QatpipeError(f"rounded FP16 form: the FP16 model's nodes {sorted(missing)[:3]} are not in the float32 "
+                           "model it should come from")
+    weights16 = {i.name.removesuffix("__fp32"): i for i in fp16_model.graph.initializer
+                 if i.data_type == onnx.TensorProto.FLOAT16}
+    floats = {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in
+             [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    added_weights: dict[str, str] = {}
+    rounded: dict[str, str] = {}  # float32 tensor -> its FP16-rounded twin
+    nodes = []
+
+    def rounding(name: str) -> str:
+        if name not in rounded:
+            rounded[name] = f"{name}__fp16"
+            nodes.append(onnx.helper.make_node("Cast", [name], [f"{name}__half"], to=onnx.TensorProto.FLOAT16,
+                                               name=f"{name}__to_fp16"))
+            nodes.append(onnx.helper.make_node("Cast", [f"{name}__half"], [rounded[name]], to=onnx.TensorProto.FLOAT,
+                                               name=f"{name}__to_fp32"))
+        return rounded[name]
+
+    for node in model.graph.node:
+        if node.name in fp16:
+            for i, name in enumerate(node.input):
+                if name in floats and name in weights16:  # its weight as the FP16 form holds it
+                    if name not in added_weights:
+                        value = numpy_helper.to_array(weights16[name]).astype("float32")
+                        added_weights[name] = f"{name}__fp16w"
+                        model.graph.initializer.append(numpy_helper.from_array(value, added_weights[name]))
+                    node.input[i] = added_weights[name]
+                elif name and name not in floats and types.get(name) == onnx.TensorProto.FLOAT:
+                    node.input[i] = rounding(name)
+        nodes.append(node)
+        if node.name in fp16:
+            for name in node.output:
+                if types.get(name) == onnx.TensorProto.FLOAT:
+                    rounding(name)
+    # readers of an FP16 node's output read it rounded, as the FP16 form holds it
+    outputs16 = {name for node in model.graph.node if node.name in fp16 for name in node.output}
+    for node in nodes:
+        if node.op_type == "Cast" and node.name.endswith(("__to_fp16", "__to_fp32")):
+            continue
+        for i, name in enumerate(node.input):
+            if name in outputs16 and name in rounded:
+                node.input[i] = rounded[name]
+    # a graph output an FP16 node writes: the rounded value goes out under the output's name
+    for name in [o.name for o in model.graph.output if o.name in rounded]:
+        renames = {name: f"{name}__exact", rounded[name]: name}
+        for node in nodes:
+            node.input[:] = [renames.get(n, n) for n in node.input]
+            node.output[:] = [renames.get(n, n) for n in node.output]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    read = {name for node in nodes for name in node.input}
+    kept = [i for i in model.graph.initializer if i.name in read]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    return model
+
+
+__all__ = ["Fp16Plan", "convert", "fp32_nodes", "rounded_form"]

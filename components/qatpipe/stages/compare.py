@@ -28,6 +28,7 @@ PAIRS = (("qat", "fp32"), ("ptq", "fp32"), ("qat", "ptq"))
 # column -> (header, format); latency at batch 1, throughput at the largest benchmarked batch
 VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
     "engine": ("engine", "{}"),  # the backend, device and precision the row's figures were measured with
+    "layers": ("compute layers INT8 / FP16 / FP32", "{}"),  # per precision, as the engine's ONNX asks (engine.json)
     "map50": ("mAP@0.5", "{:.4f}"),
     "map50_tensorrt_emulated": ("mAP@0.5, TensorRT's numbers", "{:.4f}"),  # a fast CPU INT8 engine's exact form
     "map": ("mAP@[.5:.95]", "{:.4f}"),
@@ -40,7 +41,7 @@ VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
     "gflops": ("GFLOPs", "{:.3f}"),
 }
 TENSORRT_PREFIX = "tensorrt."  # metrics of the differences in TensorRT's numbers: tensorrt.qat-fp32.map50_diff
-OPTIONAL_COLUMNS = ("engine", "map50_tensorrt_emulated")  # shown when some variant has them
+OPTIONAL_COLUMNS = ("engine", "layers", "map50_tensorrt_emulated")  # shown when some variant has them
 BENCH_FILE = "bench.json"  # written beside the evaluation by the validate stage (the engine's benchmark)
 VALIDATION_FILE = "validation.json"
 
@@ -55,8 +56,10 @@ def variant_row(evaluation_dir: str | Path) -> dict[str, Any]:
     batches = bench.get("batches", [])
     single = min(batches, key=lambda row: row["batch_size"], default={})
     largest = max(batches, key=lambda row: row["batch_size"], default={})
+    layers = validation.get("layer_precision")
     return {
         "engine": validation.get("engine_label") or bench.get("label"),
+        "layers": f"{layers['int8']} / {layers['fp16']} / {layers['fp32']}" if layers else None,
         "map50": metrics["map50"],
         "map50_tensorrt_emulated": validation.get("map50_tensorrt_emulated"),
         "map": metrics["map"],

@@ -86,7 +86,8 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
     engine_dir = Path(engine_dir)
     baseline = read_baseline(baseline_metrics)
     output_dir = Path(output_dir) if output_dir else engine_dir / "validate"
-    label = EngineMetadata.read(engine_dir).label
+    metadata = EngineMetadata.read(engine_dir)
+    label = metadata.label
     evaluation = evaluate(spec, engine_dir, output_dir, stage_name=f"validate_{variant}")
     emulated, emulation = tensorrt_emulated_map50(spec, engine_dir, output_dir, onnx_model)
     max_drop = spec.validate_.max_map_drop
@@ -96,6 +97,7 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
         "map": evaluation["map"], "baseline": str(baseline_metrics), "baseline_map50": baseline["map50"],
         "baseline_map": baseline.get("map"), "map50_drop": drop, "max_map_drop": max_drop,
         "engine_size_mb": evaluation["model_size_mb"], "tensorrt_emulation": emulation,
+        "layer_precision": metadata.layer_precision,  # compute layers per precision, as the engine's ONNX asks
     }
     if emulated is not None:
         emulated_passed, emulated_drop = gate(emulated, baseline["map50"], max_drop)

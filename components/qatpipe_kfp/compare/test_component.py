@@ -22,6 +22,9 @@ def _evaluation(folder: Path, map50: float, map_: float, size: float, throughput
         (folder / "bench.json").write_text(json.dumps({"batches": batches}))
     if passed is not None:
         validation = {"passed": passed, "engine_label": engine}
+        if engine:  # the engine's compute layers per precision
+            int8 = "int8" in engine
+            validation["layer_precision"] = {"int8": 15 if int8 else 0, "fp16": 0, "fp32": 0 if int8 else 15}
         (folder / "validation.json").write_text(json.dumps(
             validation if emulated is None else {**validation, "map50_tensorrt_emulated": emulated}))
     return dsl.Artifact(uri=str(folder))
@@ -41,7 +44,8 @@ def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
     summary = json.loads((Path(outputs["summary"].path) / "summary.json").read_text())
     assert list(summary["variants"]) == ["fp32", "ptq", "qat"]
     assert summary["variants"]["qat"] == {
-        "engine": "onnxruntime cpu int8", "map50": 0.80, "map50_tensorrt_emulated": 0.805, "map": 0.51,
+        "engine": "onnxruntime cpu int8", "layers": "15 / 0 / 0", "map50": 0.80, "map50_tensorrt_emulated": 0.805,
+        "map": 0.51,
         "latency_ms_p50": 1000 / 300 * 2, "latency_ms_p99": 9.0, "throughput": 300.0,
         "throughput_batch": 8, "speedup_vs_fp32": 3.0, "size_mb": 0.5, "params": 400, "gflops": 0.9}
     assert summary["variants"]["fp32"]["speedup_vs_fp32"] == 1.0
@@ -53,10 +57,11 @@ def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
     assert "mlflow" not in summary  # tracking off
     table = Path(outputs["table"].path).read_text()
     # every row says what it is: the engine's backend, device and precision; and TensorRT's numbers for INT8
-    assert "| variant | engine | mAP@0.5 | mAP@0.5, TensorRT's numbers | mAP@[.5:.95] |" in table
-    assert ("| qat | onnxruntime cpu int8 | 0.8000 | 0.8050 | 0.5100 | 6.67 | 9.00 | 300.0 | 3.00x | 0.50 | 400 | "
-            "0.900 |") in table
-    assert "| fp32 | onnxruntime cpu fp32 | 0.8100 | n/a | 0.5200 |" in table
+    assert ("| variant | engine | compute layers INT8 / FP16 / FP32 | mAP@0.5 | mAP@0.5, TensorRT's numbers | "
+            "mAP@[.5:.95] |") in table
+    assert ("| qat | onnxruntime cpu int8 | 15 / 0 / 0 | 0.8000 | 0.8050 | 0.5100 | 6.67 | 9.00 | 300.0 | 3.00x | "
+            "0.50 | 400 | 0.900 |") in table
+    assert "| fp32 | onnxruntime cpu fp32 | 0 / 0 / 15 | 0.8100 | n/a | 0.5200 |" in table
     assert "ptq FAILED, qat passed; gate (QAT): PASSED" in table
     assert "2.000 → 0.900 GFLOPs (x0.450)" in table and "retrained FP32 -1.00 points" in table
     assert "data:image/png;base64," in Path(outputs["chart"].path).read_text()
