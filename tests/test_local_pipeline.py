@@ -45,7 +45,7 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert json.loads((out / "summary.json").read_text()) == summary
     assert list(summary["variants"]) == ["fp32", "ptq", "qat"]  # all three scored in ONNX Runtime
     fp32 = summary["variants"]["fp32"]
-    assert set(fp32) == {"engine", "map50", "map50_tensorrt_emulated", "map", "latency_ms_p50", "latency_ms_p99",
+    assert set(fp32) == {"engine", "layers", "map50", "map50_tensorrt_emulated", "map", "latency_ms_p50", "latency_ms_p99",
                          "throughput", "throughput_batch", "speedup_vs_fp32", "size_mb", "params", "gflops",
                          "map50_ci95_lo", "map50_ci95_hi", "map_ci95_lo", "map_ci95_hi"}
     # every row says what ran it; the INT8 ones (the fast CPU form) also carry TensorRT's numbers
@@ -54,6 +54,10 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
         row = summary["variants"][variant]
         assert row["engine"] == "onnxruntime cpu int8"
         assert row["map50_tensorrt_emulated"] is not None
+    # ... and its compute layers per precision (INT8 / FP16 / FP32): the FP32 engine all float32, QAT's all INT8
+    layers = {name: [int(n) for n in row["layers"].split(" / ")] for name, row in summary["variants"].items()}
+    assert layers["fp32"][:2] == [0, 0] and layers["fp32"][2] > 0
+    assert layers["qat"][0] == layers["fp32"][2] and layers["qat"][1:] == [0, 0]
     assert fp32["map50_ci95_lo"] <= fp32["map50"] <= fp32["map50_ci95_hi"]
     # the variants' differences with their bootstrap CIs, over the evaluations' own detections
     assert summary["bootstrap"] == {"images": 48, "resamples": 1000, "seed": 0}
