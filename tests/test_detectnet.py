@@ -190,3 +190,42 @@ def test_coverage_loss_class_signal_and_the_number_of_classes(normalizer):
     else:
         assert costs[10, (192, 320)] == pytest.approx(base * 3 / 10, rel=1e-4)
         assert costs[10, (384, 640)] == pytest.approx(base * 3 / 40, rel=1e-4)
+
+
+def test_class_cross_entropy_term_makes_classes_compete_at_object_cells_only():
+    """model.loss.class_weight adds a softmax cross-entropy over the class logits at object cells, averaged over
+    them: it equals the hand-computed value, ignores background cells, and a shift of every logit of a cell
+    (more or less coverage as a whole) leaves it unchanged."""
+    def spec(weight):
+        return parse_spec({"dataset": {"train": "t", "val": "v", "classes": [f"c{k}" for k in range(4)],
+                                       "image_size": {"height": 192, "width": 320}},
+                           "model": {"loss": {"class_weight": weight}}})
+
+    arch = get_architecture(spec(0.0))
+    target = encode(arch, np.array([[100, 50, 140, 90], [200, 100, 260, 150]], np.float32), [1, 3])["output_cov"][None]
+    object_cells = target[0].max(axis=-1) > 0
+    rng = np.random.default_rng(0)
+    logits = rng.normal(-2.0, 1.5, target.shape).astype(np.float32)
+
+    def term(weight, logits):
+        pred = tf.constant(1 / (1 + np.exp(-logits)))
+        with_term = get_architecture(spec(weight)).losses()["output_cov"](tf.constant(target), pred)
+        return float(with_term) - float(arch.losses()["output_cov"](tf.constant(target), pred))
+
+    at_cells = logits[0][object_cells]
+    log_softmax = at_cells - np.log(np.exp(at_cells).sum(axis=-1, keepdims=True))
+    expected = -(target[0][object_cells] * log_softmax).sum(axis=-1).mean()
+    assert term(1.0, logits) == pytest.approx(expected, rel=1e-4)
+    assert term(2.0, logits) == pytest.approx(2 * expected, rel=1e-4)
+
+    shifted = logits.copy()
+    shifted[0][object_cells] += 1.5  # the same class ranking, more coverage
+    background = logits.copy()
+    background[0][~object_cells] = rng.normal(0.0, 3.0, background[0][~object_cells].shape)
+    assert term(1.0, shifted) == pytest.approx(expected, rel=1e-3)
+    assert term(1.0, background) == pytest.approx(expected, rel=1e-4)
+
+    right, wrong = logits.copy(), logits.copy()
+    right[0][object_cells] = np.where(target[0][object_cells] > 0, 3.0, -3.0)
+    wrong[0][object_cells] = np.where(target[0][object_cells] > 0, -3.0, 3.0)
+    assert term(1.0, right) < 0.01 < 5.0 < term(1.0, wrong)

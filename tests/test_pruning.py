@@ -198,3 +198,32 @@ def test_retrain_recovers_a_pruned_detector(tiny_spec, tmp_path):
     keras.models.load_model(tmp_path / "train" / "model.keras", compile=False).save(tmp_path / "other.keras")
     with pytest.raises(QatpipeError, match="holds a retraining of another pruned model"):
         retrain(spec, tmp_path / "other.keras", tmp_path / "retrain")
+
+
+@pytest.mark.parametrize("target", [0.9, 0.6, 0.45])
+def test_flops_budget_picks_the_lowest_threshold_within_it(target):
+    """prune.target_flops_ratio: the pruned model's FLOPs are within the budget, and the next lower channel score
+    as threshold would exceed it (the least pruning that fits); the analytic count equals the rebuilt model's."""
+    from qatpipe.pruning.cost import conv_flops
+
+    original = residual_model()
+    pruned, report = prune_model(original, _settings(target_flops_ratio=target, granularity=1, min_filters=1))
+    assert report.flops_after == conv_flops(pruned)
+    assert report.flops_ratio <= target
+    used = report.settings["threshold_used"]
+    scores = sorted(set(NORMS_A) | {round(float(s), 6) for s in equalize(
+        [np.array(NORMS_B), np.array(NORMS_S)], "union")})
+    lower = [s for s in scores if s < used - 1e-6]
+    if lower:  # one step less pruning breaks the budget
+        _, looser = prune_model(original, _settings(threshold=lower[-1], granularity=1, min_filters=1))
+        assert looser.flops_ratio > target
+    # the same threshold given directly builds the same model
+    _, direct = prune_model(original, _settings(threshold=used, granularity=1, min_filters=1))
+    assert direct.flops_after == report.flops_after
+
+
+def test_flops_budget_out_of_reach_prunes_as_far_as_allowed(caplog):
+    _, report = prune_model(residual_model(), _settings(target_flops_ratio=0.01, granularity=4, min_filters=4))
+    assert report.flops_ratio > 0.01
+    assert [g["after"] for g in report.groups if "kept_whole" not in g] == [4, 4]
+    assert "out of reach" in caplog.text

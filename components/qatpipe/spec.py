@@ -155,6 +155,10 @@ class LossSpec(_Section):
         "loss, so each object's class signal keeps its weight whatever the grid size and number of classes; "
         "cells: averaged over every cell x class (TAO), which on 10 small-object classes left classes unlearnt "
         "(docs/recipe.md)")
+    class_weight: float = Field(
+        0.0, ge=0, description="weight of a softmax cross-entropy over the class coverage logits at object cells, "
+        "averaged over those cells and added to the coverage loss: the per-class sigmoids alone learn whether a "
+        "cell is covered faster than which class covers it; 0 leaves TAO's loss (docs/recipe.md)")
 
 class ModelSpec(_Section):
     arch: Literal["detectnet_v2"] = "detectnet_v2"
@@ -240,7 +244,11 @@ class EvaluateSpec(_Section):
 
 
 class PruneSpec(_Section):
-    threshold: float = Field(0.1, ge=0)
+    threshold: float = Field(0.1, ge=0, description="TAO's -pth: channels whose normalised norm is below it go")
+    target_flops_ratio: float | None = Field(
+        None, gt=0, le=1, description="instead of `threshold`: the lowest threshold that leaves at most this "
+        "share of the model's FLOPs (the same threshold prunes models trained on other data to very different "
+        "sizes); the threshold it found is in prune_report.json")
     normalizer: Literal["max", "L2"] = "max"
     granularity: int = Field(8, ge=1)
     min_filters: int = Field(16, ge=1)

@@ -131,13 +131,18 @@ class DetectNetV2(DetectorArchitecture):
             y_pred = tf.clip_by_value(y_pred, eps, 1 - eps)
             bce = -(y_true * tf.math.log(y_pred) + (1 - y_true) * tf.math.log(1 - y_pred))
             weighted = bce * (1.0 + (loss.positive_weight - 1.0) * y_true)
+            object_mask = tf.reduce_max(y_true, axis=-1)  # (batch, gh, gw): 1 at object cells
+            object_cells = tf.maximum(tf.reduce_sum(object_mask), 1.0)
             if loss.coverage_normalizer == "cells":  # TAO: the mean over every cell and class
-                return loss.coverage_weight * tf.reduce_mean(weighted)
-            # summed and divided by the object cells, as the bbox loss is (RetinaNet, FCOS): the mean over
-            # cells x classes shrinks each object's share, and with it the only signal that tells classes
-            # apart, with the grid size and the number of classes (docs/recipe.md)
-            object_cells = tf.reduce_sum(tf.reduce_max(y_true, axis=-1))
-            return loss.coverage_weight * tf.reduce_sum(weighted) / tf.maximum(object_cells, 1.0)
+                total = loss.coverage_weight * tf.reduce_mean(weighted)
+            else:
+                # summed and divided by the object cells, as the bbox loss is (RetinaNet, FCOS): the mean over
+                # cells x classes shrinks each object's share, and with it the only signal that tells classes
+                # apart, with the grid size and the number of classes (docs/recipe.md)
+                total = loss.coverage_weight * tf.reduce_sum(weighted) / object_cells
+            if loss.class_weight and num_classes > 1:
+                total += loss.class_weight * _class_cross_entropy(y_true, y_pred, object_mask) / object_cells
+            return total
 
         def bbox_loss(y_true, y_pred):
             target, mask = y_true[..., : 4 * num_classes], y_true[..., 4 * num_classes :]
@@ -158,6 +163,19 @@ class DetectNetV2(DetectorArchitecture):
                              (self.height, self.width))
             for i in range(coverage.shape[0])
         ]
+
+
+def _class_cross_entropy(y_true, y_pred, object_mask):
+    """Summed over the object cells: softmax cross-entropy of the class logits against the cell's classes.
+
+    The per-class sigmoids are trained one class at a time; at an object cell this term makes the classes
+    compete, so the features must say *which* class covers the cell. It sees only differences between the
+    logits of one cell, so it does not raise or lower coverage as a whole; background is the BCE's job. A cell
+    covered by several classes shares the target between them. `y_pred` is the clipped sigmoid output."""
+    logits = tf.math.log(y_pred) - tf.math.log1p(-y_pred)
+    target = y_true / tf.maximum(tf.reduce_sum(y_true, axis=-1, keepdims=True), 1.0)
+    cross_entropy = -tf.reduce_sum(target * tf.nn.log_softmax(logits, axis=-1), axis=-1)
+    return tf.reduce_sum(cross_entropy * object_mask)
 
 
 # ------------------------------------------------------------------------------------ NumPy decoding

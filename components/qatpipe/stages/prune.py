@@ -30,12 +30,13 @@ def prune(model_path: str | Path, output: str | Path, settings: PruneSpec, arch=
     model = load_keras_model(model_path, arch)
     pruned, report = prune_model(model, settings)
     save_keras_model(pruned, model_file)
-    result = {"model": str(model_file), "source": str(model_path), **report.to_dict()}
+    result = {"model": str(model_file), "source": str(model_path), **report.to_dict(),
+              "threshold_used": report.settings["threshold_used"]}
     write_json(report_file, result)
     StageRecord(
         stage="prune", params={f"prune.{k}": v for k, v in settings.model_dump().items()},
         metrics={k: result[k] for k in ("params_before", "params_after", "flops_before", "flops_after",
-                                         "flops_ratio", "params_ratio")},
+                                         "flops_ratio", "params_ratio", "threshold_used")},
         artifacts=[model_file.name, report_file.name],
     ).write(folder)
     log.info("pruned model: %s (FLOPs x%.3f, params x%.3f); report: %s", model_file, result["flops_ratio"],

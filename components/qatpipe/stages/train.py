@@ -32,6 +32,9 @@ _RESUME_MUST_MATCH = (
     "train.momentum", "train.learning_rate", "qat",
 )
 
+# model.loss keys added after checkpoints were written, and what a spec.yaml without them trained with
+_LOSS_KEYS_ADDED_LATER = {"coverage_normalizer": "cells", "class_weight": 0.0}
+
 
 def _dotted(data: dict, key: str):
     for part in key.split("."):
@@ -53,9 +56,10 @@ def _check_resume_compatible(results_dir: Path, spec: ExperimentSpec, processes:
     if not previous_path.is_file():
         return
     previous_spec = load_spec(previous_path)
-    if "coverage_normalizer" not in previous_path.read_text():
-        # written before model.loss.coverage_normalizer existed: those checkpoints trained with TAO's mean
-        previous_spec.model.loss.coverage_normalizer = "cells"
+    previous_text = previous_path.read_text()
+    for key, meant in _LOSS_KEYS_ADDED_LATER.items():
+        if key not in previous_text:  # written before model.loss.<key> existed: trained as `meant` says
+            setattr(previous_spec.model.loss, key, meant)
     previous, current = previous_spec.to_dict(), spec.to_dict()
     changed = [key for key in _RESUME_MUST_MATCH if _dotted(previous, key) != _dotted(current, key)]
     if changed:

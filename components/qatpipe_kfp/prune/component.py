@@ -31,11 +31,12 @@ def prune(prune_spec: str, model: Input[Model], pruned: Output[Model], metrics: 
         result = prune_stage(model_file, pruned.path, spec.prune, get_architecture(spec))
         pruned.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": result["params_after"]})
         figures = {key: result[key] for key in ("params_before", "params_after", "flops_before", "flops_after",
-                                                 "flops_ratio", "params_ratio")}
+                                                 "flops_ratio", "params_ratio", "threshold_used")}
         write_metrics(metrics, figures)
         rows = [f"| {', '.join(g['convs'])} | {g['before']} | {g['after']} |" for g in result["groups"]]
         write_text(report, "\n".join([
             f"# Pruning: FLOPs x{result['flops_ratio']:.3f}, params x{result['params_ratio']:.3f}", "",
             f"{result['params_before']:,} → {result['params_after']:,} parameters, "
-            f"{result['flops_before'] / 1e9:.3f} → {result['flops_after'] / 1e9:.3f} GFLOPs", "",
+            f"{result['flops_before'] / 1e9:.3f} → {result['flops_after'] / 1e9:.3f} GFLOPs; channels whose "
+            f"normalised norm is below {result['threshold_used']:.4f} removed", "",
             "| convs (one channel set) | filters before | after |", "|---|---|---|", *rows, ""]))

@@ -23,6 +23,7 @@ def test_prunes_a_model_and_reports(artifact, tmp_path):
     assert report["flops_after"] < report["flops_before"]
     assert outputs["pruned"].metadata["params"] == report["params_after"]
     assert outputs["metrics"].metadata["flops_ratio"] == report["flops_ratio"]
+    assert outputs["metrics"].metadata["threshold_used"] == report["threshold_used"] == 0.95
     assert "| filters before | after |" in Path(outputs["report"].path).read_text()
 
 
