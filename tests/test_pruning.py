@@ -161,6 +161,22 @@ def test_prune_command_writes_model_and_report(tmp_path, capsys):
     assert report["settings"]["equalization"] == "intersection" and report["flops_ratio"] < 1
     assert "FLOPs" in capsys.readouterr().out
 
+    # -pth overrides the spec's FLOPs budget; --target-flops-ratio sets one
+    from qatpipe.models import get_architecture
+    from qatpipe.spec import bundled_spec_path, load_spec
+
+    budget = ["--set", "prune.target_flops_ratio=0.5"]
+    get_architecture(load_spec(bundled_spec_path("tiny"))).build_model().save(tmp_path / "detector.keras")
+    for flags, expected in ((["-pth", "0.1"], (0.1, None)), ([], (None, 0.5)),
+                            (["--target-flops-ratio", "0.7"], (None, 0.7))):
+        out = tmp_path / f"pruned_{len(flags)}_{flags[-1] if flags else ''}"
+        assert main(["prune", "-m", str(tmp_path / "detector.keras"), "-o", str(out), "-e", "tiny", *budget,
+                     *flags]) == 0
+        settings = json.loads((out / "prune_report.json").read_text())["settings"]
+        assert settings["target_flops_ratio"] == expected[1]
+        if expected[0] is not None:
+            assert settings["threshold_used"] == expected[0]
+
 
 def test_prune_command_errors(tmp_path, caplog):
     from qatpipe.cli import main

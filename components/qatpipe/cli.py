@@ -105,9 +105,11 @@ def cmd_prune(args) -> int:
 
     spec = load_spec_uri(args.experiment_spec, args.overrides) if args.experiment_spec else None
     settings = spec.prune.model_dump() if spec else {}
-    for key in ("threshold", "normalizer", "granularity", "min_filters", "equalization"):
+    for key in ("threshold", "target_flops_ratio", "normalizer", "granularity", "min_filters", "equalization"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
+    if args.threshold is not None and args.target_flops_ratio is None:
+        settings["target_flops_ratio"] = None  # -pth given: TAO's threshold, not the spec's FLOPs budget
     if args.excluded_layers:
         settings["excluded_layers"] = args.excluded_layers
     try:
@@ -345,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("-e", "--experiment-spec", help="spec for defaults and model checks (optional)")
     prune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     prune.add_argument("-pth", "--threshold", type=float, help="normalised filter norm below which it goes")
+    prune.add_argument("--target-flops-ratio", dest="target_flops_ratio", type=float,
+                       help="instead of -pth: the lowest threshold leaving at most this share of the FLOPs")
     prune.add_argument("-n", "--normalizer", choices=["max", "L2"])
     prune.add_argument("-pg", "--granularity", type=int, help="kept filters are a multiple of this")
     prune.add_argument("-nf", "--min-filters", dest="min_filters", type=int, help="never fewer filters than this")
