@@ -87,3 +87,18 @@ def test_outside_a_pod_only_the_environment_counts(monkeypatch, tmp_path):
     check_credentials("qatpipe-credentials", ["/local/train"], None)
     monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/secrets/eks/token")  # IRSA: no keys needed
     check_credentials("qatpipe-credentials", S3_DATA, None)
+
+
+def test_tracking_access_is_checked_only_against_a_server(monkeypatch, caplog):
+    """A file or database tracking URI needs no credentials; a server that cannot be reached is left to tracking's
+    own retries (a warning). The refusals are tested against the real basic-auth server (test_manifests.py)."""
+    from conftest import _free_port
+    from qatpipe.cluster.credentials import check_tracking_access
+
+    for uri in ("sqlite:///x/mlflow.db", "file:///x/mlruns", ""):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        check_tracking_access("creds", "team")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://user:secret@127.0.0.1:{_free_port()}")
+    check_tracking_access("creds", "team", timeout_s=2)
+    assert "cannot be reached to check the credentials" in caplog.text and "secret" not in caplog.text
+

@@ -581,6 +581,21 @@ def test_the_deployed_server_refuses_strangers_and_serves_the_pipeline_user(tmp_
             (tmp_path / "notes.txt").read_text() == "proxied through the server")
 
         assert status(search, "qatpipe-pipeline", "wrong-password") == 401
+        # the run's first task asks the server whether it lets the pod's credentials in, and names what is wrong
+        from qatpipe.cluster.credentials import CredentialsError, check_tracking_access
+
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        check_tracking_access("qatpipe-credentials", "team-a")  # the pipeline's user: in
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "wrong-password")
+        with pytest.raises(CredentialsError, match=r"^MLflow at http://127\.0\.0\.1:\d+ refused the pipeline's "
+                           r"credentials \(HTTP 401\): the user qatpipe-pipeline in MLFLOW_TRACKING_USERNAME and "
+                           r"MLFLOW_TRACKING_PASSWORD was refused; set .* in Secret qatpipe-credentials in "
+                           r"namespace team-a"):
+            check_tracking_access("qatpipe-credentials", "team-a")
+        monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")
+        with pytest.raises(CredentialsError, match=r"\(HTTP 401\): MLFLOW_TRACKING_PASSWORD is not set; set "):
+            check_tracking_access("qatpipe-credentials", "team-a")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", pipeline_password)
         # least privilege: the pipeline's user makes no users; another user sees nothing not granted to it
         assert status("/api/2.0/mlflow/users/create", "qatpipe-pipeline", pipeline_password,
                       body='{"username": "intruder", "password": "0123456789abcdef"}') == 403

@@ -5,7 +5,9 @@ first, in one line naming the Secret, the key and the namespace.
 
 What a run needs: the S3 keys when the spec reads `s3://` data (unless the pod has a web identity, as with
 IRSA); and, whenever a Secret is named, the Secret itself (its MLflow keys are what turns tracking on).
-Outside a pod (the local run) only the environment is checked.
+Outside a pod (the local run) only the environment is checked. `check_tracking_access` then asks the MLflow
+server itself whether it lets the pod's credentials in: only the server knows whether it runs its basic-auth
+app (manifests/tracking/), and a refusal would otherwise surface tasks later, at start-tracking.
 """
 
 from __future__ import annotations
@@ -66,6 +68,52 @@ def check_credentials(secret_name: str, s3_uris: list[str], namespace: str | Non
              ", ".join(sorted(data)) or "(none)")
 
 
+TRACKING_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+
+
+def check_tracking_access(secret_name: str = "", namespace: str | None = None, timeout_s: float = 10.0) -> None:
+    """Raise CredentialsError when the MLflow server of MLFLOW_TRACKING_URI (http or https) refuses this pod's
+    credentials (MLflow's environment variables: user and password, or a token). A server that cannot be reached
+    is left to tracking's own retries and error (a warning here); a file or database URI needs no credentials."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    from qatpipe.cluster.launcher import pod_namespace
+    from qatpipe.tracking.mlflow_runs import redact_uri
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri.startswith(("http://", "https://")):
+        return
+    request = urllib.request.Request(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1")
+    user, password = (os.environ.get(key) for key in TRACKING_KEYS)
+    if os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        request.add_header("Authorization", "Bearer " + os.environ["MLFLOW_TRACKING_TOKEN"])
+    elif user or password:
+        request.add_header("Authorization", "Basic " + base64.b64encode(f"{user or ''}:{password or ''}".encode())
+                           .decode())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return
+    except urllib.error.HTTPError as exc:
+        if exc.code not in (401, 403):
+            log.warning("MLflow at %s answered HTTP %s to a credentials check; going on", redact_uri(uri), exc.code)
+            return
+        code = exc.code
+    except OSError as exc:
+        log.warning("MLflow at %s cannot be reached to check the credentials (%s); going on", redact_uri(uri),
+                    type(exc).__name__)
+        return
+    missing = [key for key in TRACKING_KEYS if not os.environ.get(key)]
+    namespace = namespace or pod_namespace()
+    where = (f"Secret {secret_name} in namespace {namespace}" if secret_name and namespace else "the environment")
+    problem = (f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set" if missing else
+               f"the user {user} in {' and '.join(TRACKING_KEYS)} was refused")
+    raise CredentialsError(f"MLflow at {redact_uri(uri)} refused the pipeline's credentials (HTTP {code}): "
+                           f"{problem}; set {' and '.join(TRACKING_KEYS)} in {where} to a user of the server's "
+                           f"basic-auth app (manifests/README.md)")
+
+
 def _read_secret(name: str, namespace: str, api_client=None):
     """The Secret's key names (a set), False when it does not exist, None when it cannot be read."""
     from kubernetes.client import CoreV1Api
@@ -89,4 +137,4 @@ def _read_secret(name: str, namespace: str, api_client=None):
     return set((secret.data or {}).keys()) | set((secret.string_data or {}).keys())
 
 
-__all__ = ["CredentialsError", "check_credentials", "needed_keys"]
+__all__ = ["CredentialsError", "check_credentials", "check_tracking_access", "needed_keys"]

@@ -40,7 +40,7 @@ def resolve_spec(spec_uri: str, overrides: List[str], credentials_secret: str = 
     """
     from collections import namedtuple
 
-    from qatpipe.cluster.credentials import check_credentials
+    from qatpipe.cluster.credentials import check_credentials, check_tracking_access
     from qatpipe.spec import spec_to_yaml, stage_view
     from qatpipe.spec_sources import load_spec_uri
     from qatpipe_kfp.runtime import stage
@@ -50,6 +50,7 @@ def resolve_spec(spec_uri: str, overrides: List[str], credentials_secret: str = 
         check_credentials(credentials_secret, [spec_uri])
         spec = load_spec_uri(spec_uri, list(overrides))
         check_credentials(credentials_secret, [spec.dataset.train or "", spec.dataset.val or ""])
+        check_tracking_access(credentials_secret)
         stages = ("prepare_data", "train", "evaluate", "prune", "retrain", "retrain_qat", "export", "ptq", "engine",
                   "validate")
         outputs = namedtuple("StageSpecs", "spec data_spec train_spec evaluate_spec prune_spec retrain_spec "
