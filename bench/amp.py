@@ -74,22 +74,14 @@ def _evaluation_folders(run: Path) -> dict[str, Path]:
 
 
 def map_difference(fp32_run: Path, amp_run: Path) -> dict:
-    from qatpipe.metrics.bootstrap import match_detections, paired_bootstrap
-    from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE
+    from paired import paired_difference  # bench/paired.py, beside this script
 
     folders = {"float32": _evaluation_folders(fp32_run), "amp": _evaluation_folders(amp_run)}
     results = {}
     for model in ("unpruned", "fp32"):
-        truths = {run: json.loads((f[model] / GROUND_TRUTH_FILE).read_text()) for run, f in folders.items()}
-        if truths["float32"] != truths["amp"]:
-            raise SystemExit(f"the two runs' {model} models were scored on different val sets")
-        matched = {run: match_detections(truths[run], json.loads((f[model] / DETECTIONS_FILE).read_text()))
-                   for run, f in folders.items()}
-        boot = paired_bootstrap(matched, [("amp", "float32")])
-        results[model] = {"float32_map50": boot["variants"]["float32"]["map50"]["value"],
-                          "amp_map50": boot["variants"]["amp"]["map50"]["value"],
-                          "diff": boot["pairs"]["amp-float32"]["map50"]["diff"],
-                          "ci95": boot["pairs"]["amp-float32"]["map50"]["ci95"], "images": boot["images"]}
+        pair = paired_difference(folders["float32"][model], folders["amp"][model], ("float32", "amp"))
+        results[model] = {"float32_map50": pair["map50"]["float32"], "amp_map50": pair["map50"]["amp"],
+                          "diff": pair["map50"]["diff"], "ci95": pair["map50"]["ci95"], "images": pair["images"]}
     return results
 
 
