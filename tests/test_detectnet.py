@@ -172,7 +172,7 @@ def test_coverage_loss_class_signal_and_the_number_of_classes(normalizer):
     for classes, size in ((3, (192, 320)), (10, (192, 320)), (10, (384, 640))):
         spec = parse_spec({"dataset": {"train": "t", "val": "v", "classes": [f"c{k}" for k in range(classes)],
                                        "image_size": {"height": size[0], "width": size[1]}},
-                           "model": {"loss": {"coverage_normalizer": normalizer}}})
+                           "model": {"loss": {"coverage_normalizer": normalizer, "class_weight": 0.0}}})
         arch = get_architecture(spec)
         target = encode(arch, np.array([[100, 50, 140, 90]], np.float32), [1])["output_cov"][None]
         background = np.full_like(target, 0.01)

@@ -108,3 +108,11 @@ def test_checkpoints_from_before_the_coverage_normalizer_resume_only_under_tao_m
     with pytest.raises(QatpipeError, match="model.loss differs"):
         _check_resume_compatible(tmp_path, tiny_spec())  # the default: objects
     _check_resume_compatible(tmp_path, tiny_spec("model.loss.coverage_normalizer=cells"))
+
+    # and one written before model.loss.class_weight existed trained without the class term
+    old = tiny_spec().to_dict()
+    del old["model"]["loss"]["class_weight"]
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(old))
+    with pytest.raises(QatpipeError, match="model.loss differs"):
+        _check_resume_compatible(tmp_path, tiny_spec())  # the default: 1
+    _check_resume_compatible(tmp_path, tiny_spec("model.loss.class_weight=0"))

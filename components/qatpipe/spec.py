@@ -156,9 +156,9 @@ class LossSpec(_Section):
         "cells: averaged over every cell x class (TAO), which on 10 small-object classes left classes unlearnt "
         "(docs/recipe.md)")
     class_weight: float = Field(
-        0.0, ge=0, description="weight of a softmax cross-entropy over the class coverage logits at object cells, "
-        "averaged over those cells and added to the coverage loss: the per-class sigmoids alone learn whether a "
-        "cell is covered faster than which class covers it; 0 leaves TAO's loss (docs/recipe.md)")
+        1.0, ge=0, description="weight of a softmax cross-entropy over the class coverage logits at object cells, "
+        "averaged over those cells and added to the coverage loss: it makes the classes compete where an object "
+        "is, without moving coverage as a whole; 0 leaves TAO's per-class sigmoid loss alone (docs/recipe.md)")
 
 class ModelSpec(_Section):
     arch: Literal["detectnet_v2"] = "detectnet_v2"
