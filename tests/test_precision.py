@@ -54,6 +54,17 @@ def test_amp_on_a_cpu_without_bf16_warns_and_trains_fp32(tiny_spec, tmp_path, mo
     assert keras.mixed_precision.global_policy().name == "float32"
 
 
+@pytest.mark.parametrize("flags, warned", [({"avx512_bf16"}, True), ({"avx512_bf16", "amx_bf16"}, False)])
+def test_bf16_without_amx_warns_that_it_may_be_slower(monkeypatch, caplog, flags, warned):
+    _host(monkeypatch, flags)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert precision.configure_precision(True).policy == "mixed_bfloat16"
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert ("this CPU has no AMX" in caplog.text) is warned
+
+
 def test_bf16_training_step_gives_float32_outputs_and_a_float32_model(tiny_spec, tmp_path, monkeypatch):
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
