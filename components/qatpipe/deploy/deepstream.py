@@ -101,17 +101,17 @@ def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: st
     """Write the nvinfer config, the labels file and the model in DeepStream's layout (`<stem>_deepstream.onnx`,
     from the ONNX at `onnx_path`) into `folder`; returns the config path."""
     from qatpipe.export.onnx_export import save_onnx
-    from qatpipe.models.detectnet_v2 import OUTPUT_STRIDE
+    from qatpipe.models import get_architecture
     from qatpipe.runtime.onnx_runtime import load_onnx_proto
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    size = spec.dataset.image_size
-    if size.height % OUTPUT_STRIDE or size.width % OUTPUT_STRIDE:
-        raise QatpipeError(f"dataset.image_size {size.height}x{size.width}: nvinfer's DetectNet_v2 parser needs "
-                           f"multiples of the output stride {OUTPUT_STRIDE}")
+    (height, width), stride = (arch := get_architecture(spec)).input_hw, arch.stride
+    if height % stride or width % stride:
+        raise QatpipeError(f"dataset.image_size {height}x{width}: nvinfer's DetectNet_v2 parser needs "
+                           f"multiples of the output stride {stride}")
     model_path = folder / f"{Path(onnx_path).stem}_deepstream.onnx"
-    save_onnx(deepstream_onnx(load_onnx_proto(onnx_path), OUTPUT_STRIDE, spec.model.target.bbox_norm), model_path)
+    save_onnx(deepstream_onnx(load_onnx_proto(onnx_path), stride, spec.model.target.bbox_norm), model_path)
     labels = folder / "labels.txt"
     atomic_write_text(labels, "\n".join(spec.dataset.classes) + "\n")
     decoder = spec.model.decoder
@@ -128,7 +128,7 @@ def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: st
         f"batch-size={spec.engine.max_batch}",
         f"network-mode={NETWORK_MODES[network_mode]}",
         f"num-detected-classes={spec.num_classes}",
-        f"infer-dims=3;{size.height};{size.width}",
+        f"infer-dims=3;{height};{width}",
         "network-input-order=1",  # NHWC: the ONNX input is input_1 (batch, height, width, 3)
         "output-blob-names=" + ";".join(DEEPSTREAM_OUTPUTS[name] for name in ("output_cov", "output_bbox")),
         "interval=0",

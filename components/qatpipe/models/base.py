@@ -34,6 +34,9 @@ class DetectorArchitecture(abc.ABC):
 
     #: names of the model outputs, in the order the Keras model returns them
     output_names: tuple[str, ...]
+    #: the network input, (height, width) in pixels, and how many input pixels one output cell spans
+    input_hw: tuple[int, int]
+    stride: int
 
     @abc.abstractmethod
     def build_model(self):

@@ -35,6 +35,7 @@ class DetectNetV2(DetectorArchitecture):
         self.num_classes = spec.num_classes
         self.height = spec.dataset.image_size.height
         self.width = spec.dataset.image_size.width
+        self.input_hw = (self.height, self.width)
         self.stride = OUTPUT_STRIDE
         self.grid_h, self.grid_w = self.height // self.stride, self.width // self.stride
         self.coverage_ratio = spec.model.target.coverage_ratio

@@ -114,9 +114,9 @@ def onnx_forward(model_path: Path, arch):
     missing = [name for name in arch.output_names if name not in model.output_names]
     if missing:
         raise ModelFileError(f"{model_path}: outputs {model.output_names} lack {missing}")
-    if list(model.input_shape[1:3]) != [arch.height, arch.width]:
+    if tuple(model.input_shape[1:3]) != tuple(arch.input_hw):
         raise ModelFileError(f"{model_path}: input is {model.input_shape[1]}x{model.input_shape[2]}, the spec's "
-                             f"dataset.image_size is {arch.height}x{arch.width}")
+                             f"dataset.image_size is {arch.input_hw[0]}x{arch.input_hw[1]}")
     return lambda batch: model.run(batch.numpy())
 
 
@@ -126,7 +126,7 @@ def engine_forward(engine_dir: Path, arch):
     from qatpipe.errors import ModelFileError
 
     runner = load_engine(engine_dir)
-    probe = runner.run(np.zeros((1, arch.height, arch.width, 3), np.float32))
+    probe = runner.run(np.zeros((1, *arch.input_hw, 3), np.float32))
     missing = [name for name in arch.output_names if name not in probe]
     if missing:
         raise ModelFileError(f"{engine_dir}: engine outputs {sorted(probe)} lack {missing}")
