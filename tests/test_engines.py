@@ -130,13 +130,24 @@ def test_engine_reproduces_the_evaluate_numbers(engines, variant, tmp_path):
 
     spec, built = engines
     onnx_path, engine_dir = built[variant]
+    if variant == "fp32":  # the same graph
+        from_onnx = evaluate(spec, onnx_path, tmp_path / "onnx")
+        from_engine = evaluate(spec, engine_dir, tmp_path / "engine")
+        assert from_engine["map50"] == from_onnx["map50"] and from_engine["map"] == from_onnx["map"]
+        return
+    # The default (fast) form: integer kernels and the folded BN round differently from DQ -> float conv -> Q.
+    # Scored on the 192 training images, not the 48 val images: on a model this weak one flipped detection
+    # moves a 48-image mAP@0.5 by about a point either way (1.2 points on one machine's model, -1.35 on
+    # another's), which is the bound's size, so the comparison needs the larger sample to mean anything.
+    spec = spec.model_copy(deep=True)
+    spec.dataset.val = spec.dataset.train
     from_onnx = evaluate(spec, onnx_path, tmp_path / "onnx")
     from_engine = evaluate(spec, engine_dir, tmp_path / "engine")
-    if variant == "fp32":  # the same graph
-        assert from_engine["map50"] == from_onnx["map50"] and from_engine["map"] == from_onnx["map"]
-    else:  # integer kernels and the folded BN round differently from DQ -> float conv -> Q
-        assert from_engine["map50"] == pytest.approx(from_onnx["map50"], abs=0.01)
-        assert from_engine["map"] == pytest.approx(from_onnx["map"], abs=0.01)
+    assert from_engine["map50"] == pytest.approx(from_onnx["map50"], abs=0.01)
+    assert from_engine["map"] == pytest.approx(from_onnx["map"], abs=0.01)
+    # the exact form computes the Q/DQ graph's numbers: the same mAP
+    from_exact = evaluate(spec, built["qat_exact"][1], tmp_path / "exact")
+    assert from_exact["map50"] == from_onnx["map50"] and from_exact["map"] == from_onnx["map"]
 
 
 def test_latency_harness_and_bench_report_schema(engines, tmp_path):
