@@ -9,7 +9,7 @@ import numpy as np
 import tf_keras as keras
 
 from qatpipe.errors import SpecError
-from qatpipe.pruning.cost import conv_flops, param_count, pruned_conv_flops
+from qatpipe.pruning.cost import conv_flops, param_count
 from qatpipe.pruning.criteria import equalize, filter_scores, kept_channels
 from qatpipe.pruning.graph import analyse
 from qatpipe.spec import PruneSpec
@@ -98,7 +98,12 @@ def threshold_for_flops(model: keras.Model, graph, scores: list[np.ndarray | Non
 
     def ratio(threshold: float) -> float:
         kept = [k.size for k in keep_at(threshold)]
-        return pruned_conv_flops(model, graph.group_of_input, graph.group_of_output, kept) / before
+
+        def channels(layer) -> tuple[int, int]:  # a group's kept count; -1 is the model input, never pruned
+            return tuple(int(layer.input.shape[-1]) if g < 0 else int(kept[g])
+                         for g in (graph.group_of_input[layer.name], graph.group_of_output[layer.name]))
+
+        return conv_flops(model, channels) / before
 
     candidates = np.unique(np.concatenate([[0.0], *(s for s in scores if s is not None)]))
     candidates = np.append(candidates, np.nextafter(candidates[-1], np.inf))  # above every score: the floor
