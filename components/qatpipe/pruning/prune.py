@@ -108,9 +108,9 @@ def threshold_for_flops(model: keras.Model, graph, scores: list[np.ndarray | Non
     candidates = np.unique(np.concatenate([[0.0], *(s for s in scores if s is not None)]))
     candidates = np.append(candidates, np.nextafter(candidates[-1], np.inf))  # above every score: the floor
     lo, hi = 0, len(candidates) - 1
-    if ratio(candidates[hi]) > target_ratio:
+    if (floor := ratio(candidates[hi])) > target_ratio:
         log.warning("prune.target_flops_ratio %.3f is out of reach (granularity and min_filters keep x%.3f); "
-                    "pruning as far as they allow", target_ratio, ratio(candidates[hi]))
+                    "pruning as far as they allow", target_ratio, floor)
         return float(candidates[hi])
     while lo < hi:  # the first candidate whose ratio is within the budget
         mid = (lo + hi) // 2
