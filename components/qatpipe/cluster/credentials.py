@@ -76,6 +76,7 @@ def check_tracking_access(secret_name: str = "", namespace: str | None = None, t
     credentials (MLflow's environment variables: user and password, or a token). A server that cannot be reached
     is left to tracking's own retries and error (a warning here); a file or database URI needs no credentials."""
     import base64
+    import http.client
     import urllib.error
     import urllib.request
 
@@ -100,7 +101,7 @@ def check_tracking_access(secret_name: str = "", namespace: str | None = None, t
             log.warning("MLflow at %s answered HTTP %s to a credentials check; going on", redact_uri(uri), exc.code)
             return
         code = exc.code
-    except OSError as exc:
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, timed out, not HTTP, a bad URI
         log.warning("MLflow at %s cannot be reached to check the credentials (%s); going on", redact_uri(uri),
                     type(exc).__name__)
         return
