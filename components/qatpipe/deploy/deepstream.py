@@ -106,7 +106,8 @@ def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: st
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (height, width), stride = (arch := get_architecture(spec)).input_hw, arch.stride
+    arch = get_architecture(spec)
+    (height, width), stride = arch.input_hw, arch.stride
     if height % stride or width % stride:
         raise QatpipeError(f"dataset.image_size {height}x{width}: nvinfer's DetectNet_v2 parser needs "
                            f"multiples of the output stride {stride}")
