@@ -173,6 +173,39 @@ def test_latency_harness_and_bench_report_schema(engines, tmp_path):
     assert report["peak_memory_mb"] > 50 and report["engine_size_mb"] > 0
 
 
+def test_the_benchmark_joins_the_engine_record_and_travels_with_its_validation(engines, tmp_path):
+    """bench-engine into the engine folder adds its figures to the engine's tracking record; validate copies
+    bench.json beside its verdict, and only a passing model gets a DeepStream config, in the network mode of
+    the engine's precision (engine.json), not of the variant's name."""
+    from qatpipe.stages.bench_engine import bench_engine
+    from qatpipe.stages.validate import validate
+
+    spec, built = engines
+    spec = spec.model_copy(deep=True)
+    spec.engine.bench.batch_sizes, spec.engine.bench.iterations, spec.engine.bench.min_seconds = [1], 3, 0.0
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(built["fp32"][1], engine_dir)
+    report = bench_engine(spec, engine_dir)
+    record = json.loads((engine_dir / "tracking.json").read_text())
+    assert record["metrics"]["batch1.latency_ms_p50"] == report["batches"][0]["latency_ms_p50"]
+    assert "bench.json" in record["artifacts"] and record["metrics"]["peak_memory_mb"] == report["peak_memory_mb"]
+
+    low, high = tmp_path / "low.json", tmp_path / "high.json"
+    low.write_text(json.dumps({"map50": 0.0, "map": 0.0}))
+    high.write_text(json.dumps({"map50": 1.0, "map": 1.0}))
+    passed = validate(spec, engine_dir, low, tmp_path / "passed", variant="int8-named-fp32")
+    assert passed["passed"] and passed["benchmark"] == report
+    assert json.loads((tmp_path / "passed" / "bench.json").read_text()) == report
+    config = (tmp_path / "passed" / "deepstream" / "config_infer_primary_int8-named-fp32.txt").read_text()
+    assert "network-mode=2" in config  # a float engine: FP16, whatever the variant is called
+    assert "deepstream" in json.loads((tmp_path / "passed" / "tracking.json").read_text())["artifacts"]
+    failed = validate(spec, engine_dir, high, tmp_path / "failed", variant="fp32")
+    assert not failed["passed"] and not (tmp_path / "failed" / "deepstream").exists()
+    qat = validate(spec, built["qat"][1], low, tmp_path / "qat", variant="qat")
+    assert qat["passed"] and "benchmark" not in qat  # this engine was never benchmarked
+    assert "network-mode=1" in (tmp_path / "qat" / "deepstream" / "config_infer_primary_qat.txt").read_text()
+
+
 def test_gate_passes_and_fails_on_constructed_metrics():
     from qatpipe.stages.validate import gate
 

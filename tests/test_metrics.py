@@ -134,11 +134,12 @@ def test_coco_files_rescore_to_the_reported_map(tmp_path):
 @pytest.mark.slow
 def test_evaluate_writes_coco_files_that_rescore_to_its_metrics(trained_tiny, tmp_path):
     from qatpipe.data.splits import load_split
+    from qatpipe.metrics.report import evaluation_markdown
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.tracking.records import StageRecord
 
     spec, model = trained_tiny
-    evaluate(spec, model, tmp_path)
+    result = evaluate(spec, model, tmp_path, title="fp32")
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["num_detections"] > 0
     rescored = rescore(tmp_path / "ground_truth.json", tmp_path / "detections.json")
@@ -147,4 +148,5 @@ def test_evaluate_writes_coco_files_that_rescore_to_its_metrics(trained_tiny, tm
     images = json.loads((tmp_path / "ground_truth.json").read_text())["images"]
     assert images == [{"id": i, "file_name": s.image_path.name, "width": s.width, "height": s.height}
                       for i, s in enumerate(samples, start=1)]
-    assert {"detections.json", "ground_truth.json"} <= set(StageRecord.read(tmp_path).artifacts)
+    assert {"detections.json", "ground_truth.json", "report.md"} <= set(StageRecord.read(tmp_path).artifacts)
+    assert (tmp_path / "report.md").read_text() == evaluation_markdown("fp32", result)  # the KFP UI's report

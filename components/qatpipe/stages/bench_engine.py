@@ -9,6 +9,7 @@ import numpy as np
 
 from qatpipe.fileio import write_json
 from qatpipe.spec import ExperimentSpec
+from qatpipe.tracking.records import RECORD_FILE, StageRecord
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +18,8 @@ BENCH_FILE = "bench.json"
 
 def bench_engine(spec: ExperimentSpec, engine_dir: str | Path, output: str | Path | None = None) -> dict:
     """p50/p95/p99 latency and throughput at each `engine.bench.batch_sizes`, model and engine size, peak
-    memory; written to `output` (default ENGINE_DIR/bench.json)."""
+    memory; written to `output` (default ENGINE_DIR/bench.json, and then its figures join the engine's tracking
+    record)."""
     from qatpipe.engines import load_engine
     from qatpipe.engines.latency import measure_latency, peak_rss_mb
 
@@ -43,7 +45,21 @@ def bench_engine(spec: ExperimentSpec, engine_dir: str | Path, output: str | Pat
         "peak_memory_mb": peak_rss_mb(), "batches": results,
     }
     write_json(Path(output) if output else engine_dir / BENCH_FILE, report)
+    if output is None and (engine_dir / RECORD_FILE).is_file():
+        record = StageRecord.read(engine_dir)
+        record.metrics.update(figures(report))
+        record.artifacts.append(BENCH_FILE)
+        record.write(engine_dir)
     return report
 
 
-__all__ = ["bench_engine", "BENCH_FILE"]
+def figures(report: dict) -> dict[str, float]:
+    """The benchmark's numbers worth a metric: sizes, peak memory, and latency/throughput per batch size."""
+    values = {"engine_size_mb": report["engine_size_mb"], "peak_memory_mb": report["peak_memory_mb"]}
+    for row in report["batches"]:
+        for key in ("latency_ms_p50", "latency_ms_p99", "throughput"):
+            values[f"batch{row['batch_size']}.{key}"] = row[key]
+    return values
+
+
+__all__ = ["bench_engine", "figures", "BENCH_FILE"]

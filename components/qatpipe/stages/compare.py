@@ -12,7 +12,9 @@ from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text, read_json, write_json
 from qatpipe.html_report import png_page
 from qatpipe.metrics.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, match_detections, paired_bootstrap
+from qatpipe.stages.bench_engine import BENCH_FILE  # copied beside the evaluation by the validate stage
 from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE, METRICS_FILE
+from qatpipe.stages.validate import EMULATED_FOLDER, REPORT_FILE as VALIDATION_FILE
 from qatpipe.tracking.records import StageRecord
 
 log = logging.getLogger(__name__)
@@ -42,8 +44,6 @@ VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
 }
 TENSORRT_PREFIX = "tensorrt."  # metrics of the differences in TensorRT's numbers: tensorrt.qat-fp32.map50_diff
 OPTIONAL_COLUMNS = ("engine", "layers", "map50_tensorrt_emulated")  # shown when some variant has them
-BENCH_FILE = "bench.json"  # written beside the evaluation by the validate stage (the engine's benchmark)
-VALIDATION_FILE = "validation.json"
 
 
 def variant_row(evaluation_dir: str | Path) -> dict[str, Any]:
@@ -114,8 +114,6 @@ def tensorrt_emulated_folders(evaluations: dict[str, str | Path]) -> dict[str, P
     """The evaluations as TensorRT would score them: a validation folder's `tensorrt_emulated/` (the exact form
     of a fast CPU INT8 engine) where there is one, the folder itself elsewhere (float engines, engines that
     compute TensorRT's numbers); None when no variant has one."""
-    from qatpipe.stages.validate import EMULATED_FOLDER
-
     emulated = {name: Path(folder) / EMULATED_FOLDER for name, folder in evaluations.items()
                 if (Path(folder) / EMULATED_FOLDER / DETECTIONS_FILE).is_file()}
     return {name: emulated.get(name, Path(folder)) for name, folder in evaluations.items()} if emulated else None

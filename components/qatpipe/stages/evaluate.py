@@ -10,11 +10,12 @@ import numpy as np
 
 from qatpipe.data.splits import load_split
 from qatpipe.errors import DataError, QatpipeError
-from qatpipe.fileio import write_json
+from qatpipe.fileio import atomic_write_text, write_json
 from qatpipe.metrics.coco import GroundTruth, evaluate_detections, plot_pr_curves, write_coco_files
 from qatpipe.metrics.diagnostics import check_learning, diagnostics_metrics, findings_tags, log_findings
+from qatpipe.metrics.report import evaluation_markdown
 from qatpipe.spec import ExperimentSpec
-from qatpipe.tracking.records import StageRecord
+from qatpipe.tracking.records import REPORT_MARKDOWN, StageRecord
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +43,10 @@ def predict(forward, samples, spec: ExperimentSpec, arch) -> list:
 
 
 def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Path | None = None,
-             stage_name: str = "evaluate") -> dict:
+             stage_name: str = "evaluate", title: str | None = None) -> dict:
     """Score `model_path` on dataset.val; writes metrics.json, pr_curves.png, detections.json,
-    ground_truth.json and tracking.json to `output_dir`."""
+    ground_truth.json, report.md (headed `title`, default the model's file name) and tracking.json to
+    `output_dir`."""
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
 
@@ -87,9 +89,11 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
     }
     write_json(output_dir / METRICS_FILE, result)
     plot_pr_curves(metrics, output_dir / PR_CURVE_FILE, title=f"{model_path.name}: PR @ IoU 0.5")
+    atomic_write_text(output_dir / REPORT_MARKDOWN, evaluation_markdown(title or model_path.name, result))
     StageRecord(
         stage=stage_name, params={"model": model_path.name, "val_images": len(samples)},
-        metrics=tracked_metrics(result), artifacts=[METRICS_FILE, PR_CURVE_FILE, DETECTIONS_FILE, GROUND_TRUTH_FILE],
+        metrics=tracked_metrics(result),
+        artifacts=[METRICS_FILE, PR_CURVE_FILE, DETECTIONS_FILE, GROUND_TRUTH_FILE, REPORT_MARKDOWN],
         tags=findings_tags(check.findings),
     ).write(output_dir)
     log.info("mAP@0.5 %.4f  mAP@[.5:.95] %.4f  (%d images, %d detections)", metrics.map50, metrics.map,

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from qatpipe.fileio import read_json
 from qatpipe.spec import ExperimentSpec, spec_to_yaml
-from qatpipe.stages.compare import VALIDATION_FILE, variant_row
-from qatpipe.stages.validate import gate_message
+from qatpipe.stages.compare import variant_row
+from qatpipe.stages.validate import DEEPSTREAM_FOLDER, MARKDOWN_FILE, REPORT_FILE as VALIDATION_FILE, gate_message
 from qatpipe.tracking.mlflow_runs import KFP_RUN_TAG, KFP_RUN_URL_TAG, MlflowTracker
 from qatpipe.tracking.records import RECORD_FILE
-from qatpipe.tracking.registry import log_variant_model, register_variant, spec_digest
+from qatpipe.tracking.registry import loading_snippet, log_variant_model, register_variant, spec_digest
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def deployment_files(onnx_dir: Path, engine_dir: Path | None, validation_dir: Pa
              and p.name not in ("model.onnx", RECORD_FILE)]
     if engine_dir is not None and (engine_dir / "engine.json").is_file():
         files.append(engine_dir / "engine.json")
-    files += [validation_dir / name for name in ("validation.json", "validation.md", "deepstream")
+    files += [validation_dir / name for name in (VALIDATION_FILE, MARKDOWN_FILE, DEEPSTREAM_FOLDER)
               if (validation_dir / name).exists()]
     return files
 
@@ -77,4 +77,18 @@ def register_models(tracker: MlflowTracker, parent_run_id: str, spec: Experiment
     return result
 
 
-__all__ = ["VariantFiles", "deployment_files", "register_models"]
+def markdown(result: dict | None) -> str:
+    """What `register_models` did, as Markdown (the KFP UI's report); None: no tracking server."""
+    if result is None:
+        return "No MLflow tracking server: no models were logged or registered.\n"
+    lines = ["| variant | MLflow model |", "|---|---|"]
+    lines += [f"| {name} | `{uri}` |" for name, uri in result["models"].items()]
+    registered = result["registered"]
+    if registered:
+        verdict = "passed the gate" if registered["passed"] else f"failed the gate: {registered['reason']}"
+        lines += ["", f"QAT: version {registered['version']} of `{registered['name']}`, `{registered['uri']}` "
+                      f"({verdict})", "", "```python", loading_snippet(registered["uri"]), "```"]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["VariantFiles", "deployment_files", "markdown", "register_models"]

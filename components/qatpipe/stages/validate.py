@@ -1,10 +1,12 @@
 """Stage: validate a deployable engine: its mAP on the val set, by running it, against the FP32 baseline, and
-the gate `validate.max_map_drop` (TAO's last check before a model ships)."""
+the gate `validate.max_map_drop` (TAO's last check before a model ships); a passing model gets its DeepStream
+nvinfer config."""
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 from qatpipe.errors import QatpipeError
@@ -17,6 +19,7 @@ log = logging.getLogger(__name__)
 REPORT_FILE = "validation.json"
 MARKDOWN_FILE = "validation.md"
 EMULATED_FOLDER = "tensorrt_emulated"  # the exact CPU form of a fast engine, and its evaluation
+DEEPSTREAM_FOLDER = "deepstream"  # a passing model's nvinfer config, labels and DeepStream-layout ONNX
 
 
 def read_baseline(path: str | Path) -> dict:
@@ -74,13 +77,16 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
 
 
 def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str | Path,
-             output_dir: str | Path | None = None, variant: str = "int8", bench: dict | None = None,
+             output_dir: str | Path | None = None, variant: str = "int8",
              onnx_model: str | Path | None = None) -> dict:
     """Evaluate the engine, and for a Q/DQ engine TensorRT's numbers too (`map50_tensorrt_emulated`: what the
     model will score on TensorRT, where the engine here runs a faster CPU form); compare both with the
-    baseline; write validation.json / .md. The gate passes only when both are within validate.max_map_drop.
-    Never raises on a failed gate (the result says `passed`: the caller decides, the CLI exits non-zero)."""
+    baseline; write validation.json / .md, a copy of the engine's bench.json when it has one, and for a passing
+    model the DeepStream config (deepstream/, from `onnx_model`, else the engine's source ONNX). The gate passes
+    only when both are within validate.max_map_drop. Never raises on a failed gate (the result says `passed`:
+    the caller decides, the CLI exits non-zero)."""
     from qatpipe.engines.base import EngineMetadata
+    from qatpipe.stages.bench_engine import BENCH_FILE
     from qatpipe.stages.evaluate import evaluate
 
     engine_dir = Path(engine_dir)
@@ -104,8 +110,13 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
         report.update(map50_tensorrt_emulated=emulated, map50_tensorrt_emulated_drop=emulated_drop)
         passed = passed and emulated_passed
     report["passed"] = passed
-    if bench:
-        report["benchmark"] = bench
+    artifacts = [REPORT_FILE, MARKDOWN_FILE]
+    if (engine_dir / BENCH_FILE).is_file():  # the engine's benchmark travels with its verdict (compare reads it)
+        shutil.copyfile(engine_dir / BENCH_FILE, output_dir / BENCH_FILE)
+        report["benchmark"] = json.loads((output_dir / BENCH_FILE).read_text())
+        artifacts.append(BENCH_FILE)
+    if passed and _deepstream_config(spec, metadata, onnx_model, output_dir, variant):
+        artifacts.append(DEEPSTREAM_FOLDER)
     write_json(output_dir / REPORT_FILE, report)
     verdict = "PASSED" if passed else "FAILED"
     rows = [f"| {variant} ({label}) | {evaluation['map50']:.4f} | {evaluation['map']:.4f} | {100 * drop:+.2f} |"]
@@ -124,12 +135,30 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
     if emulated is not None:
         record.metrics.update({"map50_tensorrt_emulated": emulated,
                                "map50_tensorrt_emulated_drop": report["map50_tensorrt_emulated_drop"]})
-    record.artifacts.extend([REPORT_FILE, MARKDOWN_FILE])
+    record.artifacts.extend(artifacts)
     record.write(output_dir)
+    if not passed:
+        log.warning("%s", gate_message(report))
     log.info("validation of %s (%s): %s (mAP@0.5 %.4f%s vs baseline %.4f, allowed drop %.2f points)", variant,
              label, verdict, evaluation["map50"],
              "" if emulated is None else f", TensorRT-emulated {emulated:.4f}", baseline["map50"], 100 * max_drop)
     return report
+
+
+def _deepstream_config(spec: ExperimentSpec, metadata, onnx_model: str | Path | None, output_dir: Path,
+                       variant: str) -> bool:
+    """The nvinfer config of a passing model, in the network mode of what the engine is (engine.json's
+    precision, not the variant's name); False, with a warning, when its ONNX is not here."""
+    from qatpipe.deploy.deepstream import write_nvinfer_config
+
+    source = Path(onnx_model) if onnx_model else Path(metadata.source_onnx)
+    if not source.is_file():
+        log.warning("no DeepStream config for %s: its ONNX %s is not here (pass the model the engine was built "
+                    "from)", variant, source)
+        return False
+    network_mode = "int8" if metadata.precision.startswith("int8") else "fp16"
+    write_nvinfer_config(spec, source, output_dir / DEEPSTREAM_FOLDER, variant, network_mode)
+    return True
 
 
 def gate_message(report: dict) -> str:
@@ -141,4 +170,5 @@ def gate_message(report: dict) -> str:
             f"({100 * report['max_map_drop']:.2f} points) allows")
 
 
-__all__ = ["validate", "gate", "gate_message", "read_baseline", "tensorrt_emulated_map50"]
+__all__ = ["validate", "gate", "gate_message", "read_baseline", "tensorrt_emulated_map50", "REPORT_FILE",
+           "MARKDOWN_FILE", "EMULATED_FOLDER", "DEEPSTREAM_FOLDER"]

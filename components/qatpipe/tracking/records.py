@@ -18,6 +18,8 @@ from qatpipe.fileio import write_json
 from qatpipe.spec import flatten
 
 RECORD_FILE = "tracking.json"
+# a stage's human-readable report beside its record: the KFP UI shows it (Markdown output) and MLflow keeps it
+REPORT_MARKDOWN = "report.md"
 
 
 @dataclass

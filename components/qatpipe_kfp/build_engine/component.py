@@ -30,7 +30,7 @@ def build_engine(engine_spec: str, variant: str, onnx_model: Input[Model], engin
     from pathlib import Path
 
     from qatpipe.devices import check_gpu_type
-    from qatpipe.stages.bench_engine import BENCH_FILE, bench_engine
+    from qatpipe.stages.bench_engine import bench_engine, figures
     from qatpipe.stages.build_engine import build_engine as build_stage
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics
 
@@ -39,19 +39,8 @@ def build_engine(engine_spec: str, variant: str, onnx_model: Input[Model], engin
         spec = load_stage_spec(engine_spec)
         source = Path(onnx_model.path) / onnx_model.metadata.get("file", "model.onnx")
         info = build_stage(spec, source, engine.path, stage_name=f"build_engine_{variant}")
-        report = bench_engine(spec, engine.path)
+        report = bench_engine(spec, engine.path)  # bench.json, its figures added to the engine's tracking record
         engine.metadata.update({"backend": info["backend"], "precision": info["precision"], "variant": variant,
                                 "device": info["device"], "runtime_version": info["runtime_version"],
                                 "source_onnx_file": Path(info["source_onnx"]).name, "gpu_type": gpu_type})
-        figures = {"engine_size_mb": report["engine_size_mb"], "peak_memory_mb": report["peak_memory_mb"]}
-        for row in report["batches"]:
-            for key in ("latency_ms_p50", "latency_ms_p99", "throughput"):
-                figures[f"batch{row['batch_size']}.{key}"] = row[key]
-        write_metrics(metrics, figures)
-        # the engine's tracking record also carries the latency figures and the benchmark file
-        from qatpipe.tracking.records import StageRecord
-
-        record = StageRecord.read(engine.path)
-        record.metrics.update(figures)
-        record.artifacts.append(BENCH_FILE)
-        record.write(engine.path)
+        write_metrics(metrics, figures(report))

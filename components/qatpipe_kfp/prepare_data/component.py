@@ -15,29 +15,21 @@ def prepare_data(data_spec: str, dataset: Output[Dataset], report: Output[Markdo
             input it keys the KFP cache, so changed files under the same URIs are prepared again.
 
     Returns:
-        dataset: Folder with dataset.json (source, split locations, classes, per-class counts, digests) and
-            tracking.json; a synthetic data set's images are generated into it. Its metadata holds the source,
-            the image count of each split and the fingerprint.
+        dataset: Folder with dataset.json (source, split locations, classes, per-class counts, digests),
+            report.md and tracking.json; a synthetic data set's images are generated into it. Its metadata
+            holds the source, the image count of each split and the fingerprint.
         report: The per-class object counts of both splits, as Markdown.
     """
     # data_fingerprint (fingerprint-data's output) is here for the cache key: changed data, another key
-    from qatpipe.data.prepare import prepare_dataset
-    from qatpipe.tracking.records import StageRecord, numeric_leaves
+    from pathlib import Path
+
+    from qatpipe.stages.prepare_data import prepare_data as prepare_stage
+    from qatpipe.tracking.records import REPORT_MARKDOWN
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_text
 
     with stage("prepare-data"):
-        spec = load_stage_spec(data_spec)
-        manifest = prepare_dataset(spec, dataset.path)
+        manifest = prepare_stage(load_stage_spec(data_spec), dataset.path)
         counts = manifest["counts"]
         dataset.metadata.update({"source": manifest["source"], "train_images": counts["train"]["images"],
                                  "val_images": counts["val"]["images"], "fingerprint": data_fingerprint})
-        rows = [f"| {name} | {counts['train']['objects'][name]} | {counts['val']['objects'][name]} |"
-                for name in manifest["classes"]]
-        write_text(report, "\n".join([
-            f"# Data set ({manifest['source']})", "",
-            f"train: `{manifest['train']}` ({counts['train']['images']} images), "
-            f"val: `{manifest['val']}` ({counts['val']['images']} images)", "",
-            "| class | train objects | val objects |", "|---|---|---|", *rows, ""]))
-        StageRecord(stage="prepare_data", params={"source": manifest["source"], "train": manifest["train"],
-                                                  "val": manifest["val"]},
-                    metrics=numeric_leaves(counts), artifacts=["dataset.json"]).write(dataset.path)
+        write_text(report, (Path(dataset.path) / REPORT_MARKDOWN).read_text())

@@ -18,7 +18,9 @@ def test_generates_synthetic_data_with_a_manifest_and_report(artifact):
     assert len(list((Path(dataset.path) / "val" / "images").iterdir())) == 3
     assert dataset.metadata["val_images"] == 3
     assert "| car |" in Path(report.path).read_text()
-    assert json.loads((Path(dataset.path) / "tracking.json").read_text())["stage"] == "prepare_data"
+    assert Path(report.path).read_text() == (Path(dataset.path) / "report.md").read_text()  # the stage's report
+    record = json.loads((Path(dataset.path) / "tracking.json").read_text())
+    assert record["stage"] == "prepare_data" and "report.md" in record["artifacts"]
 
 
 def test_named_folder_that_is_missing_fails_with_its_path(artifact, tmp_path):

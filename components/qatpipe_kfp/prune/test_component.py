@@ -25,6 +25,8 @@ def test_prunes_a_model_and_reports(artifact, tmp_path):
     assert outputs["metrics"].metadata["flops_ratio"] == report["flops_ratio"]
     assert outputs["metrics"].metadata["threshold_used"] == report["threshold_used"] == 0.95
     assert "| filters before | after |" in Path(outputs["report"].path).read_text()
+    assert Path(outputs["report"].path).read_text() == (folder / "report.md").read_text()  # the stage's report
+    assert "report.md" in json.loads((folder / "tracking.json").read_text())["artifacts"]
 
 
 def test_interface():

@@ -43,16 +43,15 @@ def register(parent_run_id: str, spec: str, kfp_run_id: str, kfp_ui_url: str, da
     from pathlib import Path
 
     from qatpipe.data.prepare import read_manifest
-    from qatpipe.stages.register import VariantFiles, deployment_files, register_models
+    from qatpipe.stages.register import VariantFiles, deployment_files, markdown, register_models
     from qatpipe.tracking.mlflow_runs import MlflowTracker
-    from qatpipe.tracking.registry import loading_snippet
     from qatpipe_kfp.runtime import kfp_run_url, load_stage_spec, log, stage, write_text
 
     with stage("register"):
         tracker = MlflowTracker.from_env()
         if tracker is None or not parent_run_id:
             log.warning("no MLflow tracking server: nothing to register")
-            write_text(report, "No MLflow tracking server: no models were logged or registered.\n")
+            write_text(report, markdown(None))
             return ""
 
         def files(onnx_model, validation, engine=None) -> VariantFiles:
@@ -65,13 +64,5 @@ def register(parent_run_id: str, spec: str, kfp_run_id: str, kfp_ui_url: str, da
             {"fp32": files(fp32_onnx, fp32_validation), "ptq": files(ptq_onnx, ptq_validation),
              "qat": files(qat_onnx, qat_validation, qat_engine)},
             read_manifest(dataset.path), kfp_run_id, kfp_run_url(kfp_ui_url, kfp_run_id))
-        registered = result["registered"]
-        lines = ["| variant | MLflow model |", "|---|---|"]
-        lines += [f"| {name} | `{uri}` |" for name, uri in result["models"].items()]
-        if registered:
-            verdict = "passed the gate" if registered["passed"] else f"failed the gate: {registered['reason']}"
-            lines += ["", f"QAT: version {registered['version']} of `{registered['name']}`, "
-                          f"`{registered['uri']}` ({verdict})",
-                      "", "```python", loading_snippet(registered["uri"]), "```"]
-        write_text(report, "\n".join(lines) + "\n")
-        return registered["version"] if registered else ""
+        write_text(report, markdown(result))
+        return result["registered"]["version"] if result["registered"] else ""
