@@ -526,11 +526,13 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-# Which spec sections each pipeline stage reads. A stage gets only these (the rest left at defaults), so a
-# KFP cache key changes only when something that stage depends on changes: editing `validate` does not
-# retrain. A stage added to the pipeline adds its line here.
+# Which spec sections each pipeline stage reads: the one table. A stage gets only these (the rest left at
+# defaults), so a KFP cache key changes only when something that stage depends on changes: editing `validate`
+# does not retrain. resolve-spec hands each view on as its output `<view>_spec` (spec_output_name), and the
+# tests check its outputs and their descriptions against this table. A new view adds its line here and its
+# output to resolve-spec's signature (KFP reads outputs from the source), which the tests then demand.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "prepare_data": ("dataset",),
+    "data": ("dataset",),  # fingerprint-data and prepare-data
     "train": ("dataset", "model", "augmentation", "train", "evaluate"),  # evaluate: validation during training
     "evaluate": ("dataset", "model", "evaluate"),
     "prune": ("dataset", "model", "prune"),
@@ -541,6 +543,11 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "engine": ("dataset", "model", "engine"),
     "validate": ("dataset", "model", "evaluate", "engine", "validate"),
 }
+
+
+def spec_output_name(view: str) -> str:
+    """resolve-spec's output that carries a view of STAGE_SECTIONS."""
+    return f"{view}_spec"
 
 
 def stage_view(spec: ExperimentSpec, stage: str) -> str:

@@ -9,7 +9,7 @@ def fingerprint_data(data_spec: str) -> str:
     """Digest the spec's data as it is now, so that prepare-data's cache key follows the data, not only its URIs.
 
     Args:
-        data_spec: The spec's prepare_data view (section dataset), as YAML.
+        data_spec: The spec's data view (section dataset), as YAML.
 
     Returns:
         Output: 16 hex digits of SHA-256 over the S3 listing (keys, sizes, ETags) or the local files (paths, sizes,

@@ -10,7 +10,7 @@ def prepare_data(data_spec: str, dataset: Output[Dataset], report: Output[Markdo
     """Generate the synthetic data set, or fetch (s3://) and validate the KITTI folders the spec names.
 
     Args:
-        data_spec: The spec's prepare_data view (section dataset), as YAML.
+        data_spec: The spec's data view (section dataset), as YAML.
         data_fingerprint: fingerprint-data's digest of the data. Only recorded in the data set's metadata; as an
             input it keys the KFP cache, so changed files under the same URIs are prepared again.
 

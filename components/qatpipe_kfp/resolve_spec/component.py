@@ -25,13 +25,14 @@ def resolve_spec(spec_uri: str, overrides: List[str], credentials_secret: str = 
 
     Returns:
         spec: The full resolved spec, as YAML.
-        data_spec: The prepare_data view of the spec (section dataset), as YAML.
+        data_spec: The data view (section dataset), for fingerprint-data and prepare-data, as YAML.
         train_spec: The train view (sections dataset, model, augmentation, train, evaluate), as YAML.
         evaluate_spec: The evaluate view (sections dataset, model, evaluate), as YAML.
         prune_spec: The prune view (sections dataset, model, prune), as YAML.
         retrain_spec: The FP32 retrain view (sections dataset, model, augmentation, train, evaluate, retrain), as
             YAML.
-        retrain_qat_spec: The QAT retrain view: the retrain view's sections and qat, as YAML.
+        retrain_qat_spec: The QAT retrain view (sections dataset, model, augmentation, train, evaluate, retrain,
+            qat), as YAML.
         export_spec: The export view (sections dataset, model, export), as YAML.
         ptq_spec: The ptq view (sections dataset, model, evaluate, ptq), as YAML.
         engine_spec: The engine view (sections dataset, model, engine), as YAML.
@@ -41,7 +42,7 @@ def resolve_spec(spec_uri: str, overrides: List[str], credentials_secret: str = 
     from collections import namedtuple
 
     from qatpipe.cluster.credentials import check_credentials, check_tracking_access
-    from qatpipe.spec import spec_to_yaml, stage_view
+    from qatpipe.spec import STAGE_SECTIONS, spec_output_name, spec_to_yaml, stage_view
     from qatpipe.spec_sources import load_spec_uri
     from qatpipe_kfp.runtime import stage
 
@@ -51,9 +52,6 @@ def resolve_spec(spec_uri: str, overrides: List[str], credentials_secret: str = 
         spec = load_spec_uri(spec_uri, list(overrides))
         check_credentials(credentials_secret, [spec.dataset.train or "", spec.dataset.val or ""])
         check_tracking_access(credentials_secret)
-        stages = ("prepare_data", "train", "evaluate", "prune", "retrain", "retrain_qat", "export", "ptq", "engine",
-                  "validate")
-        outputs = namedtuple("StageSpecs", "spec data_spec train_spec evaluate_spec prune_spec retrain_spec "
-                                           "retrain_qat_spec export_spec ptq_spec engine_spec validate_spec registry_name")
-        return outputs(spec_to_yaml(spec), *(stage_view(spec, name) for name in stages),
+        outputs = namedtuple("StageSpecs", ["spec", *map(spec_output_name, STAGE_SECTIONS), "registry_name"])
+        return outputs(spec_to_yaml(spec), *(stage_view(spec, view) for view in STAGE_SECTIONS),
                        spec.tracking.registered_model)
