@@ -19,7 +19,6 @@ from qatpipe.cli import main
 from qatpipe.engines import load_engine, select_backend
 from qatpipe.engines.tensorrt_backend import TensorRTBackend
 from qatpipe.errors import ModelFileError, QatpipeError
-from qatpipe.runtime.onnx_runtime import OnnxModel
 from qatpipe.stages.build_engine import build_engine
 
 TENSORRT_MISSING = TensorRTBackend.unavailable_reason()

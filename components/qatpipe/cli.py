@@ -263,6 +263,7 @@ def cmd_spec_show(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from qatpipe.data.synth import KINDS
+    from qatpipe.spec import EngineSpec, ImageSize, PruneSpec, SyntheticDataSpec, field_choices, field_default
 
     parser = argparse.ArgumentParser(prog="qatpipe", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -271,12 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="write a synthetic KITTI dataset (DIR/train, DIR/val)")
     synth.add_argument("--out", required=True, type=Path)
-    synth.add_argument("--train", type=int, default=2000, help="training images")
-    synth.add_argument("--val", type=int, default=300, help="validation images")
-    synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--height", type=int, default=192)
-    synth.add_argument("--width", type=int, default=320)
-    synth.add_argument("--kind", choices=sorted(KINDS), default="shapes",
+    synth.add_argument("--train", type=int, default=field_default(SyntheticDataSpec, "train_images"),
+                       help="training images")
+    synth.add_argument("--val", type=int, default=field_default(SyntheticDataSpec, "val_images"),
+                       help="validation images")
+    synth.add_argument("--seed", type=int, default=field_default(SyntheticDataSpec, "seed"))
+    synth.add_argument("--height", type=int, default=field_default(ImageSize, "height"))
+    synth.add_argument("--width", type=int, default=field_default(ImageSize, "width"))
+    synth.add_argument("--kind", choices=sorted(KINDS), default=field_default(SyntheticDataSpec, "kind"),
                        help="shapes (3 classes by outline); glyphs, photos (10 classes by internal detail)")
     synth.add_argument("--object-height", type=float, nargs=2, metavar=("MIN", "MAX"),
                        help="object box sizes in px at a 192-px-high image (default: the kind's)")
@@ -315,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine = sub.add_parser("build-engine", help="build an inference engine from an ONNX model",
                             description="Settings: the spec's `engine` section (batch profile, workspace, fp16).")
     _add_model_conversion_args(engine, "the ONNX model", "the engine folder to write")
-    engine.add_argument("--backend", choices=["auto", "tensorrt", "onnxruntime"],
+    engine.add_argument("--backend", choices=field_choices(EngineSpec, "backend"),
                         help="default: engine.backend (auto: TensorRT with a GPU, else ONNX Runtime)")
     engine.set_defaults(func=cmd_build_engine)
 
@@ -348,11 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("-pth", "--threshold", type=float, help="normalised filter norm below which it goes")
     prune.add_argument("--target-flops-ratio", dest="target_flops_ratio", type=float,
                        help="instead of -pth: the lowest threshold leaving at most this share of the FLOPs")
-    prune.add_argument("-n", "--normalizer", choices=["max", "L2"])
+    prune.add_argument("-n", "--normalizer", choices=field_choices(PruneSpec, "normalizer"))
     prune.add_argument("-pg", "--granularity", type=int, help="kept filters are a multiple of this")
     prune.add_argument("-nf", "--min-filters", dest="min_filters", type=int, help="never fewer filters than this")
     prune.add_argument("-eq", "--equalization",
-                       choices=["union", "intersection", "arithmetic_mean", "geometric_mean"],
+                       choices=field_choices(PruneSpec, "equalization"),
                        help="how convs joined by a residual add agree on their channels")
     prune.add_argument("-el", "--excluded-layers", nargs="+", metavar="LAYER", help="layers never pruned")
     prune.set_defaults(func=cmd_prune)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -543,6 +543,17 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "engine": ("dataset", "model", "engine"),
     "validate": ("dataset", "model", "evaluate", "engine", "validate"),
 }
+
+
+def field_default(section: type[BaseModel], name: str) -> Any:
+    """A spec field's default, for code that takes the setting outside a spec (a CLI flag, a layer argument):
+    the spec stays the one home of every default."""
+    return section.model_fields[name].get_default(call_default_factory=True)
+
+
+def field_choices(section: type[BaseModel], name: str) -> tuple[str, ...]:
+    """The values a Literal spec field allows, for a CLI flag's choices."""
+    return get_args(section.model_fields[name].annotation)
 
 
 def spec_output_name(view: str) -> str:

@@ -102,7 +102,7 @@ def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: st
     from the ONNX at `onnx_path`) into `folder`; returns the config path."""
     from qatpipe.export.onnx_export import save_onnx
     from qatpipe.models import get_architecture
-    from qatpipe.runtime.onnx_runtime import load_onnx_proto
+    from qatpipe.onnx_model import load_onnx_proto
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

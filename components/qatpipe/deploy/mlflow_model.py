@@ -156,6 +156,7 @@ def save_detector_model(path: str | Path, onnx_path: str | Path, spec, extra_fil
     import onnx
     from mlflow.models import Model
 
+    from qatpipe.onnx_model import MODEL_PROVIDERS
     from qatpipe.spec import dump_spec
 
     path, mlflow_model = Path(path), mlflow_model or Model()
@@ -175,7 +176,7 @@ def save_detector_model(path: str | Path, onnx_path: str | Path, spec, extra_fil
                                  pip_requirements=requirements(), mlflow_model=mlflow_model)
     # the onnx flavour reads the same file the pyfunc one does
     mlflow_model.add_flavor("onnx", onnx_version=onnx.__version__, data="artifacts/model.onnx",
-                            providers=["CUDAExecutionProvider", "CPUExecutionProvider"], code=None)
+                            providers=list(MODEL_PROVIDERS), code=None)
     mlflow_model.save(str(path / "MLmodel"))
     return path
 

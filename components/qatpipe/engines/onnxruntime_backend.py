@@ -20,7 +20,6 @@ from qatpipe.engines.base import (EngineBackend, EngineMetadata, EngineRunner, e
 log = logging.getLogger(__name__)
 
 ENGINE_FILE = "model.onnx"
-PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 
 
 def _cpu_name() -> str:
@@ -35,13 +34,9 @@ def _cpu_name() -> str:
 
 class OnnxRuntimeRunner(EngineRunner):
     def __init__(self, path: Path, metadata: EngineMetadata, threads: int | None = None):
-        import onnxruntime as ort
+        from qatpipe.onnx_model import ENGINE_PROVIDERS, OnnxModel, available_providers
 
-        from qatpipe.runtime.onnx_runtime import OnnxModel
-
-        available = ort.get_available_providers()
-        providers = [p for p in PREFERRED_PROVIDERS if p in available]
-        self.model = OnnxModel(path, providers=providers, threads=threads)
+        self.model = OnnxModel(path, providers=available_providers(ENGINE_PROVIDERS), threads=threads)
         self.providers = self.model.session.get_providers()
         self.metadata = metadata
 
@@ -61,10 +56,10 @@ class OnnxRuntimeBackend(EngineBackend):
 
         from qatpipe.engines.cpu_qdq import CPU_FORM_REWRITES, to_cpu_form
         from qatpipe.export.onnx_export import save_onnx
-        from qatpipe.runtime.onnx_runtime import load_onnx_proto
+        from qatpipe.onnx_model import ENGINE_PROVIDERS, available_providers, load_onnx_proto
 
         model = load_onnx_proto(onnx_path)
-        providers = [p for p in PREFERRED_PROVIDERS if p in ort.get_available_providers()]
+        providers = available_providers(ENGINE_PROVIDERS)
         on_cpu = providers[0] == "CPUExecutionProvider"
         explicit = is_explicitly_quantized(model)
         # the CPU forms suit the CPU provider; TensorRT / CUDA providers take TensorRT's symmetric int8 as is

@@ -88,7 +88,7 @@ class TensorRTBackend(EngineBackend):
 
     def build(self, onnx_path: Path, folder: Path, settings) -> EngineMetadata:
         trt = _import_tensorrt()
-        from qatpipe.runtime.onnx_runtime import load_onnx_proto
+        from qatpipe.onnx_model import load_onnx_proto
 
         model = load_onnx_proto(onnx_path)
         quantized = is_explicitly_quantized(model)

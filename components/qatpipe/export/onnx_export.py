@@ -10,10 +10,9 @@ import numpy as np
 
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import temp_path
+from qatpipe.models.base import INPUT_NAME
 
 log = logging.getLogger(__name__)
-
-INPUT_NAME = "input_1"
 
 
 def export_onnx(model, path: str | Path, opset: int, batch_size: int | None = None) -> Path:
@@ -56,7 +55,7 @@ def output_differences(model, onnx_path: str | Path, inputs: np.ndarray, referen
     """Per output, how far ONNX Runtime is from TensorFlow on `inputs`: the largest absolute difference, and
     percentiles of the difference in int8 steps of that output's range (max |TF| / 127). `reference`: the
     model's outputs on `inputs` (tf_outputs), when the caller already has them."""
-    from qatpipe.runtime.onnx_runtime import OnnxModel
+    from qatpipe.onnx_model import OnnxModel
 
     reference = tf_outputs(model, inputs) if reference is None else reference
     return _step_differences(reference, OnnxModel(onnx_path).run(inputs))

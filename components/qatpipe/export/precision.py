@@ -22,7 +22,7 @@ from typing import Iterable
 import numpy as np
 
 from qatpipe.errors import QatpipeError
-from qatpipe.runtime.onnx_runtime import load_onnx_proto
+from qatpipe.onnx_model import load_onnx_proto
 
 log = logging.getLogger(__name__)
 

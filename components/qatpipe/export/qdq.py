@@ -18,8 +18,6 @@ import numpy as np
 from qatpipe.export.onnx_graph import RANGE_KEEPING_OPS, attribute, drop_unused_initializers, graph_maps
 
 QUANTIZED_OPS = ("Conv", "Gemm", "MatMul")
-# TensorRT's version as NV_TENSORRT_VERSION writes it: 10.3.0 (DeepStream 7.1) -> 100300; 8.6.1 -> 8601
-DEFAULT_TRT_VERSION = 100300
 
 
 def _initializers(graph) -> dict:
@@ -248,23 +246,12 @@ def strip_qdq(model) -> dict[str, float]:
     return scales
 
 
-def calibration_cache_text(scales: dict[str, float], trt_version: int = DEFAULT_TRT_VERSION) -> str:
-    """TAO / TensorRT calibration cache: a header line, then `tensor: hex of the float32 scale (big endian)`."""
+def calibration_cache_text(scales: dict[str, float], trt_version: int) -> str:
+    """TAO / TensorRT calibration cache: a header line naming `trt_version` as NV_TENSORRT_VERSION writes it
+    (export.calibration_cache_trt_version), then `tensor: hex of the float32 scale (big endian)`."""
     lines = [f"TRT-{trt_version}-EntropyCalibration2"]
     lines += [f"{name}: {struct.pack('>f', scale).hex()}" for name, scale in sorted(scales.items())]
     return "\n".join(lines) + "\n"
-
-
-def read_calibration_cache(text: str) -> tuple[str, dict[str, float]]:
-    """(header, tensor -> scale) of a calibration cache, for checks and tools."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    if not lines or not lines[0].startswith("TRT-"):
-        raise ValueError("not a TensorRT calibration cache: the first line must be TRT-<version>-<calibrator>")
-    scales = {}
-    for line in lines[1:]:
-        name, _, value = line.rpartition(":")
-        scales[name.strip()] = struct.unpack(">f", bytes.fromhex(value.strip()))[0]
-    return lines[0], scales
 
 
 def write_scales_json(path: str | Path, scales: dict[str, float]) -> None:

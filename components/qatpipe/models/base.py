@@ -13,6 +13,10 @@ from typing import Callable
 
 import numpy as np
 
+# every architecture's image input (NHWC float32 RGB in [0, 1]), named as TAO names it: the ONNX export, the
+# calibration cache and DeepStream's config all refer to it by this name
+INPUT_NAME = "input_1"
+
 
 @dataclass
 class Detections:

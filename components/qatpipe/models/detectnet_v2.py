@@ -12,7 +12,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from qatpipe.errors import ModelFileError
-from qatpipe.models.base import Detections, DetectorArchitecture
+from qatpipe.models.base import INPUT_NAME, Detections, DetectorArchitecture
 from qatpipe.models.backbones import backbone_module
 from qatpipe.spec import OUTPUT_STRIDE, DecoderSpec, ExperimentSpec
 
@@ -47,7 +47,7 @@ class DetectNetV2(DetectorArchitecture):
         backbone = self.spec.model.backbone
         module = backbone_module(backbone.name)
         regularizer = _regularizer(self.spec)
-        inputs = keras.Input((self.height, self.width, 3), name="input_1")
+        inputs = keras.Input((self.height, self.width, 3), name=INPUT_NAME)
         features = module.build(inputs, backbone, regularizer)
         bbox = keras.layers.Conv2D(4 * self.num_classes, 1, name="conv_bbox", kernel_regularizer=regularizer)(
             features

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import tf_keras as keras
 
 from qatpipe.quantization.quantizers import ActivationRange, fake_quant_per_channel
+from qatpipe.spec import QatSpec, field_default
 
 PACKAGE = "qatpipe"
-DEFAULT_EMA_DECAY = 0.999
+DEFAULT_EMA_DECAY = field_default(QatSpec, "ema_decay")
 
 
 @dataclass(frozen=True)

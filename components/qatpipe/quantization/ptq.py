@@ -13,7 +13,8 @@ import numpy as np
 
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import temp_path
-from qatpipe.runtime.onnx_runtime import load_onnx_proto
+from qatpipe.onnx_model import load_onnx_proto
+from qatpipe.spec import PtqSpec, field_default
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class BatchReader:
 
 
 def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np.ndarray], method: str,
-                 percentile: float = 99.99) -> dict:
+                 percentile: float = field_default(PtqSpec, "percentile")) -> dict:
     """Calibrate on `batches` by `method` (minmax, entropy, percentile) and write the Q/DQ model. The ranges
     come from ORT's own calibrator, run here with the bin counts each method needs (calibrator_options), and
     reach quantize_static as its calibration cache."""

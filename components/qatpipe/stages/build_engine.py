@@ -19,7 +19,7 @@ def build_engine(spec: ExperimentSpec, onnx_path: str | Path, output: str | Path
 
     from qatpipe.engines import select_backend
     from qatpipe.export.precision import layer_precision
-    from qatpipe.runtime.onnx_runtime import load_onnx_proto
+    from qatpipe.onnx_model import load_onnx_proto
 
     onnx_path, output = Path(onnx_path), Path(output)
     load_onnx_proto(onnx_path)  # a clear error for a missing or wrong-kind file before any backend starts

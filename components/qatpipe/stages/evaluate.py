@@ -112,7 +112,7 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
 def onnx_forward(model_path: Path, arch):
     """ONNX Runtime forward pass for `predict`, after checking the file against the spec's detector."""
     from qatpipe.errors import ModelFileError
-    from qatpipe.runtime.onnx_runtime import OnnxModel
+    from qatpipe.onnx_model import OnnxModel
 
     model = OnnxModel(model_path)
     missing = [name for name in arch.output_names if name not in model.output_names]

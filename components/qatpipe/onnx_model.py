@@ -8,6 +8,20 @@ import numpy as np
 
 from qatpipe.errors import ModelFileError
 
+# ONNX Runtime's execution providers in the order qatpipe prefers them, where the installed build has them.
+# Scoring and checks run the graph as written: CUDA, else CPU. An engine may also take TensorRT's provider,
+# which builds a TensorRT engine from the Q/DQ graph (engines/onnxruntime_backend.py).
+MODEL_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+ENGINE_PROVIDERS = ("TensorrtExecutionProvider", *MODEL_PROVIDERS)
+
+
+def available_providers(preferred: tuple[str, ...] = MODEL_PROVIDERS) -> list[str]:
+    """The providers of `preferred` that the installed ONNX Runtime has, in that order."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    return [provider for provider in preferred if provider in available]
+
 
 def load_onnx_proto(path: str | Path):
     """The ONNX graph in `path`, with the errors of OnnxModel for a missing, wrong-kind or corrupt file."""
@@ -37,8 +51,7 @@ class OnnxModel:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             options.intra_op_num_threads = threads
-        available = ort.get_available_providers()
-        providers = providers or [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+        providers = providers or available_providers()
         try:
             self.session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as exc:  # ORT raises InvalidGraph / InvalidProtobuf / Fail for bad files

@@ -1,1 +1,0 @@
-"""Running exported models: ONNX Runtime (always available) here; TensorRT joins with the engine stage."""
