@@ -19,8 +19,8 @@ from qatpipe.pruning.cost import conv_flops
 from qatpipe.pruning.graph import analyse
 from qatpipe.quantization.layers import (QDQConv2D, QDQDepthwiseConv2D, QDQGlobalAveragePooling2D, QDQMultiply,
                                          quantized_layers)
-from qatpipe.quantization.rules import (GlobalPoolingInput, PointwiseActivationsStayFloat, SqueezeExcitationScale,
-                                        default_rules, plan)
+from qatpipe.quantization.rules import (GlobalPoolingInput, Placement, PointwiseActivationsStayFloat,
+                                        SqueezeExcitationScale, default_rules, plan)
 from qatpipe.quantization.transform import activation_ranges, calibrate, quantize_model
 from qatpipe.spec import PruneSpec, QatSpec, bundled_spec_path, load_spec
 
@@ -197,12 +197,13 @@ def test_each_new_rule_decides_only_its_own_kind():
     graph = LayerGraph(model)
     rules = (SqueezeExcitationScale(), GlobalPoolingInput(), PointwiseActivationsStayFloat())
     decisions = {layer.name: [rule.place(layer, graph) for rule in rules] for layer in model.layers}
-    assert decisions["expand_relu"] == [None, None, False]  # ReLU6 fuses into the conv before it
+    # ReLU6 fuses into the conv before it
+    assert decisions["expand_relu"] == [None, None, Placement.stays_float("pointwise_activations_stay_float")]
     assert decisions["dw"] == [None, None, None] and decisions["add"] == [None, None, None]
     se = squeeze_excitation()
     graph = LayerGraph(se)
-    assert PointwiseActivationsStayFloat().place(se.get_layer("a_act"), graph) is False  # swish
-    assert PointwiseActivationsStayFloat().place(se.get_layer("expand_act"), graph) is False  # sigmoid
+    assert not PointwiseActivationsStayFloat().place(se.get_layer("a_act"), graph).quantized  # swish
+    assert not PointwiseActivationsStayFloat().place(se.get_layer("expand_act"), graph).quantized  # sigmoid
     assert GlobalPoolingInput().place(se.get_layer("squeeze"), graph).rule == "global_pooling_input"
     assert SqueezeExcitationScale().place(se.get_layer("squeeze"), graph) is None
 

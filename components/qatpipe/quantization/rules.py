@@ -1,7 +1,8 @@
 """Where Q/DQ goes: placement rules as named objects, each documenting one TensorRT requirement.
 
-A rule looks at one layer in its graph and returns a Placement (the wrapper from layers.WRAPPERS that
-replaces it, with its options), False (decided: the layer stays float) or None (not this rule's kind).
+A rule looks at one layer in its graph and returns a Placement, which is its decision: the wrapper from
+layers.WRAPPERS that replaces the layer, with its options, or `Placement.stays_float` (decided: the layer
+stays float); or None (not this rule's kind).
 `default_rules(settings)` is the ordered list the QAT transform applies; the first rule that decides wins,
 and `Exclusions` runs first so a user can keep any layer in float by name or by type.
 """
@@ -18,21 +19,32 @@ from qatpipe.quantization.layers import WEIGHTED_KINDS, WRAPPERS, QDQActivation,
 
 @dataclass(frozen=True)
 class Placement:
-    wrapper: type
+    """A rule's decision on one layer: `wrapper` (with `options`) replaces it; None keeps it float."""
+
+    wrapper: type | None
     options: dict = field(default_factory=dict)
     rule: str = ""
+
+    @classmethod
+    def stays_float(cls, rule: str) -> "Placement":
+        return cls(None, rule=rule)
+
+    @property
+    def quantized(self) -> bool:
+        return self.wrapper is not None
 
 
 class PlacementRule:
     name = ""
 
-    def place(self, layer, graph: LayerGraph) -> Placement | None | bool:
+    def place(self, layer, graph: LayerGraph) -> Placement | None:
+        """This rule's decision on `layer`, or None when the layer is not of its kind."""
         raise NotImplementedError
 
 
 class Exclusions(PlacementRule):
     """Layers named in `qat.excluded_layers`, or whose class is in `qat.excluded_layer_types`, stay float.
-    (Returns False: "decided, no placement", which stops later rules.)"""
+    (Their decision, stays_float, stops later rules.)"""
 
     name = "exclusions"
 
@@ -40,7 +52,8 @@ class Exclusions(PlacementRule):
         self.names, self.types = set(names), set(types)
 
     def place(self, layer, graph):
-        return False if layer.name in self.names or type(layer).__name__ in self.types else None
+        excluded = layer.name in self.names or type(layer).__name__ in self.types
+        return Placement.stays_float(self.name) if excluded else None
 
 
 class WeightedInputsAndWeights(PlacementRule):
@@ -61,7 +74,7 @@ class WeightedInputsAndWeights(PlacementRule):
         if type(layer) not in WEIGHTED_KINDS:  # exact types: a subclass (Conv2DTranspose) needs its own row
             return None
         if getattr(layer, "depth_multiplier", 1) != 1:
-            return False
+            return Placement.stays_float(self.name)
         return Placement(WRAPPERS[type(layer)], rule=self.name)
 
 
@@ -140,11 +153,9 @@ class PointwiseActivationsStayFloat(PlacementRule):
     name = "pointwise_activations_stay_float"
 
     def place(self, layer, graph):
-        if type(layer) is keras.layers.ReLU:
-            return False
-        if type(layer) is keras.layers.Activation:
-            activation = layer.get_config()["activation"]
-            return False if activation in POINTWISE_ACTIVATIONS else None
+        if type(layer) is keras.layers.ReLU or (type(layer) is keras.layers.Activation
+                                                 and layer.get_config()["activation"] in POINTWISE_ACTIVATIONS):
+            return Placement.stays_float(self.name)
         return None
 
 
@@ -186,9 +197,9 @@ def plan(model: keras.Model, rules: list[PlacementRule]) -> dict[str, Placement]
     for layer in model.layers:
         for rule in rules:
             decision = rule.place(layer, graph)
-            if decision is False:
-                break
-            if decision is not None:
+            if decision is None:
+                continue
+            if decision.quantized:
                 placements[layer.name] = decision
-                break
+            break
     return placements
