@@ -44,6 +44,7 @@ class PlayedKubernetes:
         self.runtimes: dict[str, dict] = {}  # TrainingRuntimes by name
         self.deleted_runtimes: list[str] = []
         self.created: list[dict] = []
+        self.create_queries: list[str] = []  # the query string of each create (fieldValidation=Strict)
         self.deleted: list[tuple[str, str]] = []  # (name, propagationPolicy)
         self.reads = 0
         self.create_error: tuple[int, str] | None = None  # (HTTP status, body) to answer the POST with
@@ -117,6 +118,7 @@ def make_handler(kube: PlayedKubernetes):
                 if name in store:
                     return self.reply(409, status_body(409, "AlreadyExists", f'{plural} "{name}" already exists'))
                 kube.created.append(copy.deepcopy(body))
+                kube.create_queries.append(urlsplit(self.path).query)
                 store[name] = body
             if kube.on_create and store is kube.jobs:
                 threading.Thread(target=kube.on_create, args=(copy.deepcopy(body),), daemon=True).start()

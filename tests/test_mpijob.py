@@ -211,6 +211,7 @@ def test_run_succeeds_streams_the_log_and_deletes(played_api, caplog, version):
 
     assert any(c["type"] == "Succeeded" for c in status["conditions"])
     assert kube.created == [json.loads(json.dumps(manifest))]  # the body sent is the manifest, unchanged
+    assert kube.create_queries == ["fieldValidation=Strict"]  # a field the cluster's CRD lacks is refused
     assert kube.deleted == [(r.name, "Background")]
     assert kube.selectors[0] == f"{JOB_LABEL}={r.name},{ROLE_LABEL}=launcher"
     assert streamed_lines(caplog, r.name) == LOG_LINES  # each line once, whole, in order
@@ -265,6 +266,17 @@ def test_keep_skips_the_deletion(played_api, caplog):
     caplog.set_level(logging.INFO, logger="qatpipe.cluster")
     launcher_for(client).run(mpijob_manifest(request()), timeout_seconds=10, keep=True)
     assert kube.deleted == [] and "keep=True" in caplog.text
+
+
+def test_a_job_breaking_the_operators_admission_rules_fails_before_anything_is_created(played_api):
+    """The API server would accept it and the operator would never run it: the launcher refuses it first."""
+    kube, client = played_api()
+    manifest = mpijob_manifest(request())
+    manifest["spec"]["mpiReplicaSpecs"]["Launcher"]["replicas"] = 2
+    with pytest.raises(QatpipeError, match=r"invalid against the admission rules of kubeflow/mpi-operator .*\n  "
+                                           r"spec.mpiReplicaSpecs.Launcher.replicas: must be 1, got 2"):
+        launcher_for(client).run(manifest, timeout_seconds=10)
+    assert kube.created == [] and kube.deleted == []
 
 
 def test_forbidden_create_names_the_rbac_permission(played_api):

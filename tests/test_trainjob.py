@@ -176,6 +176,7 @@ def test_trainjob_runs_to_complete_streams_the_log_and_deletes_job_and_runtime(p
 
     assert any(c["type"] == "Complete" for c in status["conditions"])
     assert [o["kind"] for o in kube.created] == ["TrainingRuntime", "TrainJob"]  # the runtime first
+    assert kube.create_queries == ["fieldValidation=Strict"] * 2  # a field the cluster's CRDs lack is refused
     assert kube.created[1] == json.loads(json.dumps(trainjob.trainjob_manifest(r)))
     assert kube.deleted == [(r.name, "Background")] and kube.deleted_runtimes == [r.name]
     assert kube.selectors[0] == f"{JOB_LABEL}={r.name},{ROLE_LABEL}=launcher"
@@ -221,6 +222,20 @@ def test_replace_existing_replaces_an_earlier_attempts_runtime_and_job(played_ap
         launch(client, r)
     launch(client, r, replace_existing=True)
     assert kube.deleted_runtimes == [r.name, r.name] and [n for n, _ in kube.deleted] == [r.name, r.name]
+
+
+def test_a_runtime_breaking_trainers_rules_fails_before_anything_is_created(played_api):
+    """JobSet would accept a runtime without the node container, and the MPI plugin would never run it."""
+    from qatpipe.cluster.launcher import TrainJobLauncher
+
+    kube, client = played_api()
+    r = request()
+    runtime = trainjob.training_runtime_manifest(r)
+    pod(runtime, "node")["spec"]["containers"][0]["name"] = "worker"
+    with pytest.raises(QatpipeError, match="TrainingRuntime .* invalid against the rules of Kubeflow Trainer's MPI "
+                                           "plugin and JobSet (?s:.*)no container named 'node'"):
+        TrainJobLauncher(api_client=client, runtime=runtime).run(trainjob.trainjob_manifest(r), 10)
+    assert kube.created == []
 
 
 def test_a_runtime_that_is_not_the_jobs_is_refused(played_api):

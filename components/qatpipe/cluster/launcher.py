@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from qatpipe.cluster import mpijob, trainjob
+from qatpipe.cluster.crd import raise_problems
 from qatpipe.cluster.mpijob import JOB_LABEL, ROLE_LABEL
 from qatpipe.errors import QatpipeError
 
@@ -147,6 +148,7 @@ class JobLauncher:
     resource: Resource
     succeeded = "Succeeded"  # the condition type of success; "Failed" is failure for every kind
     install_hint = ""  # what to install when the API server does not know the resource
+    admission_rules = ""  # the name of what admission_problems checks, for its error
 
     def __init__(self, api_client: ApiClient | None = None, namespace: str | None = None,
                  poll_seconds: float = 5.0):
@@ -170,6 +172,11 @@ class JobLauncher:
     def describe(self, manifest: dict[str, Any]) -> str:
         return ""
 
+    def admission_problems(self, manifest: dict[str, Any]) -> list[str]:
+        """What the operator enforces beyond the CRD schema: a resource breaking it is accepted by the API
+        server, then never runs."""
+        return []
+
     # --- public ---------------------------------------------------------------------------------------------
 
     def run(self, manifest: dict[str, Any], timeout_seconds: float, keep: bool = False,
@@ -182,6 +189,8 @@ class JobLauncher:
         name, namespace = self._target(manifest)
         container = self.launcher_container(manifest)
         companions = self.companions(manifest)
+        for _, obj in [*companions, (self.resource, manifest)]:  # before anything is created
+            raise_problems(obj, self.admission_rules, self.admission_problems(obj))
         created: list[tuple[Resource, str]] = []
         try:
             for resource, obj in [*companions, (self.resource, manifest)]:
@@ -264,8 +273,9 @@ class JobLauncher:
         details = self.describe(obj) if resource == self.resource else ""
         log.info("Creating %s%s", what, f": {details}" if details else "")
         try:
+            # Strict: a field the cluster's CRD does not define is refused, not pruned silently
             self._api(self.custom.create_namespaced_custom_object, resource.group, resource.version, namespace,
-                      resource.plural, obj)
+                      resource.plural, obj, field_validation="Strict")
         except ApiException as exc:
             if exc.status == 403:
                 raise _rbac_error("create", resource.plural, resource.group, namespace, exc) from None
@@ -369,6 +379,7 @@ class MpiJobLauncher(JobLauncher):
         self.api_version = api_version
         self.resource = Resource(mpijob.KIND, mpijob.GROUP, api_version, mpijob.PLURAL)
         self.install_hint = (f"{mpijob.OPERATORS[api_version]}, or pick the api_version the cluster has")
+        self.admission_rules = f"the admission rules of {mpijob.OPERATORS[api_version]}"
         super().__init__(api_client, namespace, poll_seconds)
 
     def launcher_container(self, manifest: dict[str, Any]) -> str:
@@ -378,6 +389,9 @@ class MpiJobLauncher(JobLauncher):
         except (KeyError, IndexError, TypeError):
             raise QatpipeError("the MPIJob manifest has no launcher container (spec.mpiReplicaSpecs.Launcher."
                                "template.spec.containers[0].name); build it with mpijob_manifest()") from None
+
+    def admission_problems(self, manifest: dict[str, Any]) -> list[str]:
+        return mpijob.operator_problems(manifest, self.api_version)
 
     def describe(self, manifest: dict[str, Any]) -> str:
         spec = manifest.get("spec") or {}
@@ -393,6 +407,7 @@ class TrainJobLauncher(JobLauncher):
     resource = Resource(trainjob.KIND, trainjob.GROUP, trainjob.VERSION, trainjob.PLURAL)
     succeeded = "Complete"
     install_hint = "Kubeflow Trainer v2 (v2.3 or later), or run the job as an MPIJob (launcher: mpijob)"
+    admission_rules = "the rules of Kubeflow Trainer's MPI plugin and JobSet"
 
     def __init__(self, api_client: ApiClient | None = None, namespace: str | None = None,
                  runtime: dict[str, Any] | None = None, poll_seconds: float = 5.0):
@@ -409,6 +424,9 @@ class TrainJobLauncher(JobLauncher):
                                f"TrainingRuntime {made!r} given with it")
         return [(Resource(trainjob.RUNTIME_KIND, trainjob.GROUP, trainjob.VERSION, trainjob.RUNTIME_PLURAL),
                  self.runtime)]
+
+    def admission_problems(self, manifest: dict[str, Any]) -> list[str]:
+        return trainjob.trainer_problems(manifest)
 
     def launcher_container(self, manifest: dict[str, Any]) -> str:
         return trainjob.NODE  # the MPI plugin's name for the containers it mounts the SSH keys into

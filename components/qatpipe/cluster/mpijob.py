@@ -9,7 +9,9 @@ Two operators are supported, chosen by `api_version`:
   operator makes the launcher's ServiceAccount/Role unless one is given, and workers idle in `sleep`.
 
 `validate_manifest` checks a manifest against the CRD's OpenAPI schema and the operators' own admission
-rules, so a bad job fails here rather than as a silently pruned field or an operator event.
+rules, so a bad job fails here rather than as a silently pruned field or an operator event. At run time the
+launcher checks the admission rules (`operator_problems`) before it creates anything, and creates with the
+API server's strict field validation, which refuses what the cluster's own CRD does not define.
 """
 
 from __future__ import annotations
@@ -291,7 +293,7 @@ def mpijob_manifest(request: MpiJobRequest) -> dict[str, Any]:
 
 # --- validation ---------------------------------------------------------------------------------------------
 
-def _operator_problems(manifest: dict[str, Any], version: str) -> list[str]:
+def operator_problems(manifest: dict[str, Any], version: str) -> list[str]:
     """Rules the operators enforce in their controllers rather than in the CRD schema (after mpi-operator's
     validation.go): a job breaking them is accepted by the API server, then never runs."""
     # mpi-operator allows only these two; the Training Operator also Always and ExitCode
@@ -332,4 +334,4 @@ def validate_manifest(manifest: dict[str, Any], crd_path: str | Path) -> None:
     `crd_path` (the version named by its apiVersion) and the operator's own admission rules."""
     problems = schema_problems(manifest, crd_path)
     version = str(manifest.get("apiVersion", "")).partition("/")[2]
-    raise_problems(manifest, crd_path, problems + _operator_problems(manifest, version))
+    raise_problems(manifest, crd_path, problems + operator_problems(manifest, version))

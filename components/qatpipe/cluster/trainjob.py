@@ -128,7 +128,7 @@ def cluster_runtime_manifest(image: str, *, name: str = CLUSTER_RUNTIME_NAME, ca
 
 # --- validation ---------------------------------------------------------------------------------------------
 
-def _trainer_problems(manifest: dict[str, Any]) -> list[str]:
+def trainer_problems(manifest: dict[str, Any]) -> list[str]:
     """What Trainer's MPI plugin and JobSet need beyond the schema (a job breaking them is accepted by the API
     server, then never runs)."""
     problems = []
@@ -164,7 +164,7 @@ def _trainer_problems(manifest: dict[str, Any]) -> list[str]:
 def validate_manifest(manifest: dict[str, Any], crd_path: str | Path) -> None:
     """Raise QatpipeError listing every problem of a TrainJob, TrainingRuntime or ClusterTrainingRuntime
     against its CRD at `crd_path` and the rules Trainer enforces in its controller."""
-    raise_problems(manifest, crd_path, schema_problems(manifest, crd_path) + _trainer_problems(manifest))
+    raise_problems(manifest, crd_path, schema_problems(manifest, crd_path) + trainer_problems(manifest))
 
 
 def main(argv: list[str] | None = None) -> None:
