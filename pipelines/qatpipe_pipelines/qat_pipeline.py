@@ -8,8 +8,9 @@ fingerprint data → prepare data → train (unpruned) → evaluate (unpruned) a
   a registry version: alias champion when it passed the gate, challenger when not).
 
 Adding a stage: a component folder under components/qatpipe_kfp/, its spec sections in
-qatpipe.spec.STAGE_SECTIONS (and an output of resolve-spec), then here one call wrapped in `run.cpu(...)` or
-`run.gpu(...)`, and `run.logged(...)` for its tracking record.
+qatpipe.spec.STAGE_SECTIONS (and its output in resolve-spec's signature), then here one call wrapped in
+`run.cpu(...)` or `run.gpu(...)`, and `run.logged(...)` for its tracking record (in the pipeline function or a
+method of `_Stages`).
 """
 
 # no `from __future__ import annotations`: KFP reads the pipeline signature's annotations as types
@@ -128,6 +129,84 @@ class _TaskSettings:
         return self.gpu(task, size="training")
 
 
+class _Stages:
+    """The stage tasks of one pipeline run, each wired to its spec view, the prepared data set and the MLflow
+    run, and followed by the log task of its tracking record. Made inside the pipeline function (tasks are
+    created in its context); the data set is prepared on construction, as every later stage reads it."""
+
+    def __init__(self, run: _TaskSettings, specs: dsl.PipelineTask, tracking: dsl.PipelineTask, scale_out: dict,
+                 mpijob: bool):
+        self.run, self.specs, self.tracking, self.scale_out, self.mpijob = run, specs, tracking, scale_out, mpijob
+        self.parent_run_id = tracking.outputs["Output"]
+        # the data as it is now (S3 listing, files' digests) keys prepare-data's cache, beside the spec
+        fingerprint = run.cpu(fingerprint_data(data_spec=specs.outputs["data_spec"]), network=True, per_run=True,
+                              reads_data=True, size="light")
+        data = run.cpu(prepare_data(data_spec=specs.outputs["data_spec"], data_fingerprint=fingerprint.output),
+                       network=True, reads_data=True)
+        run.logged(data.outputs["dataset"], self.parent_run_id, "log-prepare-data")
+        self.dataset = data.outputs["dataset"]
+
+    def trained(self) -> dsl.PipelineTask:
+        task = self.run.training(train(train_spec=self.specs.outputs["train_spec"], dataset=self.dataset,
+                                       **self.scale_out), self.mpijob)
+        task.after(self.tracking)  # its live curves need the MLflow run; an ordering, not a cache key
+        self.run.logged(task.outputs["model"], self.parent_run_id, "log-train")
+        return task
+
+    def retrained(self, pruned) -> dict[str, dsl.PipelineTask]:
+        """The FP32 and the QAT retrain of the pruned model, side by side."""
+        retrained = {}
+        for name, qat, view in (("fp32", False, "retrain_spec"), ("qat", True, "retrain_qat_spec")):
+            task = self.run.training(retrain(retrain_spec=self.specs.outputs[view], qat=qat, dataset=self.dataset,
+                                             pruned=pruned, **self.scale_out), self.mpijob)
+            task.set_display_name(f"retrain-{name}").after(self.tracking)
+            self.run.logged(task.outputs["model"], self.parent_run_id, f"log-retrain-{name}")
+            retrained[name] = task
+        return retrained
+
+    def evaluated(self, name: str, model, keras: bool = False) -> dsl.PipelineTask:
+        # a Keras model runs on TensorFlow's GPU; an ONNX one on ONNX Runtime's CPU build
+        task = evaluate(evaluate_spec=self.specs.outputs["evaluate_spec"], variant=name, dataset=self.dataset,
+                        model=model)
+        task = self.run.gpu(task) if keras else self.run.cpu(task, reads_data=True)
+        task.set_display_name(f"evaluate-{name}")
+        self.run.logged(task.outputs["results"], self.parent_run_id, f"log-evaluate-{name}")
+        return task
+
+    def exported(self, name: str, model) -> dsl.PipelineTask:
+        task = self.run.cpu(export(export_spec=self.specs.outputs["export_spec"], variant=name, dataset=self.dataset,
+                                   model=model), reads_data=True)
+        task.set_display_name(f"export-{name}")
+        self.run.logged(task.outputs["onnx_model"], self.parent_run_id, f"log-export-{name}")
+        return task
+
+    def onnx_models(self, retrained: dict[str, dsl.PipelineTask]) -> dict:
+        """The three variants as ONNX: FP32 and QAT exported, PTQ calibrated from the FP32 one."""
+        fp32_onnx = self.exported("fp32", retrained["fp32"].outputs["model"])
+        qat_onnx = self.exported("qat", retrained["qat"].outputs["model"])
+        calibrated = self.run.cpu(ptq(ptq_spec=self.specs.outputs["ptq_spec"], dataset=self.dataset,
+                                      fp32_onnx=fp32_onnx.outputs["onnx_model"]), reads_data=True)
+        self.run.logged(calibrated.outputs["int8_onnx"], self.parent_run_id, "log-ptq")
+        return {"fp32": fp32_onnx.outputs["onnx_model"], "ptq": calibrated.outputs["int8_onnx"],
+                "qat": qat_onnx.outputs["onnx_model"]}
+
+    def deployed(self, onnx_models: dict, baseline, gpu_type) -> tuple[dict, dict]:
+        """(engines, validations): an engine per variant, validated by running it against the FP32 baseline."""
+        engines, validations = {}, {}
+        for name, model in onnx_models.items():
+            built = self.run.gpu(build_engine(engine_spec=self.specs.outputs["engine_spec"], variant=name,
+                                              onnx_model=model, gpu_type=gpu_type), reads_data=False, engine=True)
+            built.set_display_name(f"build-engine-{name}")
+            self.run.logged(built.outputs["engine"], self.parent_run_id, f"log-build-engine-{name}")
+            checked = self.run.gpu(validate(validate_spec=self.specs.outputs["validate_spec"], variant=name,
+                                            dataset=self.dataset, engine=built.outputs["engine"], onnx_model=model,
+                                            baseline=baseline), engine=True)
+            checked.set_display_name(f"validate-{name}")
+            self.run.logged(checked.outputs["results"], self.parent_run_id, f"log-validate-{name}")
+            engines[name], validations[name] = built, checked
+        return engines, validations
+
+
 def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWORK_RETRIES,
                    placement: bool = True, code_version: str = "", mpijob: bool = False,
                    shm_size: str = SHM_SIZE):
@@ -217,6 +296,9 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         run = _TaskSettings(training_image, engine_image, credentials_secret, gpus, node_selector, tolerations,
                             sizes=sizes, cache_pvc=cache_pvc, network_retries=network_retries,
                             placement=placement, code_version=code_version, shm_size=shm_size)
+        scale_out = dict(gpus=gpus, workers=workers, mpijob_api_version=mpijob_api_version, launcher=launcher,
+                         training_image=training_image, credentials_secret=credentials_secret,
+                         node_selector=node_selector, tolerations=tolerations, mpijob=mpijob)
 
         # an exit task may not depend on other tasks: it finds the MLflow run by the KFP run id
         finish = run.cpu(finish_tracking(kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), per_run=True, size="light")
@@ -228,88 +310,26 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             tracking = run.cpu(start_tracking(spec=specs.outputs["spec"], run_name=run_name,
                                               kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_ui_url=kfp_ui_url),
                                network=True, per_run=True, size="light")
-            parent_run_id = tracking.outputs["Output"]
+            dag = _Stages(run, specs, tracking, scale_out, mpijob)
 
-            # the data as it is now (S3 listing, files' digests) keys prepare-data's cache, beside the spec
-            fingerprint = run.cpu(fingerprint_data(data_spec=specs.outputs["data_spec"]), network=True, per_run=True,
-                                  reads_data=True, size="light")
-            data = run.cpu(prepare_data(data_spec=specs.outputs["data_spec"], data_fingerprint=fingerprint.output),
-                           network=True, reads_data=True)
-            run.logged(data.outputs["dataset"], parent_run_id, "log-prepare-data")
-
-            scale_out = dict(gpus=gpus, workers=workers, mpijob_api_version=mpijob_api_version, launcher=launcher,
-                             training_image=training_image, credentials_secret=credentials_secret,
-                             node_selector=node_selector, tolerations=tolerations, mpijob=mpijob)
-
-            trained = run.training(train(train_spec=specs.outputs["train_spec"], dataset=data.outputs["dataset"],
-                                         **scale_out), mpijob)
-            trained.after(tracking)  # its live curves need the MLflow run; an ordering, not a cache key
-            run.logged(trained.outputs["model"], parent_run_id, "log-train")
-
-            def evaluated(name: str, model, keras: bool = False) -> dsl.PipelineTask:
-                # a Keras model runs on TensorFlow's GPU; an ONNX one on ONNX Runtime's CPU build
-                task = evaluate(evaluate_spec=specs.outputs["evaluate_spec"], variant=name,
-                                dataset=data.outputs["dataset"], model=model)
-                task = run.gpu(task) if keras else run.cpu(task, reads_data=True)
-                task.set_display_name(f"evaluate-{name}")
-                run.logged(task.outputs["results"], parent_run_id, f"log-evaluate-{name}")
-                return task
-
-            def exported(name: str, model) -> dsl.PipelineTask:
-                task = run.cpu(export(export_spec=specs.outputs["export_spec"], variant=name,
-                                      dataset=data.outputs["dataset"], model=model), reads_data=True)
-                task.set_display_name(f"export-{name}")
-                run.logged(task.outputs["onnx_model"], parent_run_id, f"log-export-{name}")
-                return task
-
-            unpruned_eval = evaluated("unpruned", trained.outputs["model"], keras=True)
-
+            trained = dag.trained()
+            unpruned_eval = dag.evaluated("unpruned", trained.outputs["model"], keras=True)
             pruned = run.cpu(prune(prune_spec=specs.outputs["prune_spec"], model=trained.outputs["model"]))
-            run.logged(pruned.outputs["pruned"], parent_run_id, "log-prune")
+            run.logged(pruned.outputs["pruned"], dag.parent_run_id, "log-prune")
+            retrained = dag.retrained(pruned.outputs["pruned"])
+            onnx_models = dag.onnx_models(retrained)
+            evaluations = {name: dag.evaluated(name, model) for name, model in onnx_models.items()}
+            engines, validations = dag.deployed(onnx_models, evaluations["fp32"].outputs["results"], gpu_type)
 
-            retrained = {}
-            for name, qat, view in (("fp32", False, "retrain_spec"), ("qat", True, "retrain_qat_spec")):
-                task = run.training(retrain(retrain_spec=specs.outputs[view], qat=qat,
-                                            dataset=data.outputs["dataset"], pruned=pruned.outputs["pruned"],
-                                            **scale_out), mpijob)
-                task.set_display_name(f"retrain-{name}").after(tracking)
-                run.logged(task.outputs["model"], parent_run_id, f"log-retrain-{name}")
-                retrained[name] = task
-
-            fp32_onnx = exported("fp32", retrained["fp32"].outputs["model"])
-            qat_onnx = exported("qat", retrained["qat"].outputs["model"])
-            calibrated = run.cpu(ptq(ptq_spec=specs.outputs["ptq_spec"], dataset=data.outputs["dataset"],
-                                     fp32_onnx=fp32_onnx.outputs["onnx_model"]), reads_data=True)
-            run.logged(calibrated.outputs["int8_onnx"], parent_run_id, "log-ptq")
-
-            onnx_models = {"fp32": fp32_onnx.outputs["onnx_model"], "ptq": calibrated.outputs["int8_onnx"],
-                           "qat": qat_onnx.outputs["onnx_model"]}
-            evaluations = {name: evaluated(name, model) for name, model in onnx_models.items()}
-
-            # deployment: an engine per variant, validated by running it against the FP32 baseline
-            engines, validations = {}, {}
-            for name, model in onnx_models.items():
-                built = run.gpu(build_engine(engine_spec=specs.outputs["engine_spec"], variant=name,
-                                             onnx_model=model, gpu_type=gpu_type), reads_data=False, engine=True)
-                built.set_display_name(f"build-engine-{name}")
-                run.logged(built.outputs["engine"], parent_run_id, f"log-build-engine-{name}")
-                checked = run.gpu(validate(validate_spec=specs.outputs["validate_spec"], variant=name,
-                                           dataset=data.outputs["dataset"], engine=built.outputs["engine"],
-                                           onnx_model=model, baseline=evaluations["fp32"].outputs["results"]),
-                              engine=True)
-                checked.set_display_name(f"validate-{name}")
-                run.logged(checked.outputs["results"], parent_run_id, f"log-validate-{name}")
-                engines[name], validations[name] = built, checked
-
-            run.cpu(compare(parent_run_id=parent_run_id, fp32=validations["fp32"].outputs["results"],
+            run.cpu(compare(parent_run_id=dag.parent_run_id, fp32=validations["fp32"].outputs["results"],
                             ptq=validations["ptq"].outputs["results"], qat=validations["qat"].outputs["results"],
                             unpruned=unpruned_eval.outputs["results"], pruned=pruned.outputs["pruned"]),
                     network=True, per_run=True)
 
             # every variant as an MLflow model; the QAT one registered, as champion only when it passed the gate
-            run.cpu(register(parent_run_id=parent_run_id, spec=specs.outputs["spec"],
+            run.cpu(register(parent_run_id=dag.parent_run_id, spec=specs.outputs["spec"],
                              kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_ui_url=kfp_ui_url,
-                             dataset=data.outputs["dataset"], fp32_onnx=onnx_models["fp32"],
+                             dataset=dag.dataset, fp32_onnx=onnx_models["fp32"],
                              ptq_onnx=onnx_models["ptq"], qat_onnx=onnx_models["qat"],
                              qat_engine=engines["qat"].outputs["engine"],
                              **{f"{name}_validation": validations[name].outputs["results"]
