@@ -262,12 +262,19 @@ def cmd_spec_show(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qatpipe.data.synth import KINDS
-    from qatpipe.spec import EngineSpec, ImageSize, PruneSpec, SyntheticDataSpec, field_choices, field_default
-
     parser = argparse.ArgumentParser(prog="qatpipe", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add_commands in (_add_data_commands, _add_training_commands, _add_deployment_commands,
+                         _add_prune_command, _add_pipeline_commands, _add_spec_commands):
+        add_commands(sub)
+    return parser
+
+
+def _add_data_commands(sub) -> None:
+    """`qatpipe data synth`: a synthetic KITTI data set."""
+    from qatpipe.data.synth import KINDS
+    from qatpipe.spec import ImageSize, SyntheticDataSpec, field_default
 
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="write a synthetic KITTI dataset (DIR/train, DIR/val)")
@@ -286,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--overwrite", action="store_true", help="replace existing train/val folders")
     synth.set_defaults(func=cmd_data_synth)
 
+
+def _add_training_commands(sub) -> None:
+    """`qatpipe train | evaluate | retrain`: the stages that run a Keras model."""
     train = sub.add_parser("train", help="train the spec's detector (FP32; resumes from checkpoints)")
     _add_spec_args(train)
     _add_training_args(train)
@@ -305,6 +315,35 @@ def build_parser() -> argparse.ArgumentParser:
     retrain.add_argument("--qat", action="store_true",
                          help="quantisation-aware training for TensorRT INT8 (sets qat.enabled)")
     retrain.set_defaults(func=cmd_retrain)
+
+
+def _add_prune_command(sub) -> None:
+    """`qatpipe prune`: TAO's flags over the spec's prune section."""
+    from qatpipe.spec import PruneSpec, field_choices
+
+    prune = sub.add_parser("prune", help="structured pruning of a trained model (TAO `prune`)",
+                           description="Settings: the spec's `prune` section (-e), overridden by the flags.")
+    prune.add_argument("-m", "--model", required=True, type=Path, help="trained model (.keras)")
+    prune.add_argument("-o", "--output", required=True, type=Path,
+                       help="output folder, or a .keras file (the report goes beside it)")
+    prune.add_argument("-e", "--experiment-spec", help="spec for defaults and model checks (optional)")
+    prune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    prune.add_argument("-pth", "--threshold", type=float, help="normalised filter norm below which it goes")
+    prune.add_argument("--target-flops-ratio", dest="target_flops_ratio", type=float,
+                       help="instead of -pth: the lowest threshold leaving at most this share of the FLOPs")
+    prune.add_argument("-n", "--normalizer", choices=field_choices(PruneSpec, "normalizer"))
+    prune.add_argument("-pg", "--granularity", type=int, help="kept filters are a multiple of this")
+    prune.add_argument("-nf", "--min-filters", dest="min_filters", type=int, help="never fewer filters than this")
+    prune.add_argument("-eq", "--equalization",
+                       choices=field_choices(PruneSpec, "equalization"),
+                       help="how convs joined by a residual add agree on their channels")
+    prune.add_argument("-el", "--excluded-layers", nargs="+", metavar="LAYER", help="layers never pruned")
+    prune.set_defaults(func=cmd_prune)
+
+
+def _add_deployment_commands(sub) -> None:
+    """`qatpipe export | ptq | build-engine | bench-engine | validate`: a trained model to a validated engine."""
+    from qatpipe.spec import EngineSpec, field_choices
 
     export = sub.add_parser("export", help="export a model to ONNX (tf2onnx), checked in ONNX Runtime")
     _add_model_conversion_args(export, "model (.keras)", "the .onnx file to write")
@@ -341,25 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "mAP (default: the path in engine.json)")
     validate.set_defaults(func=cmd_validate)
 
-    prune = sub.add_parser("prune", help="structured pruning of a trained model (TAO `prune`)",
-                           description="Settings: the spec's `prune` section (-e), overridden by the flags.")
-    prune.add_argument("-m", "--model", required=True, type=Path, help="trained model (.keras)")
-    prune.add_argument("-o", "--output", required=True, type=Path,
-                       help="output folder, or a .keras file (the report goes beside it)")
-    prune.add_argument("-e", "--experiment-spec", help="spec for defaults and model checks (optional)")
-    prune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    prune.add_argument("-pth", "--threshold", type=float, help="normalised filter norm below which it goes")
-    prune.add_argument("--target-flops-ratio", dest="target_flops_ratio", type=float,
-                       help="instead of -pth: the lowest threshold leaving at most this share of the FLOPs")
-    prune.add_argument("-n", "--normalizer", choices=field_choices(PruneSpec, "normalizer"))
-    prune.add_argument("-pg", "--granularity", type=int, help="kept filters are a multiple of this")
-    prune.add_argument("-nf", "--min-filters", dest="min_filters", type=int, help="never fewer filters than this")
-    prune.add_argument("-eq", "--equalization",
-                       choices=field_choices(PruneSpec, "equalization"),
-                       help="how convs joined by a residual add agree on their channels")
-    prune.add_argument("-el", "--excluded-layers", nargs="+", metavar="LAYER", help="layers never pruned")
-    prune.set_defaults(func=cmd_prune)
 
+def _add_pipeline_commands(sub) -> None:
+    """`qatpipe run | compile | submit | compare`: the whole pipeline, here or on Kubeflow."""
     run = sub.add_parser("run", help="run the whole pipeline (--local: through kfp.local on this machine)")
     run.add_argument("--local", action="store_true", required=True,
                      help="run here, each stage a subprocess (on a cluster: `qatpipe submit`)")
@@ -401,11 +424,13 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("-o", "--output", type=Path, default=Path("comparison.png"), help="bar chart (PNG)")
     compare.set_defaults(func=cmd_compare)
 
+
+def _add_spec_commands(sub) -> None:
+    """`qatpipe spec show`."""
     spec = sub.add_parser("spec", help="spec tools").add_subparsers(dest="spec_command", required=True)
     show = spec.add_parser("show", help="print the validated spec with every default filled in")
     _add_spec_args(show)
     show.set_defaults(func=cmd_spec_show)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
