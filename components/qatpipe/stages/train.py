@@ -145,18 +145,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch_var)
     manager = tf.train.CheckpointManager(checkpoint, results_dir / "checkpoints", max_to_keep=spec.train.keep_checkpoints)
-    if manager.latest_checkpoint:
-        saved_epoch = int(tf.train.load_variable(manager.latest_checkpoint, "epoch/.ATTRIBUTES/VARIABLE_VALUE"))
-        finished = saved_epoch >= spec.train.epochs and (results_dir / MODEL_FILE).is_file()
-        # a finished run is only read back: any process count may do that
-        _check_resume_compatible(results_dir, spec, None if finished else world.size)
-        checkpoint.restore(manager.latest_checkpoint).expect_partial()
-        log.info("resuming from %s at epoch %d/%d", manager.latest_checkpoint, int(epoch_var), spec.train.epochs)
-    initial_epoch = world.broadcast(int(epoch_var.numpy()), "initial_epoch")
-    if initial_epoch > spec.train.epochs:
-        raise QatpipeError(
-            f"{results_dir}: the checkpoint is at epoch {initial_epoch}, beyond train.epochs={spec.train.epochs}"
-        )
+    initial_epoch = _resume(spec, results_dir, checkpoint, manager, epoch_var, world)
     summary_path = results_dir / SUMMARY_FILE
     if initial_epoch >= spec.train.epochs and (results_dir / MODEL_FILE).is_file() and summary_path.is_file():
         # a finished run: keep its model and summary (throughput, losses) as they are
@@ -187,9 +176,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         # TensorBoard, which get its numbers; the log row before the checkpoint, so a run stopped between the
         # two trains the epoch again (and logs it again) instead of losing its row
         chief_callbacks = [
-            progress,
-            *([validating] if validating else []),
-            EpochLog(results_dir / LOG_FILE),
+            progress, *([validating] if validating else []), EpochLog(results_dir / LOG_FILE),
             CheckpointEveryN(manager, epoch_var, spec.train.checkpoint_interval, spec.train.epochs),
             keras.callbacks.TensorBoard(str(results_dir / "tensorboard"), update_freq="epoch", profile_batch=0),
             *([curves] if (curves := live_curves(stage_name, steps, spec.train.batch_size * world.size)) else []),
@@ -213,20 +200,12 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     if world.is_chief:
         model_path = save_keras_model(export, model_path)
     summary = {
-        "model": str(model_path),
-        "epochs": spec.train.epochs,
-        "resumed_from_epoch": initial_epoch,
-        "epochs_run": spec.train.epochs - initial_epoch,
-        "train_images": len(samples),
-        "steps_per_epoch": steps,
+        "model": str(model_path), "epochs": spec.train.epochs, "resumed_from_epoch": initial_epoch,
+        "epochs_run": spec.train.epochs - initial_epoch, "train_images": len(samples), "steps_per_epoch": steps,
         "images_per_second": round(progress.images_per_second, 2),  # the whole job's
-        "processes": world.size,
-        "epoch_seconds": progress.epoch_seconds,
-        "wall_seconds": round(time.perf_counter() - started, 2),
-        "params": int(model.count_params()),
-        "final_losses": final_losses,
-        "mixed_precision": precision.mixed,
-        "precision": precision.policy,
+        "processes": world.size, "epoch_seconds": progress.epoch_seconds,
+        "wall_seconds": round(time.perf_counter() - started, 2), "params": int(model.count_params()),
+        "final_losses": final_losses, "mixed_precision": precision.mixed, "precision": precision.policy,
         **_validation_summary(spec, results_dir, kept, best),
     }
     if not world.is_chief:
@@ -236,6 +215,26 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     _write_tracking_record(spec, results_dir, summary, stage_name)
     log.info("model saved: %s (%d params)", model_path, summary["params"])
     return summary
+
+
+def _resume(spec: ExperimentSpec, results_dir: Path, checkpoint, manager, epoch_var, world) -> int:
+    """The epoch training starts from: the latest checkpoint's (restored into `checkpoint`, after checking it
+    was written under this spec and process count), else 0; the same on every process."""
+    import tensorflow as tf
+
+    if manager.latest_checkpoint:
+        saved_epoch = int(tf.train.load_variable(manager.latest_checkpoint, "epoch/.ATTRIBUTES/VARIABLE_VALUE"))
+        finished = saved_epoch >= spec.train.epochs and (results_dir / MODEL_FILE).is_file()
+        # a finished run is only read back: any process count may do that
+        _check_resume_compatible(results_dir, spec, None if finished else world.size)
+        checkpoint.restore(manager.latest_checkpoint).expect_partial()
+        log.info("resuming from %s at epoch %d/%d", manager.latest_checkpoint, int(epoch_var), spec.train.epochs)
+    initial_epoch = world.broadcast(int(epoch_var.numpy()), "initial_epoch")
+    if initial_epoch > spec.train.epochs:
+        raise QatpipeError(
+            f"{results_dir}: the checkpoint is at epoch {initial_epoch}, beyond train.epochs={spec.train.epochs}"
+        )
+    return initial_epoch
 
 
 def _validator(spec: ExperimentSpec, arch):
