@@ -225,6 +225,7 @@ def test_validate_writes_reports_and_the_command_exits_1_on_a_failed_gate(engine
     lenient = tmp_path / "lenient.json"
     lenient.write_text(json.dumps({"map50": max(own["map50"], exact) + 0.005, "map": own["map"]}))
     spec = spec.model_copy(deep=True)
+    spec.engine.fp16 = False  # TensorRT's numbers are then the Q/DQ graph's in float32 (FP16: the next test)
     spec.validate_.max_map_drop = abs(own["map50"] - exact) + 0.006  # both figures pass
     report = validate(spec, engine_dir, lenient, tmp_path / "pass", variant="qat")
     assert report["passed"] and report["map50"] == own["map50"] and report["engine_label"] == "onnxruntime cpu int8"
@@ -261,6 +262,70 @@ def test_validate_writes_reports_and_the_command_exits_1_on_a_failed_gate(engine
     assert main(args) == 1
     assert "validation gate failed for qat: mAP@0.5" in caplog.text and "5.00 points below" in caplog.text
     assert json.loads((tmp_path / "fail" / "validation.json").read_text())["passed"] is False
+
+
+def _planted_fp16_overflow(fp32_onnx, folder):
+    """The detector with x1e5 then x1e-5 after its first Conv: the same numbers in float32, an overflow (inf)
+    in FP16. With its FP16 form made without the guard (what a guard that missed a tensor would give) and the
+    export's precision report beside it."""
+    import onnx
+    from onnx import helper
+
+    from qatpipe.export import fp16
+    from qatpipe.export.onnx_export import save_onnx
+
+    model = onnx.load(fp32_onnx)
+    graph = model.graph
+    index, conv = next((i, n) for i, n in enumerate(graph.node) if n.op_type == "Conv")
+    out = conv.output[0]
+    conv.output[0] = "planted_in"
+    graph.initializer.extend([numpy_helper.from_array(np.array(1e5, np.float32), "planted_up"),
+                              numpy_helper.from_array(np.array(1e-5, np.float32), "planted_down")])
+    graph.node.insert(index + 1, helper.make_node("Mul", ["planted_in", "planted_up"], ["planted_big"],
+                                                  name="planted_amplify"))
+    graph.node.insert(index + 2, helper.make_node("Mul", ["planted_big", "planted_down"], [out],
+                                                  name="planted_attenuate"))
+    folder.mkdir(parents=True, exist_ok=True)
+    planted = save_onnx(model, folder / "model.onnx")
+    save_onnx(fp16.convert(model, {})[0], folder / "model_fp16.onnx")
+    return planted
+
+
+def test_tensorrt_numbers_are_the_fp16_forms_and_a_broken_fp16_form_fails_with_its_report(engines, tmp_path,
+                                                                                           caplog):
+    """Under engine.fp16, TensorRT builds the export's FP16 form, so the TensorRT-emulated mAP is that form's
+    (FP16 values rounded as FP16 holds them). A form whose FP16 arithmetic breaks the detector fails the gate,
+    while the CPU engine itself passes, and the verdict carries the precision report that says where."""
+    from qatpipe.data.pipeline import eval_dataset
+    from qatpipe.data.splits import sample_split
+    from qatpipe.export.precision import precision_report, write_report
+    from qatpipe.stages.validate import validate
+
+    spec, built = engines
+    assert spec.engine.fp16 and (built["fp32"][0].with_name("fp32_fp16.onnx")).is_file()
+    low = tmp_path / "low.json"
+    low.write_text(json.dumps({"map50": 0.0, "map": 0.0}))
+    good = validate(spec, built["fp32"][1], low, tmp_path / "fp32", variant="fp32")
+    assert good["passed"] and good["fp16_form"] and "FP16 form fp32_fp16.onnx" in good["tensorrt_emulation"]
+    assert (tmp_path / "fp32" / "tensorrt_emulated" / "fp16_rounded.onnx").is_file()
+    assert abs(good["map50_tensorrt_emulated"] - good["map50"]) < 0.02  # the guarded FP16 form loses ~nothing
+    assert (tmp_path / "fp32" / "fp16_precision_report.md").read_text() == \
+        built["fp32"][0].with_name("precision_report.md").read_text()
+
+    planted = _planted_fp16_overflow(built["fp32"][0], tmp_path / "planted")
+    samples = sample_split(spec, "train", 4, seed=0)
+    write_report(precision_report(planted, [b.numpy() for b in eval_dataset(samples, spec)]), planted.parent)
+    build_engine(spec, planted, tmp_path / "planted_engine", backend="onnxruntime")
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps({"map50": good["map50"], "map": good["map"]}))
+    caplog.set_level("WARNING")
+    broken = validate(spec, tmp_path / "planted_engine", baseline, tmp_path / "broken", variant="fp32")
+    assert broken["map50"] == pytest.approx(good["map50"], abs=1e-3)  # the CPU engine runs float32: fine
+    assert broken["map50_tensorrt_emulated"] < good["map50"] - 0.05 and not broken["passed"]
+    assert "TensorRT-emulated mAP@0.5 (the FP16 form; fp16_precision_report.md says where it loses)" in caplog.text
+    markdown = (tmp_path / "broken" / "validation.md").read_text()
+    assert "## Why: the FP16 form loses accuracy" in markdown and "planted_big" in markdown
+    assert not (tmp_path / "broken" / "deepstream").exists()
 
 
 def test_the_gate_needs_the_tensorrt_emulated_map_too():

@@ -31,6 +31,7 @@ FP16_TINIEST = 2.0 ** -24  # the smallest subnormal: anything smaller becomes 0
 FP16_SMALLEST_NORMAL = 2.0 ** -14  # below this, fewer than 11 significant bits
 OVERFLOW_MARGIN = 0.5  # flag a tensor whose calibration maximum passes half of FP16_MAX
 FLUSH_SHARE = 0.01  # flag a tensor FP16 would zero 1% of the non-zero values of
+JSON_FILE, MARKDOWN_FILE = "precision_report.json", "precision_report.md"  # written beside the model
 JUMP_FACTOR = 10.0  # the first tensor whose relative error is this many times its inputs' is "where it parts"
 
 
@@ -247,6 +248,6 @@ def write_report(report: dict, folder: str | Path) -> tuple[Path, Path]:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    write_json(folder / "precision_report.json", report)
-    (folder / "precision_report.md").write_text(report_markdown(report), encoding="utf-8")
-    return folder / "precision_report.json", folder / "precision_report.md"
+    write_json(folder / JSON_FILE, report)
+    (folder / MARKDOWN_FILE).write_text(report_markdown(report), encoding="utf-8")
+    return folder / JSON_FILE, folder / MARKDOWN_FILE

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from qatpipe.export.precision import JSON_FILE, MARKDOWN_FILE
 from qatpipe.fileio import write_json
 from qatpipe.spec import ExperimentSpec
 from qatpipe.tracking.records import StageRecord
@@ -30,7 +31,7 @@ def ptq(spec: ExperimentSpec, fp32_onnx: str | Path, output: str | Path) -> dict
     if settings.report_images:
         report.update(_precision(spec, Path(fp32_onnx), output, samples[:settings.report_images]))
         metrics.update(fp16_flags=report["fp16_flags"], layer_max_error=report["layer_max_error"])
-        artifacts += ["precision_report.json", "precision_report.md"]
+        artifacts += [JSON_FILE, MARKDOWN_FILE]
     report_path = write_json(output.with_name(f"{output.stem}_ptq.json"), report)
     StageRecord(
         stage="ptq", params={f"ptq.{key}": value for key, value in settings.model_dump().items()},

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text, write_json
+from qatpipe.export.precision import MARKDOWN_FILE as PRECISION_MARKDOWN
 from qatpipe.spec import ExperimentSpec
 from qatpipe.tracking.records import StageRecord
 
@@ -19,6 +20,8 @@ log = logging.getLogger(__name__)
 REPORT_FILE = "validation.json"
 MARKDOWN_FILE = "validation.md"
 EMULATED_FOLDER = "tensorrt_emulated"  # the exact CPU form of a fast engine, and its evaluation
+FP16_ROUNDED_FILE = "fp16_rounded.onnx"  # in EMULATED_FOLDER: the FP16 form as ONNX Runtime's CPU build scores it
+FP16_REPORT_FILE = "fp16_precision_report.md"  # the export's FP16 precision report, beside the verdict
 DEEPSTREAM_FOLDER = "deepstream"  # a passing model's nvinfer config, labels and DeepStream-layout ONNX
 
 
@@ -46,22 +49,29 @@ def within(drop: float, max_drop: float) -> bool:
 
 def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: Path,
                             onnx_model: str | Path | None = None) -> tuple[float | None, str]:
-    """(mAP@0.5 of TensorRT's numbers, how it was had) for a Q/DQ engine; (None, why) for a float one.
+    """(mAP@0.5 of TensorRT's numbers, how it was had), or (None, why there is nothing to emulate).
 
-    A TensorRT engine, or an ONNX Runtime one that computes TensorRT's numbers (the `exact` CPU form, or a GPU
-    provider taking the symmetric int8 as is), gives its own mAP. A `fast` CPU engine rounds differently
-    (engines/cpu_qdq.py), so its source ONNX (`onnx_model`, else the one engine.json names, checked by its
-    SHA-256) is built in the exact form into output_dir/tensorrt_emulated and scored there."""
+    TensorRT builds what `build_engine.engine_source` gives it: under `engine.fp16` the export's FP16 form
+    (float regions FP16 through casts), else the ONNX itself. A TensorRT engine gives its own mAP. An ONNX
+    Runtime engine computes TensorRT's numbers itself only when it runs the same graph the same way: a float
+    engine without an FP16 form, or a Q/DQ engine in the `exact` CPU form (or on a GPU provider) without one.
+    Otherwise the source ONNX (`onnx_model`, else the one engine.json names, checked by its SHA-256) is scored
+    as TensorRT would run it, into output_dir/tensorrt_emulated: its FP16 form with every FP16 value rounded
+    as FP16 holds it (export/fp16.py `rounded_form`), in ONNX Runtime's exact CPU form."""
     from qatpipe.engines.base import EngineMetadata, file_sha256
-    from qatpipe.stages.build_engine import build_engine
+    from qatpipe.stages.build_engine import build_engine, engine_source
     from qatpipe.stages.evaluate import evaluate
 
     metadata = EngineMetadata.read(engine_dir)
-    if not metadata.precision.startswith("int8"):
-        return None, f"a {metadata.precision.split()[0]} engine: no quantisation to emulate"
-    if "CPU form fast" not in metadata.precision:
+    if metadata.backend == "tensorrt":
         return None, "the engine computes TensorRT's numbers itself"
     source = Path(onnx_model) if onnx_model else Path(metadata.source_onnx)
+    fp16_form = engine_source(spec, "tensorrt", source)
+    fast_int8 = metadata.precision.startswith("int8") and "CPU form fast" in metadata.precision
+    if fp16_form == source and not fast_int8:
+        return None, ("the engine computes TensorRT's numbers itself" if metadata.precision.startswith("int8")
+                      else f"a {metadata.precision.split()[0]} engine without an FP16 form (engine.fp16: "
+                           f"{spec.engine.fp16}): no quantisation to emulate")
     if not source.is_file():
         raise QatpipeError(f"{engine_dir}: its source ONNX {source} is not here, and the TensorRT-emulated mAP "
                            "needs it: pass the model the engine was built from")
@@ -71,9 +81,20 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
     exact = spec.model_copy(deep=True)
     exact.engine.cpu_form = "exact"
     folder = output_dir / EMULATED_FOLDER
-    build_engine(exact, source, folder / "engine", backend="onnxruntime", stage_name="build_tensorrt_emulated")
-    scored = evaluate(exact, folder / "engine", folder, stage_name="validate_tensorrt_emulated")
-    return scored["map50"], f"the source ONNX in ONNX Runtime's exact CPU form ({EMULATED_FOLDER}/)"
+    scored, how = source, "the source ONNX in ONNX Runtime's exact CPU form"
+    if fp16_form != source:
+        import onnx
+
+        from qatpipe.export.fp16 import rounded_form
+        from qatpipe.export.onnx_export import save_onnx
+
+        folder.mkdir(parents=True, exist_ok=True)
+        scored = save_onnx(rounded_form(onnx.load(source), onnx.load(fp16_form)), folder / FP16_ROUNDED_FILE)
+        how = (f"its FP16 form {fp16_form.name} (engine.fp16: what TensorRT builds), FP16 values rounded as FP16 "
+               "holds them, in ONNX Runtime's exact CPU form")
+    build_engine(exact, scored, folder / "engine", backend="onnxruntime", stage_name="build_tensorrt_emulated")
+    result = evaluate(exact, folder / "engine", folder, stage_name="validate_tensorrt_emulated")
+    return result["map50"], f"{how} ({EMULATED_FOLDER}/)"
 
 
 def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str | Path,
@@ -105,12 +126,19 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
         "engine_size_mb": evaluation["model_size_mb"], "tensorrt_emulation": emulation,
         "layer_precision": metadata.layer_precision,  # compute layers per precision, as the engine's ONNX asks
     }
+    fp16_report = None
     if emulated is not None:
         emulated_passed, emulated_drop = gate(emulated, baseline["map50"], max_drop)
         report.update(map50_tensorrt_emulated=emulated, map50_tensorrt_emulated_drop=emulated_drop)
         passed = passed and emulated_passed
+        if (output_dir / EMULATED_FOLDER / FP16_ROUNDED_FILE).is_file():
+            report["fp16_form"] = True  # TensorRT's numbers are the FP16 form's
+            fp16_report = _fp16_precision_report(onnx_model or metadata.source_onnx, output_dir)
     report["passed"] = passed
     artifacts = [REPORT_FILE, MARKDOWN_FILE]
+    if fp16_report:
+        report["fp16_precision_report"] = FP16_REPORT_FILE
+        artifacts.append(FP16_REPORT_FILE)
     if (engine_dir / BENCH_FILE).is_file():  # the engine's benchmark travels with its verdict (compare reads it)
         shutil.copyfile(engine_dir / BENCH_FILE, output_dir / BENCH_FILE)
         report["benchmark"] = json.loads((output_dir / BENCH_FILE).read_text())
@@ -128,7 +156,7 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
         "| | mAP@0.5 | mAP@[.5:.95] | mAP@0.5 drop (points) |", "|---|---|---|---|", *rows,
         f"| baseline | {baseline['map50']:.4f} | {baseline.get('map', float('nan')):.4f} | |", "",
         f"Allowed drop {100 * max_drop:.2f} points (validate.max_map_drop); TensorRT-emulated mAP: {emulation}.",
-        ""]))
+        "", *_fp16_section(report, fp16_report)]))
     record = StageRecord.read(output_dir)
     record.params["engine"] = label
     record.metrics.update({"map50_drop": drop, "passed": float(passed)})
@@ -143,6 +171,34 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
              label, verdict, evaluation["map50"],
              "" if emulated is None else f", TensorRT-emulated {emulated:.4f}", baseline["map50"], 100 * max_drop)
     return report
+
+
+def _fp16_precision_report(onnx_model: str | Path, output_dir: Path) -> str | None:
+    """The export's precision report of the FP16 form (beside its ONNX), copied into the validation as
+    FP16_REPORT_FILE; its Markdown, or None (with a warning) when the export wrote none."""
+    source = Path(onnx_model).with_name(PRECISION_MARKDOWN)
+    if not source.is_file():
+        log.warning("no FP16 precision report beside %s: the validation cannot say where FP16 loses accuracy",
+                    onnx_model)
+        return None
+    text = source.read_text(encoding="utf-8")
+    atomic_write_text(output_dir / FP16_REPORT_FILE, text)
+    return text
+
+
+def _fp16_section(report: dict, fp16_report: str | None) -> list[str]:
+    """validation.md's lines on the FP16 form: where to look, and the whole precision report when TensorRT's
+    numbers (the FP16 form's) fail the gate."""
+    if not report.get("fp16_form"):
+        return []
+    if within(report["map50_tensorrt_emulated_drop"], report["max_map_drop"]):
+        return [f"TensorRT's numbers are the FP16 form's; its precision report: {FP16_REPORT_FILE}.", ""]
+    lines = ["## Why: the FP16 form loses accuracy", "",
+             "TensorRT's numbers are the FP16 form's (engine.fp16). Its precision report from the export (the "
+             "tensors FP16 would overflow or zero, and the layer-by-layer error) follows: keep the named tensors "
+             "in FP32, or set engine.fp16 false.", ""]
+    body = (fp16_report or "(no precision report beside the ONNX)").replace("\n# ", "\n### ")
+    return [*lines, body.replace("# ", "### ", 1) if body.startswith("# ") else body, ""]
 
 
 def _deepstream_config(spec: ExperimentSpec, metadata, onnx_model: str | Path | None, output_dir: Path,
@@ -162,8 +218,10 @@ def _deepstream_config(spec: ExperimentSpec, metadata, onnx_model: str | Path | 
 
 
 def gate_message(report: dict) -> str:
+    emulated = "TensorRT-emulated mAP@0.5" + (f" (the FP16 form; {FP16_REPORT_FILE} says where it loses)"
+                                             if report.get("fp16_form") else "")
     failures = [f"{what} {report[key]:.4f} is {100 * report[f'{key}_drop']:.2f} points below"
-                for key, what in (("map50", "mAP@0.5"), ("map50_tensorrt_emulated", "TensorRT-emulated mAP@0.5"))
+                for key, what in (("map50", "mAP@0.5"), ("map50_tensorrt_emulated", emulated))
                 if key in report and not within(report[f"{key}_drop"], report["max_map_drop"])]
     return (f"validation gate failed for {report['variant']}: {'; '.join(failures)} the baseline "
             f"{report['baseline_map50']:.4f}, more than validate.max_map_drop={report['max_map_drop']} "

@@ -37,6 +37,7 @@ def export(export_spec: str, variant: str, dataset: Input[Dataset], model: Input
     from pathlib import Path
 
     from qatpipe.data.prepare import spec_with_prepared_dataset
+    from qatpipe.export.precision import MARKDOWN_FILE
     from qatpipe.stages.export import export as export_stage
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics, write_text
 
@@ -55,6 +56,6 @@ def export(export_spec: str, variant: str, dataset: Input[Dataset], model: Input
             figures.update({f"fp16_{key}": form[key]
                             for key in ("fp16_nodes", "fp32_nodes", "guard_flags", "layer_max_error")})
         write_metrics(metrics, figures)
-        markdown = Path(onnx_model.path) / "precision_report.md"
+        markdown = Path(onnx_model.path) / MARKDOWN_FILE
         write_text(precision, markdown.read_text() if markdown.is_file() else "No FP16 form (export.fp16_onnx: "
                    "false).\n")

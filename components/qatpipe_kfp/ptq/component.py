@@ -33,6 +33,7 @@ def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_on
     from pathlib import Path
 
     from qatpipe.data.prepare import spec_with_prepared_dataset
+    from qatpipe.export.precision import MARKDOWN_FILE
     from qatpipe.stages.ptq import ptq as ptq_stage
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics, write_text
 
@@ -44,6 +45,6 @@ def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_on
                                    "quantization": f"int8 Q/DQ, PTQ ({report['method']})"})
         write_metrics(metrics, {key: report.get(key) for key in ("calibration_images", "size_mb", "fp16_flags",
                                                                   "layer_max_error")})
-        markdown = Path(int8_onnx.path) / "precision_report.md"
+        markdown = Path(int8_onnx.path) / MARKDOWN_FILE
         write_text(precision, markdown.read_text() if markdown.is_file() else "No precision report "
                    "(ptq.report_images: 0).\n")
