@@ -331,9 +331,17 @@ def test_only_mlflow_reaches_postgres_and_only_the_pipeline_reaches_mlflow(overl
     assert mlflow["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "mlflow"}}
     [rule] = mlflow["spec"]["ingress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": 5000}]
-    # the pipeline's namespace, and nothing wider: no empty namespaceSelector, no ipBlock
-    expected = [{"podSelector": {}}] + ([] if pipeline == tracking else [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": pipeline}}}])
+    # the pipeline's pods (the label every task carries, and the training jobs' pods) in the pipeline's
+    # namespace, and nothing wider: no other pod, no empty namespaceSelector, no ipBlock
+    from qatpipe.cluster.mpijob import JOB_LABEL
+    from qatpipe_pipelines.qat_pipeline import MLFLOW_CLIENT_LABEL
+
+    pods = [{"matchLabels": dict([MLFLOW_CLIENT_LABEL])},
+            {"matchExpressions": [{"key": JOB_LABEL, "operator": "Exists"}]}]
+    expected = [{"podSelector": pod} for pod in pods] if pipeline == tracking else [
+        *({"podSelector": pod} for pod in pods),
+        *({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": pipeline}}, "podSelector": pod}
+          for pod in pods)]
     assert rule["from"] == expected
 
 

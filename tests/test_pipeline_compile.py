@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qatpipe_pipelines.qat_pipeline import SECRET_KEYS_TO_ENV
+from qatpipe_pipelines.qat_pipeline import MLFLOW_CLIENT_LABEL, SECRET_KEYS_TO_ENV
 from qatpipe_pipelines.submit import compile_pipeline
 
 REPO_YAML = Path(__file__).resolve().parents[1] / "pipelines" / "qat_pipeline.yaml"
@@ -166,6 +166,8 @@ def test_secrets_come_from_a_kubernetes_secret(compiled):
         assert secret["secretNameParameter"]["componentInputParameter"].endswith("credentials_secret")
         assert {item["envVar"] for item in secret["keyToEnv"]} == set(SECRET_KEYS_TO_ENV)
         assert secret["optional"] is True
+        # the label MLflow's NetworkPolicy admits
+        assert k8s[executor]["podMetadata"]["labels"] == dict([MLFLOW_CLIENT_LABEL]), name
     # credentials appear only as key names in secretAsEnv (secretKey + envVar per executor), never as
     # parameters or values
     text = path.read_text()

@@ -55,7 +55,10 @@ TASK_SIZES = {
     "cpu_stage": ("4", "16Gi"),  # data, pruning, export, PTQ, ONNX evaluations, compare, register
     "light": ("1", "2Gi"),  # spec, tracking and logging tasks (MLflow client, artifact uploads)
 }
-SHM_SIZE = "8Gi"  # memory-backed /dev/shm of training tasks (NCCL, Horovod with gpus > 1 in one pod)
+SHM_SIZE = "8Gi"
+# on every task's pod: MLflow's NetworkPolicy (manifests/tracking/networkpolicy.yaml) admits only pods with it
+# (and the pods of the training jobs, by their qatpipe.io/mpijob label)
+MLFLOW_CLIENT_LABEL = ("qatpipe.io/mlflow-client", "true")  # memory-backed /dev/shm of training tasks (NCCL, Horovod with gpus > 1 in one pod)
 
 
 class _TaskSettings:
@@ -84,6 +87,7 @@ class _TaskSettings:
             if size != "training":  # as the MPIJob workers: CFS throttling would starve tf.data's input pipeline
                 task.set_cpu_limit(cpu)
         task.set_container_image(self.engine_image if engine else self.image)
+        kubernetes.add_pod_label(task, *MLFLOW_CLIENT_LABEL)
         if self.code_version:
             task.set_env_variable("QATPIPE_CODE_VERSION", self.code_version)
         kubernetes.use_secret_as_env(task, secret_name=self.secret, secret_key_to_env=SECRET_KEYS_TO_ENV,
