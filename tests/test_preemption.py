@@ -23,7 +23,8 @@ TASK = textwrap.dedent("""
 
     spec_file, dataset, out = sys.argv[1:4]
     train.python_func(train_spec=open(spec_file).read(), dataset=dsl.Dataset(uri=dataset),
-                      model=dsl.Model(uri=out + "/model"), metrics=dsl.Metrics(uri=out + "/metrics"))
+                      model=dsl.Model(uri=out + "/model"), metrics=dsl.Metrics(uri=out + "/metrics"),
+                      tensorboard=dsl.Artifact(uri=out + "/tensorboard"))
 """)
 
 
@@ -72,5 +73,8 @@ def test_a_killed_training_task_resumes_at_the_next_epoch_when_retried(tiny_spec
     assert all(row["loss"] and row["val_map50"] for row in rows)
     # the Model artifact: the model and its records; the resume state stayed on the volume and is gone now
     assert (model / "model.keras").is_file() and not (model / "checkpoints").exists()
+    # TensorBoard's event files in their own artifact, not in the Model every later stage downloads
+    assert not (model / "tensorboard").exists()
+    assert any((tmp_path / "attempt-2" / "tensorboard").rglob("events.out.tfevents.*"))
     assert summary["model"] == str(model / "model.keras")
     assert not any(work.iterdir())

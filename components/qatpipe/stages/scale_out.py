@@ -58,14 +58,16 @@ class ClusterSettings:
 
 def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path, *, pruned_model: Path | None = None,
                        processes_per_node: int = 1, nodes: int = 1, cluster: ClusterSettings | None = None,
-                       use_mpijob: bool = False, work_root: str | Path | None = None) -> dict:
+                       use_mpijob: bool = False, work_root: str | Path | None = None,
+                       tensorboard_dir: str | Path | None = None) -> dict:
     """Train (`stage` "train") or retrain (`stage` "retrain", from `pruned_model`) into `results_dir`;
     returns the training summary. `use_mpijob`: an MPIJob even for one node (this process only follows it).
 
     On this host the training works in a folder of `work_root` (the KFP components pass this run's folder on
     the cache volume) named after the stage's inputs: a retried task (pre-emption, eviction) resumes from the
     last checkpoint there. Without `work_root` the folder is temporary. Only the model and its records come to
-    `results_dir` (the Model artifact every later stage downloads), never the checkpoints."""
+    `results_dir` (the Model artifact every later stage downloads), never the checkpoints; the TensorBoard
+    event files go to `tensorboard_dir` when it is given (the KFP components' own artifact), else with them."""
     if stage not in ("train", "retrain"):
         raise ValueError(stage)
     if processes_per_node < 1 or nodes < 1:
@@ -77,11 +79,11 @@ def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path
                 _in_process(stage, spec, work, pruned_model)
             else:
                 _on_this_host(stage, spec, work, pruned_model, processes_per_node)
-            return _keep_results(work, results_dir)
+            return _keep_results(work, results_dir, tensorboard_dir)
     if cluster is None or not cluster.shared_pvc:
         raise QatpipeError(f"{nodes} node(s) as a cluster job: it needs a shared ReadWriteMany volume for its data and "
                            "results; compile the pipeline with --cache-pvc NAME (manifests/ makes qatpipe-cache)")
-    return _on_mpijob(stage, spec, results_dir, pruned_model, processes_per_node, nodes, cluster)
+    return _on_mpijob(stage, spec, results_dir, pruned_model, processes_per_node, nodes, cluster, tensorboard_dir)
 
 
 # what stays in the work folder and never reaches the Model artifact: resume state
@@ -104,18 +106,20 @@ def _work_folder(stage, spec, pruned_model, processes, work_root):
     shutil.rmtree(folder, ignore_errors=True)  # done: only an interrupted training's folder stays, for the retry
 
 
-def _keep_results(work: Path, results_dir: Path) -> dict:
-    """Copy the trained model and its records (not the resume state) to `results_dir`; returns the training
-    summary, its model path pointing there."""
+def _keep_results(work: Path, results_dir: Path, tensorboard_dir: str | Path | None = None) -> dict:
+    """Copy the trained model and its records (not the resume state) to `results_dir`, the TensorBoard event
+    files to `tensorboard_dir` when given; returns the training summary, its model path pointing there."""
     from qatpipe.fileio import write_json
-    from qatpipe.stages.train import SUMMARY_FILE
+    from qatpipe.stages.train import SUMMARY_FILE, TENSORBOARD_DIR
 
     summary = _summary(work)
     results_dir.mkdir(parents=True, exist_ok=True)
     for path in work.iterdir():
         if path.name in RESUME_STATE:
             continue
-        if path.is_dir():
+        if path.name == TENSORBOARD_DIR and tensorboard_dir is not None:
+            shutil.copytree(path, Path(tensorboard_dir), dirs_exist_ok=True)
+        elif path.is_dir():
             shutil.copytree(path, results_dir / path.name, dirs_exist_ok=True)
         else:
             shutil.copy2(path, results_dir / path.name)
@@ -197,7 +201,8 @@ def worker_resources(processes: int):
                      memory_limit=f"{2 * memory}Gi")
 
 
-def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster: ClusterSettings) -> dict:
+def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster: ClusterSettings,
+               tensorboard_dir=None) -> dict:
     from qatpipe.cluster.launcher import pod_namespace, pod_service_account
     from qatpipe.cluster.mpijob import MpiJobRequest, PvcMount, job_name
 
@@ -234,7 +239,7 @@ def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster
         # the job's name is its folder's: a job left by an earlier attempt of this work is replaced, and the
         # new one resumes from the checkpoints in the folder
         launcher.run(manifest, timeout_seconds=cluster.timeout_seconds, replace_existing=True)
-    summary = _keep_results(job_results, results_dir)
+    summary = _keep_results(job_results, results_dir, tensorboard_dir)
     shutil.rmtree(shared, ignore_errors=True)  # done: only a failed job's folder stays, for the retry
     log.info("%s: results of %s %s copied to %s", stage, manifest["kind"], request.name, results_dir)
     return summary

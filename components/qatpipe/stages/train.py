@@ -22,6 +22,7 @@ SPEC_FILE = "spec.yaml"
 SUMMARY_FILE = "train_summary.json"
 LOG_FILE = "training_log.csv"
 WORLD_FILE = "world.json"  # how many data-parallel processes wrote the checkpoints
+TENSORBOARD_DIR = "tensorboard"  # the event files of Keras's TensorBoard callback
 
 
 # What a checkpoint's weights, optimizer state and data stream depend on: resuming across a change of any of
@@ -178,7 +179,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         chief_callbacks = [
             progress, *([validating] if validating else []), EpochLog(results_dir / LOG_FILE),
             CheckpointEveryN(manager, epoch_var, spec.train.checkpoint_interval, spec.train.epochs),
-            keras.callbacks.TensorBoard(str(results_dir / "tensorboard"), update_freq="epoch", profile_batch=0),
+            keras.callbacks.TensorBoard(str(results_dir / TENSORBOARD_DIR), update_freq="epoch", profile_batch=0),
             *([curves] if (curves := live_curves(stage_name, steps, spec.train.batch_size * world.size)) else []),
             *(extra_callbacks or []),
         ]

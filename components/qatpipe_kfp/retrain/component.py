@@ -2,16 +2,16 @@
 Horovod process per GPU, and with `workers` > 1 an MPIJob or TrainJob across
 nodes."""
 
-from kfp.dsl import Dataset, Input, Metrics, Model, Output
+from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
 
 from qatpipe_kfp.settings import component
 
 
 @component
 def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input[Model], model: Output[Model],
-            metrics: Output[Metrics], gpus: int = 1, workers: int = 1, mpijob_api_version: str = "v2beta1",
-            launcher: str = "mpijob", training_image: str = "", credentials_secret: str = "", node_selector: dict = {},
-            tolerations: list = [], mpijob: bool = False):
+            metrics: Output[Metrics], tensorboard: Output[Artifact], gpus: int = 1, workers: int = 1,
+            mpijob_api_version: str = "v2beta1", launcher: str = "mpijob", training_image: str = "",
+            credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [], mpijob: bool = False):
     """Fine-tune the pruned detector in FP32 or quantisation-aware (QAT), like TAO's retrain.
 
     One Horovod process per GPU; with `workers` > 1, or `mpijob`, an MPIJob (or TrainJob) across nodes.
@@ -38,6 +38,8 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
             metadata holds the framework, file, parameter count, variant and number of processes.
         metrics: The training summary's figures: throughput, time, size, final losses, the kept and best epochs,
             the best val mAP@0.5 and the learning check's figures.
+        tensorboard: The TensorBoard event files of the retraining (a Kubeflow Tensorboard can read its URI);
+            kept out of the Model artifact, which every later stage downloads.
     """
     from pathlib import Path
 
@@ -56,7 +58,8 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
         cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
                                    mpijob_api_version, launcher)
         summary = run_training_stage("retrain", spec, model.path, pruned_model=source, processes_per_node=gpus,
-                                     nodes=workers, cluster=cluster, use_mpijob=mpijob, work_root=training_work_root())
+                                     nodes=workers, cluster=cluster, use_mpijob=mpijob, work_root=training_work_root(),
+                                     tensorboard_dir=tensorboard.path)
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],
                                "variant": variant, "processes": summary.get("processes", 1)})
         write_metrics(metrics, summary_metrics(summary))

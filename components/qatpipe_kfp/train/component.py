@@ -2,13 +2,14 @@
 and with `workers` > 1 an MPIJob or TrainJob across
 nodes."""
 
-from kfp.dsl import Dataset, Input, Metrics, Model, Output
+from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
 
 from qatpipe_kfp.settings import component
 
 
 @component
 def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metrics: Output[Metrics],
+          tensorboard: Output[Artifact],
           gpus: int = 1, workers: int = 1, mpijob_api_version: str = "v2beta1", launcher: str = "mpijob",
           training_image: str = "", credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [],
           mpijob: bool = False):
@@ -36,6 +37,8 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
             metadata holds the framework, file, parameter count and number of processes.
         metrics: The training summary's figures: throughput, time, size, final losses, the kept and best epochs,
             the best val mAP@0.5 and the learning check's figures.
+        tensorboard: The TensorBoard event files of the training (a Kubeflow Tensorboard can read its URI); kept
+            out of the Model artifact, which every later stage downloads.
     """
     from qatpipe.data.prepare import spec_with_prepared_dataset
     from qatpipe.stages.scale_out import run_training_stage
@@ -49,7 +52,8 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
         cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
                                    mpijob_api_version, launcher)
         summary = run_training_stage("train", spec, model.path, processes_per_node=gpus, nodes=workers,
-                                     cluster=cluster, use_mpijob=mpijob, work_root=training_work_root())
+                                     cluster=cluster, use_mpijob=mpijob, work_root=training_work_root(),
+                                     tensorboard_dir=tensorboard.path)
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],
                                "processes": summary.get("processes", 1)})
         write_metrics(metrics, summary_metrics(summary))

@@ -14,4 +14,5 @@ def test_interface():
     # one process on one node unless the pipeline says otherwise
     assert spec.inputs["gpus"].default == 1 and spec.inputs["workers"].default == 1
     assert {k: v.type for k, v in spec.outputs.items()} == {"model": "system.Model@0.0.1",
-                                                            "metrics": "system.Metrics@0.0.1"}
+                                                            "metrics": "system.Metrics@0.0.1",
+                                                            "tensorboard": "system.Artifact@0.0.1"}
