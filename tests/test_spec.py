@@ -46,6 +46,8 @@ def test_defaults_fill_every_section():
         ({"validate": {"max_map_dropp": 1}}, "validate.max_map_dropp: unknown key"),
         ({"train": {"keep": "worst"}}, "train.keep: Input should be 'best' or 'last'"),
         ({"train": {"validation_interval": -1}}, "train.validation_interval: Input should be greater than or equal"),
+        ({"model": {"arch": "ssd"}}, "model: model.arch must be one of: detectnet_v2"),
+        ({"model": {"arch": "detectnet_v2", "decoder": {"methd": "nms"}}}, "model.decoder.methd: unknown key"),
     ],
 )
 def test_invalid_values_name_the_key(tmp_path, patch, expected):
@@ -54,6 +56,21 @@ def test_invalid_values_name_the_key(tmp_path, patch, expected):
         load_spec(write(tmp_path, data))
     assert str(tmp_path / "spec.yaml") in str(info.value)
     assert expected in str(info.value)
+
+
+def test_the_model_section_is_the_architectures_own():
+    """model.arch picks the section's schema (DetectNet_v2's target, decoder and loss); absent, the default
+    architecture's; every architecture the spec knows has a model builder."""
+    from qatpipe.models import get_architecture
+    from qatpipe.spec import ARCHITECTURE_SPECS, DEFAULT_ARCH, DetectNetV2Spec
+
+    spec = parse_spec(MINIMAL)
+    assert type(spec.model) is DetectNetV2Spec and spec.model.arch == DEFAULT_ARCH
+    assert parse_spec({**MINIMAL, "model": {"arch": "detectnet_v2", "loss": {"class_weight": 0.5}}}).model.loss \
+        .class_weight == 0.5
+    for arch, section in ARCHITECTURE_SPECS.items():
+        with_arch = parse_spec({**MINIMAL, "model": {"arch": arch}})
+        assert type(with_arch.model) is section and get_architecture(with_arch).spec is with_arch
 
 
 def test_missing_required_key(tmp_path):

@@ -9,10 +9,10 @@ from __future__ import annotations
 import copy
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Literal, get_args
+from typing import Annotated, Any, Iterable, Literal, Union, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from qatpipe.errors import SpecError
 
@@ -160,13 +160,34 @@ class LossSpec(_Section):
         "averaged over those cells and added to the coverage loss: it makes the classes compete where an object "
         "is, without moving coverage as a whole; 0 leaves TAO's per-class sigmoid loss alone (docs/recipe.md)")
 
-class ModelSpec(_Section):
+class DetectNetV2Spec(_Section):
+    """The model section when model.arch is detectnet_v2: the backbone and regulariser any architecture has,
+    and DetectNet_v2's own target encoder, decoder and loss (models/detectnet_v2.py)."""
+
     arch: Literal["detectnet_v2"] = "detectnet_v2"
     backbone: BackboneSpec = Field(default_factory=BackboneSpec)
     regularizer: RegularizerSpec = Field(default_factory=RegularizerSpec)
     target: TargetSpec = Field(default_factory=TargetSpec)
     decoder: DecoderSpec = Field(default_factory=DecoderSpec)
     loss: LossSpec = Field(default_factory=LossSpec)
+
+
+# The model section is one of the architectures' own sections, picked by its `arch` (absent: DEFAULT_ARCH):
+# a new architecture adds its section class to ARCHITECTURE_SPECS, its package to qatpipe.models and its line
+# to qatpipe.models.get_architecture's table; nothing else in the spec changes.
+ARCHITECTURE_SPECS = {"detectnet_v2": DetectNetV2Spec}
+DEFAULT_ARCH = "detectnet_v2"
+
+
+def _arch(value: Any) -> str | None:
+    return value.get("arch", DEFAULT_ARCH) if isinstance(value, dict) else getattr(value, "arch", None)
+
+
+ModelSpec = Annotated[
+    Union[tuple(Annotated[section, Tag(arch)] for arch, section in ARCHITECTURE_SPECS.items())],
+    Discriminator(_arch, custom_error_type="unknown_architecture",
+                  custom_error_message=f"model.arch must be one of: {', '.join(ARCHITECTURE_SPECS)}"),
+]
 
 
 # ---------------------------------------------------------------------------------------- augmentation
@@ -350,7 +371,7 @@ class TrackingSpec(_Section):
 
 class ExperimentSpec(_Section):
     dataset: DatasetSpec
-    model: ModelSpec = Field(default_factory=ModelSpec)
+    model: ModelSpec = Field(default_factory=DetectNetV2Spec)
     augmentation: AugmentationSpec = Field(default_factory=AugmentationSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
@@ -431,7 +452,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def _format_validation_error(source: str, exc: ValidationError) -> str:
     lines = [f"{source}: invalid spec"]
     for err in exc.errors():
-        loc = ".".join(str(part) for part in err["loc"]) or "<root>"
+        parts = list(err["loc"])
+        if parts[:1] == ["model"] and len(parts) > 1 and parts[1] in ARCHITECTURE_SPECS:
+            del parts[1]  # the union's tag (model.arch), not a key of the spec
+        loc = ".".join(str(part) for part in parts) or "<root>"
         loc = loc.replace("validate_", "validate")
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
