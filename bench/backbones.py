@@ -10,7 +10,8 @@ paired differences QAT - FP32, PTQ - FP32 and QAT - PTQ with their CIs, each var
 Writes WORK/bench_backbones.json.
 
 `--qat-from-fp32` re-runs each finished run's QAT retrain from its retrained FP32 model (the QAT toolkit's
-fine-tuning) instead of the pruned model (TAO's recipe), and prints QAT - FP32 with its CI.
+fine-tuning) instead of the pruned model (TAO's recipe), and prints QAT - FP32 with its CI. `--fp32-longer` is
+its control: the FP32 retrain continued for as many epochs, and QAT-from-FP32 against it (the same training).
 `--ptq-sweep` then re-quantises each finished run's FP32 ONNX with other PTQ settings (method minmax /
 entropy / percentile, 16 or 200 calibration images) and prints each one's mAP@0.5 and its paired difference
 from FP32 with the CI: where the pipeline's PTQ loses nothing, this finds the settings where it does.
@@ -116,6 +117,34 @@ def qat_from_fp32(backbone: str, work: Path) -> dict:
     return row
 
 
+def fp32_longer(backbone: str, work: Path) -> dict:
+    """The control for --qat-from-fp32: the run's FP32 retrain continued for the same epochs from its retrained
+    FP32 model, so FP32 and QAT have had the same training. Compared with the FP32 model, and with the
+    QAT-from-FP32 model when that experiment has run (the like-for-like QAT - FP32)."""
+    from qatpipe.spec import load_spec
+    from qatpipe.stages.compare import uncertainty
+    from qatpipe.stages.export import export
+    from qatpipe.stages.retrain import retrain
+
+    run = _finished_run(backbone, work)
+    spec = load_spec(run["specs"][False])
+    folder = work / f"{backbone}_fp32_longer"
+    summary = retrain(spec, run["specs"][False].with_name("model.keras"), folder / "retrain")
+    export(spec, summary["model"], folder / "fp32.onnx")
+    map50, pair = _scored_against_fp32(spec, folder / "fp32.onnx", folder, run["fp32_eval"], "qat")
+    row = {"backbone": backbone, "start": "fp32 retrained", "epochs": spec.retrain.epochs, "map50": map50,
+           "diff_vs_fp32": pair["diff"], "ci95_vs_fp32": pair["ci95"]}
+    print(f"\n{backbone}: FP32 continued {row['epochs']} epochs: mAP@0.5 {map50:.4f}, against the FP32 model "
+          f"{100 * pair['diff']:+.2f} points [{100 * pair['ci95'][0]:+.2f}, {100 * pair['ci95'][1]:+.2f}]")
+    qat_eval = work / f"{backbone}_qat_from_fp32" / "evaluation"
+    if qat_eval.is_dir():
+        like = uncertainty({"fp32": folder / "evaluation", "qat": qat_eval})["pairs"]["qat-fp32"]["map50"]
+        row.update(qat_minus_fp32=like["diff"], qat_minus_fp32_ci95=like["ci95"])
+        print(f"{backbone}: QAT from FP32 - FP32 continued, the same training: {100 * like['diff']:+.2f} points "
+              f"[{100 * like['ci95'][0]:+.2f}, {100 * like['ci95'][1]:+.2f}]")
+    return row
+
+
 def print_sweep(rows: list[dict]) -> None:
     print("\nbackbone         PTQ method  calib. images  mAP@0.5  PTQ - FP32 (points)  95% CI (points)")
     for r in rows:
@@ -152,6 +181,9 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only re-read finished runs in WORK and print")
     parser.add_argument("--ptq-sweep", action="store_true",
                         help="re-quantise each finished run's FP32 model with other PTQ settings (no training)")
+    parser.add_argument("--fp32-longer", action="store_true",
+                        help="continue each finished run's FP32 retrain for the same epochs (--qat-from-fp32's "
+                             "control) and compare")
     parser.add_argument("--qat-from-fp32", action="store_true",
                         help="re-run each finished run's QAT retrain from its FP32 model instead of the pruned one")
     args = parser.parse_args()
@@ -159,6 +191,10 @@ def main() -> None:
                         datefmt="%H:%M:%S")
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # each run's local SQLite store
     saved = args.work / "bench_backbones.json"
+    if args.fp32_longer:
+        rows = [fp32_longer(b, args.work) for b in args.backbones if (args.work / b).is_dir()]
+        (args.work / "bench_backbones_fp32_longer.json").write_text(json.dumps(rows, indent=2) + "\n")
+        return
     if args.qat_from_fp32:
         rows = [qat_from_fp32(b, args.work) for b in args.backbones if (args.work / b).is_dir()]
         (args.work / "bench_backbones_qat_from_fp32.json").write_text(json.dumps(rows, indent=2) + "\n")
