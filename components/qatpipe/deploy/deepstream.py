@@ -14,13 +14,14 @@ offset on the bbox output, and a transpose of both outputs to CHW, named as TAO 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text
-from qatpipe.spec import ExperimentSpec
+from qatpipe.spec import DecoderSpec, ExperimentSpec
 
 NVINFER_BBOX_NORM = 35.0  # bboxNormX/Y of nvinfer's DetectNet_v2 parser
 # qatpipe output -> TAO's blob name (what TAO's DeepStream configs list in output-blob-names)
@@ -96,6 +97,29 @@ def nvinfer_boxes(coverage_chw: np.ndarray, bbox_chw: np.ndarray, image_hw: tupl
 NETWORK_MODES = {"fp32": 0, "int8": 1, "fp16": 2}
 
 
+@dataclass(frozen=True)
+class DetectNetV2Layout:
+    """What nvinfer's built-in DetectNet_v2 parser needs (a DetectNet_v2 architecture's `nvinfer_layout`): the
+    model with TAO's CHW outputs and bbox encoding, its output blob names and the clustering settings."""
+
+    stride: int
+    bbox_norm: float
+    decoder: DecoderSpec
+    description = "nvinfer's built-in DetectNet_v2 parser: the ONNX has TAO's CHW outputs and bbox encoding"
+
+    def onnx(self, model):
+        return deepstream_onnx(model, self.stride, self.bbox_norm)
+
+    def properties(self) -> list[str]:
+        return ["output-blob-names=" + ";".join(DEEPSTREAM_OUTPUTS[name] for name in ("output_cov", "output_bbox")),
+                "cluster-mode=" + ("1" if self.decoder.method == "dbscan" else "2")]  # 1 DBSCAN, 2 NMS
+
+    def class_attributes(self) -> list[str]:
+        d = self.decoder
+        return [f"pre-cluster-threshold={d.coverage_threshold}", f"nms-iou-threshold={d.nms_iou}",
+                f"eps={d.dbscan_eps}", f"minBoxes={d.dbscan_min_samples}", f"topk={d.max_detections}"]
+
+
 def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: str | Path, variant: str,
                          network_mode: str = "int8", calibration_cache: str | Path | None = None) -> Path:
     """Write the nvinfer config, the labels file and the model in DeepStream's layout (`<stem>_deepstream.onnx`,
@@ -107,18 +131,18 @@ def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: st
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     arch = get_architecture(spec)
+    layout = arch.nvinfer_layout()
     (height, width), stride = arch.input_hw, arch.stride
     if height % stride or width % stride:
-        raise QatpipeError(f"dataset.image_size {height}x{width}: nvinfer's DetectNet_v2 parser needs "
-                           f"multiples of the output stride {stride}")
+        raise QatpipeError(f"dataset.image_size {height}x{width}: nvinfer's parser needs multiples of the output "
+                           f"stride {stride}")
     model_path = folder / f"{Path(onnx_path).stem}_deepstream.onnx"
-    save_onnx(deepstream_onnx(load_onnx_proto(onnx_path), stride, spec.model.target.bbox_norm), model_path)
+    save_onnx(layout.onnx(load_onnx_proto(onnx_path)), model_path)
     labels = folder / "labels.txt"
     atomic_write_text(labels, "\n".join(spec.dataset.classes) + "\n")
-    decoder = spec.model.decoder
     lines = [
-        "# DeepStream nvinfer config for a qatpipe DetectNet_v2 model (gst-nvinfer property groups), for",
-        "# nvinfer's built-in DetectNet_v2 parser: the ONNX has TAO's CHW outputs and bbox encoding.",
+        f"# DeepStream nvinfer config for a qatpipe {spec.model.arch} model (gst-nvinfer property groups), for",
+        f"# {layout.description}.",
         "[property]",
         "gpu-id=0",
         "net-scale-factor=0.00392156862745098",  # 1/255: the model takes RGB in [0, 1]
@@ -131,17 +155,12 @@ def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: st
         f"num-detected-classes={spec.num_classes}",
         f"infer-dims=3;{height};{width}",
         "network-input-order=1",  # NHWC: the ONNX input is input_1 (batch, height, width, 3)
-        "output-blob-names=" + ";".join(DEEPSTREAM_OUTPUTS[name] for name in ("output_cov", "output_bbox")),
+        *layout.properties(),
         "interval=0",
         "gie-unique-id=1",
-        "cluster-mode=" + ("1" if decoder.method == "dbscan" else "2"),  # 1 DBSCAN, 2 NMS
         "",
         "[class-attrs-all]",
-        f"pre-cluster-threshold={decoder.coverage_threshold}",
-        f"nms-iou-threshold={decoder.nms_iou}",
-        f"eps={decoder.dbscan_eps}",
-        f"minBoxes={decoder.dbscan_min_samples}",
-        f"topk={decoder.max_detections}",
+        *layout.class_attributes(),
     ]
     if calibration_cache is not None:
         lines.insert(lines.index("[property]") + 1, f"int8-calib-file={Path(calibration_cache).name}")
