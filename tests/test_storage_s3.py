@@ -338,6 +338,28 @@ def test_upload_dir_round_trip(s3_env, raw, tmp_path):
     assert _local_files(back) == TREE
 
 
+def test_data_upload_checks_the_data_set_then_publishes_it(s3_env, raw, tmp_path, capsys, caplog):
+    """`qatpipe data upload` (upload_dir's user): with a spec, a data set that breaks the KITTI checks fails
+    before anything is uploaded; a good one lands where dataset.train / dataset.val will name it."""
+    from qatpipe.cli import main
+    from qatpipe.data.synth import write_synthetic_dataset
+
+    raw.create_bucket(Bucket="data")
+    write_synthetic_dataset(tmp_path / "kitti", 4, 2, 0)
+    label = next((tmp_path / "kitti" / "val" / "labels").iterdir())
+    good = label.read_text()
+    label.write_text("car 0 0 0 10 10\n")  # a malformed line
+    assert main(["data", "upload", "--src", str(tmp_path / "kitti"), "--to", "s3://data/set1", "-e", "tiny"]) != 0
+    assert f"val/labels/{label.name}:1: expected 15 KITTI fields" in caplog.text  # the file and line
+    assert "Contents" not in raw.list_objects_v2(Bucket="data")
+    label.write_text(good)
+    assert main(["data", "upload", "--src", str(tmp_path / "kitti"), "--to", "s3://data/set1", "-e", "tiny"]) == 0
+    keys = [o["Key"] for o in raw.list_objects_v2(Bucket="data")["Contents"]]
+    assert sum(k.startswith(("set1/train/", "set1/val/")) for k in keys) == 12  # 6 images, 6 labels
+    assert f"{len(keys)} files uploaded to s3://data/set1 (dataset.train: s3://data/set1/train" in \
+        capsys.readouterr().out
+
+
 def test_secret_never_logged(s3_env, seeded, monkeypatch, caplog, tmp_path):
     secret = "testing-secret-xyz"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)  # moto accepts any credentials

@@ -49,6 +49,26 @@ def cmd_data_synth(args) -> int:
     return 0
 
 
+def cmd_data_upload(args) -> int:
+    """Push a local data set to S3 for the cluster path; with -e, its train/ and val/ are first checked as the
+    pipeline will read them (KITTI layout, labels, the spec's classes), so a bad file fails here."""
+    from qatpipe.data.storage import upload_dir
+
+    if args.experiment_spec:
+        from qatpipe.data.prepare import spec_with_prepared_dataset
+        from qatpipe.data.splits import load_split
+        from qatpipe.spec_sources import load_spec_uri
+
+        spec = spec_with_prepared_dataset(load_spec_uri(args.experiment_spec, args.overrides), args.src,
+                                          {"train": "train", "val": "val"})
+        for split in ("train", "val"):
+            log.info("%s: %d images checked", split, len(load_split(spec, split)))
+    count = upload_dir(args.src, args.to)
+    print(f"{count} files uploaded to {args.to} (dataset.train: {args.to.rstrip('/')}/train, dataset.val: "
+          f"{args.to.rstrip('/')}/val)")
+    return 0
+
+
 def _at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -292,6 +312,13 @@ def _add_data_commands(sub) -> None:
                        help="object box sizes in px at a 192-px-high image (default: the kind's)")
     synth.add_argument("--overwrite", action="store_true", help="replace existing train/val folders")
     synth.set_defaults(func=cmd_data_synth)
+
+    upload = data.add_parser("upload", help="upload a local data set (DIR/train, DIR/val) to S3 for the cluster")
+    upload.add_argument("--src", required=True, type=Path, help="the data set folder")
+    upload.add_argument("--to", required=True, help="s3://bucket/prefix (credentials: the AWS_* variables)")
+    upload.add_argument("-e", "--experiment-spec", help="check train/ and val/ against this spec's classes first")
+    upload.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    upload.set_defaults(func=cmd_data_upload)
 
 
 def _add_training_commands(sub) -> None:
