@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 from qatpipe.errors import QatpipeError
-from qatpipe.fileio import atomic_write_text, write_json
 from qatpipe.export.precision import MARKDOWN_FILE as PRECISION_MARKDOWN
+from qatpipe.fileio import atomic_write_text, write_json
 from qatpipe.spec import ExperimentSpec
 from qatpipe.tracking.records import StageRecord
 
@@ -100,9 +100,9 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
 def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str | Path,
              output_dir: str | Path | None = None, variant: str = "int8",
              onnx_model: str | Path | None = None) -> dict:
-    """Evaluate the engine, and for a Q/DQ engine TensorRT's numbers too (`map50_tensorrt_emulated`: what the
-    model will score on TensorRT, where the engine here runs a faster CPU form); compare both with the
-    baseline; write validation.json / .md, a copy of the engine's bench.json when it has one, and for a passing
+    """Evaluate the engine, and TensorRT's numbers too where the engine does not compute them itself
+    (`map50_tensorrt_emulated`: what the model will score on TensorRT, where the engine here runs a faster CPU
+    form or float32 in place of the FP16 form; tensorrt_emulated_map50); compare both with the baseline; write validation.json / .md, a copy of the engine's bench.json when it has one, and for a passing
     model the DeepStream config (deepstream/, from `onnx_model`, else the engine's source ONNX). The gate passes
     only when both are within validate.max_map_drop. Never raises on a failed gate (the result says `passed`:
     the caller decides, the CLI exits non-zero)."""
