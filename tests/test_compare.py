@@ -52,7 +52,8 @@ def test_differences_in_tensorrts_numbers_beside_the_engines(tmp_path):
     assert summary["comparisons"]["qat-fp32"]["map50"]["ci95"][1] < 0  # the engine: fp32 better
     assert summary["comparisons_tensorrt_emulated"]["qat-fp32"]["map50"] == {"diff": 0.0, "ci95": [0.0, 0.0]}
     table = (tmp_path / "out" / "comparison.md").read_text()
-    assert "The same in TensorRT's numbers (INT8 engines in the exact form), paired bootstrap" in table
+    assert "The same in TensorRT's numbers (INT8 in the exact form, FP16 forms as FP16 rounds them), paired bootstrap" \
+        in table
     assert StageRecord.read(tmp_path / "out").metrics["tensorrt.qat-fp32.map50_diff"] == 0.0
     plain = compare_variants({"fp32": fp32, "ptq": fp32}, tmp_path / "plain", resamples=50)
     assert "comparisons_tensorrt_emulated" not in plain  # nothing emulated: no second table

@@ -228,8 +228,9 @@ def report(summary: dict[str, Any], markdown: bool = False) -> str:
     if summary.get("comparisons"):
         parts.append(comparison_table(summary["comparisons"], summary.get("bootstrap"), markdown))
     if summary.get("comparisons_tensorrt_emulated"):
+        title = "The same in TensorRT's numbers (INT8 in the exact form, FP16 forms as FP16 rounds them)"
         parts.append(comparison_table(summary["comparisons_tensorrt_emulated"], summary.get("bootstrap"), markdown,
-                                      title="The same in TensorRT's numbers (INT8 engines in the exact form)"))
+                                      title=title))
     if summary.get("per_class_ap50"):
         parts.append(per_class_table(summary["per_class_ap50"], list(summary["variants"]), markdown))
     return "\n\n".join(parts)
