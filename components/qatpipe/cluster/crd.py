@@ -80,13 +80,12 @@ def schema_problems(manifest: dict[str, Any], crd_path: str | Path) -> list[str]
     return problems
 
 
-def raise_problems(manifest: dict[str, Any], against: str | Path, problems: list[str]) -> None:
+def raise_problems(manifest: dict[str, Any], against: str, problems: list[str]) -> None:
     """QatpipeError listing `problems` (the first MAX_SHOWN), if there are any; `against` names what the
-    manifest was checked against (a CRD file, or a set of rules)."""
+    manifest was checked against (a CRD file's name, or a set of rules)."""
     if not problems:
         return
     shown = problems[:MAX_SHOWN]
     more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-    what = Path(against).name if isinstance(against, Path) or str(against).endswith((".yaml", ".yml")) else against
     raise QatpipeError(f"{manifest.get('kind', '?')} {manifest.get('apiVersion', '?')} manifest is invalid against "
-                       f"{what} ({len(problems)} problem(s)):\n  " + "\n  ".join(shown) + more)
+                       f"{against} ({len(problems)} problem(s)):\n  " + "\n  ".join(shown) + more)

@@ -334,4 +334,4 @@ def validate_manifest(manifest: dict[str, Any], crd_path: str | Path) -> None:
     `crd_path` (the version named by its apiVersion) and the operator's own admission rules."""
     problems = schema_problems(manifest, crd_path)
     version = str(manifest.get("apiVersion", "")).partition("/")[2]
-    raise_problems(manifest, crd_path, problems + operator_problems(manifest, version))
+    raise_problems(manifest, Path(crd_path).name, problems + operator_problems(manifest, version))

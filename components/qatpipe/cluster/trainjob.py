@@ -164,7 +164,8 @@ def trainer_problems(manifest: dict[str, Any]) -> list[str]:
 def validate_manifest(manifest: dict[str, Any], crd_path: str | Path) -> None:
     """Raise QatpipeError listing every problem of a TrainJob, TrainingRuntime or ClusterTrainingRuntime
     against its CRD at `crd_path` and the rules Trainer enforces in its controller."""
-    raise_problems(manifest, crd_path, schema_problems(manifest, crd_path) + trainer_problems(manifest))
+    raise_problems(manifest, Path(crd_path).name,
+                   schema_problems(manifest, crd_path) + trainer_problems(manifest))
 
 
 def main(argv: list[str] | None = None) -> None:
