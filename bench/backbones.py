@@ -96,20 +96,27 @@ def ptq_sweep(backbone: str, work: Path) -> list[dict]:
     return rows
 
 
-def qat_from_fp32(backbone: str, work: Path) -> dict:
-    """The run's QAT retrain (same spec, epochs and schedule) started from its retrained FP32 model instead of
-    the pruned one, as NVIDIA's QAT toolkit fine-tunes a trained model: exported, evaluated and compared with
-    the FP32 model by the paired bootstrap."""
+def _retrained_from_fp32(backbone: str, work: Path, qat: bool, name: str) -> tuple[dict, Path, float, dict]:
+    """(the spec, its folder, mAP@0.5, the paired difference from the FP32 model) of the run's QAT (`qat`) or
+    FP32 retrain, same spec, epochs and schedule, started from its retrained FP32 model, into WORK/<name>."""
     from qatpipe.spec import load_spec
     from qatpipe.stages.export import export
     from qatpipe.stages.retrain import retrain
 
     run = _finished_run(backbone, work)
-    spec = load_spec(run["specs"][True])
-    folder = work / f"{backbone}_qat_from_fp32"
+    spec = load_spec(run["specs"][qat])
+    folder = work / name
     summary = retrain(spec, run["specs"][False].with_name("model.keras"), folder / "retrain")
-    export(spec, summary["model"], folder / "qat.onnx")
-    map50, pair = _scored_against_fp32(spec, folder / "qat.onnx", folder, run["fp32_eval"], "qat")
+    export(spec, summary["model"], folder / "model.onnx")
+    map50, pair = _scored_against_fp32(spec, folder / "model.onnx", folder, run["fp32_eval"], "qat")
+    return spec, folder, map50, pair
+
+
+def qat_from_fp32(backbone: str, work: Path) -> dict:
+    """The run's QAT retrain started from its retrained FP32 model instead of the pruned one, as NVIDIA's QAT
+    toolkit fine-tunes a trained model: exported, evaluated and compared with the FP32 model by the paired
+    bootstrap."""
+    spec, _, map50, pair = _retrained_from_fp32(backbone, work, True, f"{backbone}_qat_from_fp32")
     row = {"backbone": backbone, "start": "fp32 retrained", "epochs": spec.retrain.epochs,
            "map50": map50, "diff": pair["diff"], "ci95": pair["ci95"]}
     print(f"\n{backbone}: QAT from the FP32 model ({row['epochs']} epochs): mAP@0.5 {row['map50']:.4f}, QAT - FP32 "
@@ -121,17 +128,9 @@ def fp32_longer(backbone: str, work: Path) -> dict:
     """The control for --qat-from-fp32: the run's FP32 retrain continued for the same epochs from its retrained
     FP32 model, so FP32 and QAT have had the same training. Compared with the FP32 model, and with the
     QAT-from-FP32 model when that experiment has run (the like-for-like QAT - FP32)."""
-    from qatpipe.spec import load_spec
     from qatpipe.stages.compare import uncertainty
-    from qatpipe.stages.export import export
-    from qatpipe.stages.retrain import retrain
 
-    run = _finished_run(backbone, work)
-    spec = load_spec(run["specs"][False])
-    folder = work / f"{backbone}_fp32_longer"
-    summary = retrain(spec, run["specs"][False].with_name("model.keras"), folder / "retrain")
-    export(spec, summary["model"], folder / "fp32.onnx")
-    map50, pair = _scored_against_fp32(spec, folder / "fp32.onnx", folder, run["fp32_eval"], "qat")
+    spec, folder, map50, pair = _retrained_from_fp32(backbone, work, False, f"{backbone}_fp32_longer")
     row = {"backbone": backbone, "start": "fp32 retrained", "epochs": spec.retrain.epochs, "map50": map50,
            "diff_vs_fp32": pair["diff"], "ci95_vs_fp32": pair["ci95"]}
     print(f"\n{backbone}: FP32 continued {row['epochs']} epochs: mAP@0.5 {map50:.4f}, against the FP32 model "
