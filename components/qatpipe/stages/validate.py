@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -102,12 +103,14 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
              onnx_model: str | Path | None = None) -> dict:
     """Evaluate the engine, and TensorRT's numbers too where the engine does not compute them itself
     (`map50_tensorrt_emulated`: what the model will score on TensorRT, where the engine here runs a faster CPU
-    form or float32 in place of the FP16 form; tensorrt_emulated_map50); compare both with the baseline; write validation.json / .md, a copy of the engine's bench.json when it has one, and for a passing
-    model the DeepStream config (deepstream/, from `onnx_model`, else the engine's source ONNX). The gate passes
-    only when both are within validate.max_map_drop. Never raises on a failed gate (the result says `passed`:
-    the caller decides, the CLI exits non-zero)."""
+    form or float32 in place of the FP16 form; tensorrt_emulated_map50); compare both with the baseline; write
+    validation.json / .md, a copy of the engine's bench.json when it has one, and for a passing model the
+    DeepStream config (deepstream/, from `onnx_model`, else the engine's source ONNX). The gate passes only
+    when both are within validate.max_map_drop. Never raises on a failed gate (the result says `passed`: the
+    caller decides, the CLI exits non-zero)."""
     from qatpipe.engines.base import EngineMetadata
     from qatpipe.stages.bench_engine import BENCH_FILE
+    from qatpipe.stages.build_engine import engine_source
     from qatpipe.stages.evaluate import evaluate
 
     engine_dir = Path(engine_dir)
@@ -116,7 +119,8 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
     metadata = EngineMetadata.read(engine_dir)
     label = metadata.label
     evaluation = evaluate(spec, engine_dir, output_dir, stage_name=f"validate_{variant}")
-    emulated, emulation = tensorrt_emulated_map50(spec, engine_dir, output_dir, onnx_model)
+    source = Path(onnx_model) if onnx_model else Path(metadata.source_onnx)  # the ONNX the engine was built from
+    emulated, emulation = tensorrt_emulated_map50(spec, engine_dir, output_dir, source)
     max_drop = spec.validate_.max_map_drop
     passed, drop = gate(evaluation["map50"], baseline["map50"], max_drop)
     report = {
@@ -131,9 +135,9 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
         emulated_passed, emulated_drop = gate(emulated, baseline["map50"], max_drop)
         report.update(map50_tensorrt_emulated=emulated, map50_tensorrt_emulated_drop=emulated_drop)
         passed = passed and emulated_passed
-        if (output_dir / EMULATED_FOLDER / FP16_ROUNDED_FILE).is_file():
+        if engine_source(spec, "tensorrt", source) != source:
             report["fp16_form"] = True  # TensorRT's numbers are the FP16 form's
-            fp16_report = _fp16_precision_report(onnx_model or metadata.source_onnx, output_dir)
+            fp16_report = _fp16_precision_report(source, output_dir)
     report["passed"] = passed
     artifacts = [REPORT_FILE, MARKDOWN_FILE]
     if fp16_report:
@@ -143,7 +147,7 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
         shutil.copyfile(engine_dir / BENCH_FILE, output_dir / BENCH_FILE)
         report["benchmark"] = json.loads((output_dir / BENCH_FILE).read_text())
         artifacts.append(BENCH_FILE)
-    if passed and _deepstream_config(spec, metadata, onnx_model, output_dir, variant):
+    if passed and _deepstream_config(spec, metadata, source, output_dir, variant):
         artifacts.append(DEEPSTREAM_FOLDER)
     write_json(output_dir / REPORT_FILE, report)
     verdict = "PASSED" if passed else "FAILED"
@@ -173,15 +177,15 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
     return report
 
 
-def _fp16_precision_report(onnx_model: str | Path, output_dir: Path) -> str | None:
+def _fp16_precision_report(onnx_model: Path, output_dir: Path) -> str | None:
     """The export's precision report of the FP16 form (beside its ONNX), copied into the validation as
     FP16_REPORT_FILE; its Markdown, or None (with a warning) when the export wrote none."""
-    source = Path(onnx_model).with_name(PRECISION_MARKDOWN)
-    if not source.is_file():
+    report = onnx_model.with_name(PRECISION_MARKDOWN)
+    if not report.is_file():
         log.warning("no FP16 precision report beside %s: the validation cannot say where FP16 loses accuracy",
                     onnx_model)
         return None
-    text = source.read_text(encoding="utf-8")
+    text = report.read_text(encoding="utf-8")
     atomic_write_text(output_dir / FP16_REPORT_FILE, text)
     return text
 
@@ -197,17 +201,15 @@ def _fp16_section(report: dict, fp16_report: str | None) -> list[str]:
              "TensorRT's numbers are the FP16 form's (engine.fp16). Its precision report from the export (the "
              "tensors FP16 would overflow or zero, and the layer-by-layer error) follows: keep the named tensors "
              "in FP32, or set engine.fp16 false.", ""]
-    body = (fp16_report or "(no precision report beside the ONNX)").replace("\n# ", "\n### ")
-    return [*lines, body.replace("# ", "### ", 1) if body.startswith("# ") else body, ""]
+    body = re.sub(r"(?m)^# ", "### ", fp16_report or "(no precision report beside the ONNX)")  # under this section
+    return [*lines, body, ""]
 
 
-def _deepstream_config(spec: ExperimentSpec, metadata, onnx_model: str | Path | None, output_dir: Path,
-                       variant: str) -> bool:
+def _deepstream_config(spec: ExperimentSpec, metadata, source: Path, output_dir: Path, variant: str) -> bool:
     """The nvinfer config of a passing model, in the network mode of what the engine is (engine.json's
     precision, not the variant's name); False, with a warning, when its ONNX is not here."""
     from qatpipe.deploy.deepstream import write_nvinfer_config
 
-    source = Path(onnx_model) if onnx_model else Path(metadata.source_onnx)
     if not source.is_file():
         log.warning("no DeepStream config for %s: its ONNX %s is not here (pass the model the engine was built "
                     "from)", variant, source)
