@@ -202,8 +202,9 @@ def test_each_new_rule_decides_only_its_own_kind():
     assert decisions["dw"] == [None, None, None] and decisions["add"] == [None, None, None]
     se = squeeze_excitation()
     graph = LayerGraph(se)
-    assert not PointwiseActivationsStayFloat().place(se.get_layer("a_act"), graph).quantized  # swish
-    assert not PointwiseActivationsStayFloat().place(se.get_layer("expand_act"), graph).quantized  # sigmoid
+    stays_float = Placement.stays_float("pointwise_activations_stay_float")
+    assert PointwiseActivationsStayFloat().place(se.get_layer("a_act"), graph) == stays_float  # swish
+    assert PointwiseActivationsStayFloat().place(se.get_layer("expand_act"), graph) == stays_float  # sigmoid
     assert GlobalPoolingInput().place(se.get_layer("squeeze"), graph).rule == "global_pooling_input"
     assert SqueezeExcitationScale().place(se.get_layer("squeeze"), graph) is None
 

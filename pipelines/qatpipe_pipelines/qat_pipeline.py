@@ -55,10 +55,10 @@ TASK_SIZES = {
     "cpu_stage": ("4", "16Gi"),  # data, pruning, export, PTQ, ONNX evaluations, compare, register
     "light": ("1", "2Gi"),  # spec, tracking and logging tasks (MLflow client, artifact uploads)
 }
-SHM_SIZE = "8Gi"
+SHM_SIZE = "8Gi"  # memory-backed /dev/shm of training tasks (NCCL, Horovod with gpus > 1 in one pod)
 # on every task's pod: MLflow's NetworkPolicy (manifests/tracking/networkpolicy.yaml) admits only pods with it
 # (and the pods of the training jobs, by their qatpipe.io/mpijob label)
-MLFLOW_CLIENT_LABEL = ("qatpipe.io/mlflow-client", "true")  # memory-backed /dev/shm of training tasks (NCCL, Horovod with gpus > 1 in one pod)
+MLFLOW_CLIENT_LABEL = ("qatpipe.io/mlflow-client", "true")
 
 
 class _TaskSettings:

@@ -15,7 +15,8 @@ def prune(prune_spec: str, model: Input[Model], pruned: Output[Model], metrics: 
         model: The trained model folder (train's `model`); the file is its `file` metadata (default model.keras).
 
     Returns:
-        pruned: Folder with model.keras, prune_report.json, report.md and tracking.json; its metadata holds the parameter count.
+        pruned: Folder with model.keras, prune_report.json, report.md and tracking.json; its metadata holds the
+            parameter count.
         metrics: The parameters and FLOPs before and after pruning, and their ratios.
         report: The filters of each channel set before and after pruning, as Markdown.
     """

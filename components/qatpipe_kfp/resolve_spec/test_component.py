@@ -16,9 +16,18 @@ def test_each_stage_gets_only_its_sections():
         described = " ".join(resolve_spec.component_spec.outputs[spec_output_name(view)].description.split())
         named = described[described.index("(section") + 1:described.index(")")].split(" ", 1)[1].split(", ")
         assert named == list(sections), (view, described)
-    # what the table says, spelt out once: training never sees the gate or export settings, validate no training
+    # what the table says, spelt out: training never sees the gate or export settings, validate no training
     assert set(yaml.safe_load(out.data_spec)) == {"dataset"}
     assert set(yaml.safe_load(out.train_spec)) == {"dataset", "model", "augmentation", "train", "evaluate"}
+    assert set(yaml.safe_load(out.evaluate_spec)) == {"dataset", "model", "evaluate"}
+    assert set(yaml.safe_load(out.prune_spec)) == {"dataset", "model", "prune"}
+    assert set(yaml.safe_load(out.retrain_spec)) == {"dataset", "model", "augmentation", "train", "evaluate",
+                                                     "retrain"}
+    assert set(yaml.safe_load(out.retrain_qat_spec)) == {"dataset", "model", "augmentation", "train", "evaluate",
+                                                         "retrain", "qat"}
+    assert set(yaml.safe_load(out.export_spec)) == {"dataset", "model", "export"}
+    assert set(yaml.safe_load(out.ptq_spec)) == {"dataset", "model", "evaluate", "ptq"}
+    assert set(yaml.safe_load(out.engine_spec)) == {"dataset", "model", "engine"}
     assert set(yaml.safe_load(out.validate_spec)) == {"dataset", "model", "evaluate", "engine", "validate"}
     assert out.registry_name == "qatpipe-detectnet-v2"
 
