@@ -358,6 +358,12 @@ def test_data_upload_checks_the_data_set_then_publishes_it(s3_env, raw, tmp_path
     assert sum(k.startswith(("set1/train/", "set1/val/")) for k in keys) == 12  # 6 images, 6 labels
     assert f"{len(keys)} files uploaded to s3://data/set1 (dataset.train: s3://data/set1/train" in \
         capsys.readouterr().out
+    # a destination that is not S3, or a folder that is not there, is one line naming it
+    caplog.clear()
+    assert main(["data", "upload", "--src", str(tmp_path / "kitti"), "--to", "data/set1", "-e", "tiny"]) != 0
+    assert "not an s3:// URI: 'data/set1'" in caplog.text
+    assert main(["data", "upload", "--src", str(tmp_path / "nope"), "--to", "s3://data/set2"]) != 0
+    assert f"cannot upload {tmp_path / 'nope'} to s3://data/set2: not a folder" in caplog.text
 
 
 def test_secret_never_logged(s3_env, seeded, monkeypatch, caplog, tmp_path):
