@@ -13,11 +13,13 @@ from qatpipe.tracking.mlflow_runs import PARENT_TAG, STAGE_TAG
 from qatpipe_pipelines.local_run import PipelineFailed, run_local
 
 VARIANTS = ("fp32", "ptq", "qat")
-HEAVY_STAGES = {"prepare-data", "train", "evaluate-unpruned", "prune", "retrain-fp32", "retrain-qat", "export-fp32",
+HEAVY_STAGES = {"prepare-data", "train", "evaluate-unpruned", "prune", "retrain-fp32", "finetune-fp32", "retrain-qat",
+                "export-fp32",
                 "export-qat", "ptq", *(f"{stage}-{v}" for v in VARIANTS
                                        for stage in ("evaluate", "build-engine", "validate"))}
 # nested MLflow runs: one per stage record
-STAGE_RUNS = {"prepare_data", "train", "evaluate_unpruned", "prune", "retrain_fp32", "retrain_qat", "export_fp32",
+STAGE_RUNS = {"prepare_data", "train", "evaluate_unpruned", "prune", "retrain_fp32", "finetune_fp32", "retrain_qat",
+              "export_fp32",
               "export_qat", "ptq", *(f"{stage}_{v}" for v in VARIANTS
                                      for stage in ("evaluate", "build_engine", "validate")),
               *(f"model-{v}" for v in VARIANTS)}  # the register stage's: a run per variant's MLflow model
@@ -109,7 +111,12 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert children["evaluate_fp32"].data.tags["qatpipe.findings"] == "none"
     assert "model.keras" in {a.path for a in client.list_artifacts(children["train"].info.run_id)}
     assert children["retrain_qat"].data.params["qat.enabled"] == "True"
-    assert len(client.get_metric_history(children["retrain_qat"].info.run_id, "loss")) == 3  # retrain.epochs
+    # qat.start fp32: QAT fine-tunes the FP32 retrain (3 epochs) for qat.finetune_epochs, and so does the baseline
+    assert len(client.get_metric_history(children["retrain_fp32"].info.run_id, "loss")) == 3  # retrain.epochs
+    for stage in ("retrain_qat", "finetune_fp32"):
+        assert len(client.get_metric_history(children[stage].info.run_id, "loss")) == 2, stage
+    assert children["finetune_fp32"].data.params["qat.start"] == "fp32"
+    assert children["finetune_fp32"].data.params["qat.enabled"] == "False"
     qat_files = {a.path for a in client.list_artifacts(children["export_qat"].info.run_id)}
     assert {"model.onnx", "model.cache", "model_implicit.onnx", "model_scales.json"} <= qat_files
     assert children["validate_qat"].data.metrics["passed"] == 1.0

@@ -14,13 +14,14 @@ from qatpipe_pipelines.submit import compile_pipeline
 REPO_YAML = Path(__file__).resolve().parents[1] / "pipelines" / "qat_pipeline.yaml"
 # tasks by display name
 VARIANTS = ("fp32", "ptq", "qat")
-STAGES = {"prepare-data", "train", "evaluate-unpruned", "prune", "retrain-fp32", "retrain-qat", "export-fp32",
+STAGES = {"prepare-data", "train", "evaluate-unpruned", "prune", "retrain-fp32", "finetune-fp32", "retrain-qat",
+          "export-fp32",
           "export-qat", "ptq", *(f"{stage}-{v}" for v in VARIANTS for stage in ("evaluate", "build-engine",
                                                                                 "validate"))}
 # the ONNX evaluations run ONNX Runtime's CPU build: no GPU for them
-GPU_TASKS = {"train", "retrain-fp32", "retrain-qat", "evaluate-unpruned",
+GPU_TASKS = {"train", "retrain-fp32", "finetune-fp32", "retrain-qat", "evaluate-unpruned",
              *(f"{stage}-{v}" for v in VARIANTS for stage in ("build-engine", "validate"))}
-TRAINING_TASKS = {"train", "retrain-fp32", "retrain-qat"}
+TRAINING_TASKS = {"train", "retrain-fp32", "finetune-fp32", "retrain-qat"}
 LIGHT_TASKS = {"resolve-spec", "start-tracking", "finish-tracking", "fingerprint-data"}  # and every log-* task
 CACHED_TASKS = STAGES
 
@@ -77,11 +78,19 @@ def test_dag_shape(compiled):
         "producerTask": "fingerprint-data", "outputParameterKey": "Output"}
     assert upstream("train") == {"prepare-data", "start-tracking"}  # its live curves need the MLflow run
     assert upstream("evaluate-unpruned") == {"prepare-data", "train"}
-    # TAO's recipe: prune the trained model, retrain it twice (FP32 and QAT) from the pruned one
+    # TAO's recipe: prune the trained model, retrain it (FP32); then, as qat.start says at run time, QAT from
+    # the pruned model or fine-tuning the FP32 retrain's, and the FP32 baseline handed on or fine-tuned alike
     assert upstream("prune") == {"train"}
-    assert upstream("retrain-fp32") == upstream("retrain-qat") == {"prepare-data", "prune", "start-tracking"}
-    # export reads the data too: the FP16 guard's ranges come from training images
-    assert upstream("export-fp32") == {"prepare-data", "retrain-fp32"}
+    assert upstream("retrain-fp32") == {"prepare-data", "prune", "start-tracking"}
+    assert upstream("retrain-qat") == upstream("finetune-fp32") == {"prepare-data", "prune", "start-tracking",
+                                                                    "retrain-fp32"}
+    for name in ("retrain-qat", "finetune-fp32"):
+        assert tasks[name]["inputs"]["artifacts"]["start"]["taskOutputArtifact"] == {
+            "producerTask": "retrain", "outputArtifactKey": "model"}, name
+    assert "start" not in tasks["retrain-fp32"]["inputs"]["artifacts"]
+    # export reads the data too: the FP16 guard's ranges come from training images; the FP32 variant is the
+    # baseline (finetune-fp32), not the first retrain
+    assert upstream("export-fp32") == {"prepare-data", "finetune-fp32"}
     assert upstream("export-qat") == {"prepare-data", "retrain-qat"}
     # the PTQ baseline calibrates the FP32 retrain's ONNX; every variant is scored from its ONNX
     assert upstream("ptq") == {"prepare-data", "export-fp32"}
@@ -109,6 +118,10 @@ def test_dag_shape(compiled):
     assert qat_view["retrain_spec"]["taskOutputParameter"]["outputParameterKey"] == "retrain_qat_spec"
     assert qat_view["qat"]["runtimeValue"]["constant"] is True
     assert tasks["retrain-fp32"]["inputs"]["parameters"]["qat"]["runtimeValue"]["constant"] is False
+    # the baseline reads qat.start and qat.finetune_epochs, so it gets the view with the qat section
+    control = tasks["finetune-fp32"]["inputs"]["parameters"]
+    assert control["retrain_spec"]["taskOutputParameter"]["outputParameterKey"] == "retrain_qat_spec"
+    assert control["qat"]["runtimeValue"]["constant"] is False
 
 
 def test_parameters(compiled):
@@ -199,7 +212,7 @@ def test_cache_pvc_option(tmp_path):
                    and "executorLabel" in spec["components"][task["componentRef"]["name"]]}
     mounted = {name for name, executor in executor_of.items() if k8s[executor].get("pvcMount")}
     # the stages that read the data set
-    assert mounted == {"fingerprint-data", "prepare-data", "train", "retrain-fp32", "retrain-qat", "ptq", "evaluate-unpruned",
+    assert mounted == {"fingerprint-data", "prepare-data", "train", *TRAINING_TASKS, "ptq", "evaluate-unpruned",
                        "export-fp32", "export-qat",
                        *(f"{stage}-{v}" for v in VARIANTS for stage in ("evaluate", "validate"))}
     assert k8s[executor_of["train"]]["pvcMount"][0]["mountPath"] == "/var/cache/qatpipe"
@@ -214,7 +227,7 @@ def test_repo_yaml_is_in_sync_with_the_code(compiled):
 def test_train_and_retrain_get_the_scale_out_parameters(compiled):
     _, spec, _ = compiled
     tasks = _all_tasks(spec)
-    for name in ("train", "retrain-fp32", "retrain-qat"):
+    for name in TRAINING_TASKS:
         params = tasks[name]["inputs"]["parameters"]
         for key in ("gpus", "workers", "mpijob_api_version", "launcher", "training_image", "credentials_secret",
                     "node_selector", "tolerations"):
@@ -236,7 +249,7 @@ def test_mpijob_option_runs_training_as_mpijobs_from_tasks_without_gpus(tmp_path
     pipeline_spec, _ = yaml.safe_load_all(path.read_text())
     executors = pipeline_spec["deploymentSpec"]["executors"]
     tasks = _all_tasks(pipeline_spec)
-    for name in ("train", "retrain-fp32", "retrain-qat"):
+    for name in TRAINING_TASKS:
         assert tasks[name]["inputs"]["parameters"]["mpijob"]["runtimeValue"]["constant"] is True
         executor = pipeline_spec["components"][tasks[name]["componentRef"]["name"]]["executorLabel"]
         assert "accelerator" not in executors[executor]["container"].get("resources", {}), name
@@ -251,7 +264,7 @@ def test_training_tasks_know_the_kfp_run_without_a_cache_busting_input(compiled)
     _, spec, platform = compiled
     tasks = _all_tasks(spec)
     k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
-    for name in ("train", "retrain-fp32", "retrain-qat"):
+    for name in TRAINING_TASKS:
         executor = spec["components"][tasks[name]["componentRef"]["name"]]["executorLabel"]
         assert {item["name"]: item["fieldPath"] for item in k8s[executor]["fieldPathAsEnv"]} == {
             "QATPIPE_KFP_RUN_ID": "metadata.labels['pipeline/runid']",

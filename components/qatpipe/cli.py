@@ -86,6 +86,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                              "without GPUs, N CPU processes")
     parser.add_argument("--horovod-controller", choices=("gloo", "mpi"), default="gloo",
                         help="how horovodrun starts and connects the processes (default gloo)")
+    parser.add_argument("--stage-name", metavar="NAME",
+                        help="the name of the tracking record and the live MLflow curves (the pipeline's "
+                             "finetune_fp32); default: train, retrain_fp32 or retrain_qat")
 
 
 def _horovod_launch(args) -> int | None:
@@ -104,7 +107,8 @@ def cmd_train(args) -> int:
     spec = _load(args)  # once, before any Horovod processes: they find the data set it may generate
     if (code := _horovod_launch(args)) is not None:
         return code
-    summary = train(spec, args.results_dir, use_amp=True if args.use_amp else None)
+    summary = train(spec, args.results_dir, use_amp=True if args.use_amp else None,
+                    stage_name=args.stage_name or "train")
     log.info("training done: %s", json.dumps({k: summary[k] for k in ("model", "images_per_second", "wall_seconds")}))
     return 0
 
@@ -153,7 +157,8 @@ def cmd_retrain(args) -> int:
         return code
     if args.qat:
         spec.qat.enabled = True
-    summary = retrain(spec, args.model, args.results_dir, use_amp=True if args.use_amp else None)
+    summary = retrain(spec, args.model, args.results_dir, use_amp=True if args.use_amp else None,
+                      stage_name=args.stage_name)
     log.info("retraining done: %s", json.dumps({k: summary[k] for k in ("model", "params", "wall_seconds")}))
     return 0
 

@@ -1,8 +1,9 @@
 """The qatpipe DAG, TAO's recipe with MLflow tracking around it:
 
 fingerprint data → prepare data → train (unpruned) → evaluate (unpruned) and prune →
-  [retrain FP32 → export → evaluate FP32; export → PTQ calibrate → evaluate PTQ]
-  [retrain QAT → export (explicit Q/DQ + calibration cache) → evaluate QAT]
+  retrain FP32 →
+  [finetune FP32 (the baseline: as trained, or as long as QAT) → export → evaluate FP32; PTQ calibrate → evaluate PTQ]
+  [retrain QAT (qat.start: the pruned model, or fine-tuning FP32's) → export (Q/DQ + calibration cache) → evaluate QAT]
 → per variant: build engine (+ latency benchmark) → validate against the FP32 baseline
 → compare (FP32 / PTQ / QAT table, pruning block, gate) → register (each variant an MLflow model; the QAT one
   a registry version: alias champion when it passed the gate, challenger when not).
@@ -158,15 +159,22 @@ class _Stages:
         return task
 
     def retrained(self, pruned) -> dict[str, dsl.PipelineTask]:
-        """The FP32 and the QAT retrain of the pruned model, side by side."""
-        retrained = {}
-        for name, qat, view in (("fp32", False, "retrain_spec"), ("qat", True, "retrain_qat_spec")):
-            task = self.run.training(retrain(retrain_spec=self.specs.outputs[view], qat=qat, dataset=self.dataset,
-                                             pruned=pruned, **self.scale_out), self.mpijob)
-            task.set_display_name(f"retrain-{name}").after(self.tracking)
-            self.run.logged(task.outputs["model"], self.parent_run_id, f"log-retrain-{name}")
-            retrained[name] = task
-        return retrained
+        """{"fp32": the FP32 baseline, "qat": the QAT model}. The FP32 retrain of the pruned model comes first;
+        after it, as `qat.start` says (stages/retrain.py, plan_retrain), the QAT retrain of the pruned model or
+        QAT fine-tuning of the FP32 retrain's model, and the baseline: the FP32 retrain's model handed on, or
+        fine-tuned as long as QAT in FP32. The spec is read at run time and KFP's DAG is fixed, so both orders
+        share this shape: under TAO's order the QAT retrain waits for the FP32 one it does not use."""
+        first = self._retrain("retrain-fp32", "retrain_spec", False, pruned)
+        return {"fp32": self._retrain("finetune-fp32", "retrain_qat_spec", False, pruned, first.outputs["model"]),
+                "qat": self._retrain("retrain-qat", "retrain_qat_spec", True, pruned, first.outputs["model"])}
+
+    def _retrain(self, name: str, view: str, qat: bool, pruned, start=None) -> dsl.PipelineTask:
+        task = self.run.training(retrain(retrain_spec=self.specs.outputs[view], qat=qat, dataset=self.dataset,
+                                         pruned=pruned, **({"start": start} if start is not None else {}),
+                                         **self.scale_out), self.mpijob)
+        task.set_display_name(name).after(self.tracking)
+        self.run.logged(task.outputs["model"], self.parent_run_id, f"log-{name}")
+        return task
 
     def evaluated(self, name: str, model, keras: bool = False) -> dsl.PipelineTask:
         # a Keras model runs on TensorFlow's GPU; an ONNX one on ONNX Runtime's CPU build

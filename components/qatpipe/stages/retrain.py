@@ -1,13 +1,20 @@
 """Stage: retrain a pruned detector (TAO `train` with `pruned_model_path`): fine-tuning that recovers the
 accuracy pruning took, in FP32 or, with `qat.enabled` (TAO's `enable_qat`), quantisation-aware. Same training
 loop, schedule, checkpoints and resume as `train`; the model comes from the pruned file, `retrain.epochs`
-replaces `train.epochs`."""
+replaces `train.epochs`.
+
+`plan_retrain` says where each of the pipeline's retrains starts under `qat.start`: the FP32 retrain always from
+the pruned model; QAT from the pruned model (TAO's order) or fine-tuning the FP32 retrain's model (NVIDIA's QAT
+toolkit's); the FP32 baseline is the FP32 retrain's model as it is, or, when QAT fine-tunes it, that model
+fine-tuned as long in FP32, so that QAT and its baseline have had the same training."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from qatpipe.errors import QatpipeError
@@ -18,6 +25,55 @@ log = logging.getLogger(__name__)
 
 SOURCE_FILE = "source_model.json"
 QAT_RANGES_FILE = "qat_ranges.json"
+# the FP32 baseline's stage: the FP32 control of a QAT fine-tuning, or the FP32 retrain handed on
+FINETUNE_FP32 = "finetune_fp32"
+
+
+@dataclass(frozen=True)
+class RetrainPlan:
+    """What one retrain does: train `source` for `epochs` (None: train nothing and hand `source` on as the
+    result), recorded as `stage_name`."""
+
+    source: Path
+    epochs: int | None
+    stage_name: str
+
+    @property
+    def hands_on(self) -> bool:
+        return self.epochs is None
+
+
+def plan_retrain(spec: ExperimentSpec, qat: bool, pruned: str | Path, retrained: str | Path | None = None
+                 ) -> RetrainPlan:
+    """Where a retrain starts and for how long. `retrained`: the FP32 retrain's model, given to the retrains
+    that come after it (the QAT one and the FP32 baseline); without it, a retrain of the pruned model."""
+    pruned = Path(pruned)
+    first = spec.retrain.epochs or spec.train.epochs
+    if retrained is None:
+        return RetrainPlan(pruned, first, "retrain_qat" if qat else "retrain_fp32")
+    if spec.qat.start == "fp32":
+        return RetrainPlan(Path(retrained), spec.qat.finetune_epochs or first,
+                           "retrain_qat" if qat else FINETUNE_FP32)
+    if qat:  # TAO's order: QAT retrains the pruned model, as the FP32 retrain did
+        return RetrainPlan(pruned, first, "retrain_qat")
+    return RetrainPlan(Path(retrained), None, FINETUNE_FP32)
+
+
+def hand_on(retrained_dir: str | Path, results_dir: str | Path) -> dict:
+    """The FP32 baseline under qat.start: pruned: the FP32 retrain's results copied to `results_dir` as they
+    are, with a tracking record that says so; returns its training summary."""
+    from qatpipe.stages.train import SUMMARY_FILE
+    from qatpipe.tracking.records import RECORD_FILE, StageRecord
+
+    retrained_dir, results_dir = Path(retrained_dir), Path(results_dir)
+    shutil.copytree(retrained_dir, results_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(RECORD_FILE))
+    summary = json.loads((results_dir / SUMMARY_FILE).read_text())
+    StageRecord(FINETUNE_FP32, params={"qat.start": "pruned", "trained": False},
+                tags={"note": "qat.start is pruned: the FP32 baseline is the FP32 retrain's model, unchanged"}
+                ).write(results_dir)
+    log.info("qat.start is pruned: the FP32 baseline is the FP32 retrain's model (%s), handed on unchanged",
+             retrained_dir)
+    return summary
 
 
 def retrain_spec(spec: ExperimentSpec) -> ExperimentSpec:
@@ -100,4 +156,4 @@ def _claim(results_dir: Path, source: Path, write: bool = True) -> None:
     write_json(marker, {"path": str(source), "sha256": digest})
 
 
-__all__ = ["retrain", "retrain_spec"]
+__all__ = ["FINETUNE_FP32", "RetrainPlan", "hand_on", "plan_retrain", "retrain", "retrain_spec"]

@@ -59,7 +59,7 @@ class ClusterSettings:
 def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path, *, pruned_model: Path | None = None,
                        processes_per_node: int = 1, nodes: int = 1, cluster: ClusterSettings | None = None,
                        use_mpijob: bool = False, work_root: str | Path | None = None,
-                       tensorboard_dir: str | Path | None = None) -> dict:
+                       tensorboard_dir: str | Path | None = None, stage_name: str | None = None) -> dict:
     """Train (`stage` "train") or retrain (`stage` "retrain", from `pruned_model`) into `results_dir`;
     returns the training summary. `use_mpijob`: an MPIJob even for one node (this process only follows it).
 
@@ -67,7 +67,8 @@ def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path
     the cache volume) named after the stage's inputs: a retried task (pre-emption, eviction) resumes from the
     last checkpoint there. Without `work_root` the folder is temporary. Only the model and its records come to
     `results_dir` (the Model artifact every later stage downloads), never the checkpoints; the TensorBoard
-    event files go to `tensorboard_dir` when it is given (the KFP components' own artifact), else with them."""
+    event files go to `tensorboard_dir` when it is given (the KFP components' own artifact), else with them.
+    `stage_name` names the tracking record and the live curves (default: the stage's own, e.g. retrain_qat)."""
     if stage not in ("train", "retrain"):
         raise ValueError(stage)
     if processes_per_node < 1 or nodes < 1:
@@ -76,14 +77,15 @@ def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path
     if nodes == 1 and not use_mpijob:
         with _work_folder(stage, spec, pruned_model, processes_per_node, work_root) as work:
             if processes_per_node == 1:
-                _in_process(stage, spec, work, pruned_model)
+                _in_process(stage, spec, work, pruned_model, stage_name)
             else:
-                _on_this_host(stage, spec, work, pruned_model, processes_per_node)
+                _on_this_host(stage, spec, work, pruned_model, processes_per_node, stage_name)
             return _keep_results(work, results_dir, tensorboard_dir)
     if cluster is None or not cluster.shared_pvc:
         raise QatpipeError(f"{nodes} node(s) as a cluster job: it needs a shared ReadWriteMany volume for its data and "
                            "results; compile the pipeline with --cache-pvc NAME (manifests/ makes qatpipe-cache)")
-    return _on_mpijob(stage, spec, results_dir, pruned_model, processes_per_node, nodes, cluster, tensorboard_dir)
+    return _on_mpijob(stage, spec, results_dir, pruned_model, processes_per_node, nodes, cluster, tensorboard_dir,
+                      stage_name)
 
 
 # what stays in the work folder and never reaches the Model artifact: resume state
@@ -128,19 +130,22 @@ def _keep_results(work: Path, results_dir: Path, tensorboard_dir: str | Path | N
     return summary
 
 
-def _in_process(stage, spec, results_dir, pruned_model) -> dict:
+def _in_process(stage, spec, results_dir, pruned_model, stage_name=None) -> dict:
     if stage == "train":
         from qatpipe.stages.train import train
 
-        return train(spec, results_dir)
+        return train(spec, results_dir, **({"stage_name": stage_name} if stage_name else {}))
     from qatpipe.stages.retrain import retrain
 
-    return retrain(spec, pruned_model, results_dir)
+    return retrain(spec, pruned_model, results_dir, stage_name=stage_name)
 
 
-def _command(stage: str, spec_path: Path, results_dir: Path, pruned_model: Path | None) -> list[str]:
+def _command(stage: str, spec_path: Path, results_dir: Path, pruned_model: Path | None,
+             stage_name: str | None = None) -> list[str]:
     args = [stage, "-e", str(spec_path), "-r", str(results_dir)]
-    return args + ["-m", str(pruned_model)] if stage == "retrain" else args
+    if stage == "retrain":
+        args += ["-m", str(pruned_model)]
+    return args + ["--stage-name", stage_name] if stage_name else args
 
 
 def _summary(results_dir: Path) -> dict:
@@ -152,14 +157,15 @@ def _summary(results_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _on_this_host(stage, spec, results_dir, pruned_model, processes) -> dict:
+def _on_this_host(stage, spec, results_dir, pruned_model, processes, stage_name=None) -> dict:
     from qatpipe.training.distributed import launch
 
     results_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="qatpipe-spec-") as folder:
         spec_path = Path(folder) / "spec.yaml"  # qat.enabled and the resolved data paths travel in it
         dump_spec(spec, spec_path)
-        code = launch(processes, _command(stage, spec_path, results_dir, pruned_model) + ["--gpus", str(processes)])
+        code = launch(processes, _command(stage, spec_path, results_dir, pruned_model, stage_name)
+                      + ["--gpus", str(processes)])
     if code != 0:
         raise QatpipeError(f"{stage} on {processes} Horovod processes failed (exit code {code}); the log above "
                            "shows each process's output")
@@ -202,7 +208,7 @@ def worker_resources(processes: int):
 
 
 def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster: ClusterSettings,
-               tensorboard_dir=None) -> dict:
+               tensorboard_dir=None, stage_name=None) -> dict:
     from qatpipe.cluster.launcher import pod_namespace, pod_service_account
     from qatpipe.cluster.mpijob import MpiJobRequest, PvcMount, job_name
 
@@ -222,7 +228,7 @@ def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster
     request = MpiJobRequest(
         worker_resources=worker_resources(processes),
         name=job_name(name, ""), namespace=namespace, image=cluster.image,
-        command=["qatpipe", *_command(stage, shared / "spec.yaml", job_results, job_model)],
+        command=["qatpipe", *_command(stage, shared / "spec.yaml", job_results, job_model, stage_name)],
         workers=nodes, gpus_per_worker=processes,
         # a TrainJob's workers serve SSH, as mpi-operator's (v2beta1) do
         api_version="v2beta1" if cluster.launcher == "trainjob" else cluster.api_version,

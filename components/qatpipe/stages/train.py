@@ -299,8 +299,11 @@ def summary_metrics(summary: dict) -> dict[str, float]:
 
 
 def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dict, stage_name: str) -> None:
-    view = STAGE_SECTIONS["train" if not stage_name.startswith("retrain") else
-                          "retrain_qat" if spec.qat.enabled else "retrain"]
+    from qatpipe.stages.retrain import FINETUNE_FP32
+
+    # the FP32 control of a QAT fine-tuning records the qat section too: its start and epochs come from there
+    view = STAGE_SECTIONS["train" if stage_name == "train" else
+                          "retrain_qat" if spec.qat.enabled or stage_name == FINETUNE_FP32 else "retrain"]
     sections = {key: value for key, value in spec.to_dict().items() if key in view}
     diagnostics = summary["diagnostics"] or {}
     metrics = summary_metrics(summary)

@@ -1,6 +1,8 @@
-"""retrain: fine-tune the pruned detector, in FP32 or quantisation-aware (`qat`), like TAO's retrain; one
-Horovod process per GPU, and with `workers` > 1 an MPIJob or TrainJob across
-nodes."""
+"""retrain: fine-tune the pruned detector, in FP32 or quantisation-aware (`qat`), like TAO's retrain, or (given
+`start`, the FP32 retrain's model) the retrains after it that `qat.start` asks for; one Horovod process per GPU,
+and with `workers` > 1 an MPIJob or TrainJob across nodes."""
+
+from typing import Optional
 
 from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
 
@@ -11,7 +13,8 @@ from qatpipe_kfp.settings import component
 def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input[Model], model: Output[Model],
             metrics: Output[Metrics], tensorboard: Output[Artifact], gpus: int = 1, workers: int = 1,
             mpijob_api_version: str = "v2beta1", launcher: str = "mpijob", training_image: str = "",
-            credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [], mpijob: bool = False):
+            credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [], mpijob: bool = False,
+            start: Optional[Input[Model]] = None):
     """Fine-tune the pruned detector in FP32 or quantisation-aware (QAT), like TAO's retrain.
 
     One Horovod process per GPU; with `workers` > 1, or `mpijob`, an MPIJob (or TrainJob) across nodes.
@@ -32,6 +35,10 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
         node_selector: Node labels for the MPIJob's pods.
         tolerations: Kubernetes tolerations for the MPIJob's pods.
         mpijob: Run as an MPIJob even on one node; this task then only follows the job.
+        start: The FP32 retrain's model, for the retrains after it (qatpipe.stages.retrain.plan_retrain). Under
+            qat.start fp32 the QAT task fine-tunes it for qat.finetune_epochs, and the FP32 task (the baseline,
+            finetune-fp32) fine-tunes it as long in FP32. Under qat.start pruned the QAT task retrains the pruned
+            model and the FP32 task hands `start` on unchanged. Absent: a retrain of the pruned model.
 
     Returns:
         model: Folder with model.keras, the training log and tracking.json (QAT: also qat_ranges.json); its
@@ -44,22 +51,29 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
     from pathlib import Path
 
     from qatpipe.data.prepare import spec_with_prepared_dataset
+    from qatpipe.stages.retrain import hand_on, plan_retrain
     from qatpipe.stages.scale_out import run_training_stage
     from qatpipe.tracking.live import parent_run_from_kfp
     from qatpipe.stages.train import summary_metrics
     from qatpipe_kfp.runtime import cluster_settings, load_stage_spec, stage, training_work_root, write_metrics
 
     variant = "qat" if qat else "fp32"
-    with stage(f"retrain-{variant}"):
+    with stage("finetune-fp32" if start is not None and not qat else f"retrain-{variant}"):
         spec = spec_with_prepared_dataset(load_stage_spec(retrain_spec), dataset.path)
         parent_run_from_kfp()  # live training curves in MLflow (tracking/live.py)
         spec.qat.enabled = qat
-        source = Path(pruned.path) / pruned.metadata.get("file", "model.keras")
-        cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
-                                   mpijob_api_version, launcher)
-        summary = run_training_stage("retrain", spec, model.path, pruned_model=source, processes_per_node=gpus,
-                                     nodes=workers, cluster=cluster, use_mpijob=mpijob, work_root=training_work_root(),
-                                     tensorboard_dir=tensorboard.path)
+        plan = plan_retrain(spec, qat, Path(pruned.path) / pruned.metadata.get("file", "model.keras"),
+                            None if start is None else Path(start.path) / start.metadata.get("file", "model.keras"))
+        if plan.hands_on:
+            summary = hand_on(start.path, model.path)
+        else:
+            spec.retrain.epochs = plan.epochs
+            cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
+                                       mpijob_api_version, launcher)
+            summary = run_training_stage("retrain", spec, model.path, pruned_model=plan.source, processes_per_node=gpus,
+                                         nodes=workers, cluster=cluster, use_mpijob=mpijob,
+                                         work_root=training_work_root(), tensorboard_dir=tensorboard.path,
+                                         stage_name=plan.stage_name)
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],
                                "variant": variant, "processes": summary.get("processes", 1)})
         write_metrics(metrics, summary_metrics(summary))

@@ -1,0 +1,90 @@
+"""qat.start: where each of the pipeline's retrains starts (stages/retrain.plan_retrain), the FP32 baseline handed on
+under TAO's order, and the FP32 control's own stage name through the training paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from qatpipe.spec import bundled_spec_path, load_spec
+from qatpipe.stages.retrain import FINETUNE_FP32, hand_on, plan_retrain
+from qatpipe.tracking.records import StageRecord
+
+PRUNED, RETRAINED = Path("/p/pruned.keras"), Path("/r/model.keras")
+
+
+def _spec(*sets: str):
+    return load_spec(bundled_spec_path("default"), list(sets))
+
+
+@pytest.mark.parametrize("start", ["pruned", "fp32"])
+@pytest.mark.parametrize("qat", [False, True])
+def test_the_first_retrain_starts_from_the_pruned_model(start, qat):
+    plan = plan_retrain(_spec(f"qat.start={start}", "qat.finetune_epochs=3"), qat, PRUNED)
+    assert (plan.source, plan.epochs, plan.hands_on) == (PRUNED, 8, False)  # retrain.epochs of the default spec
+    assert plan.stage_name == ("retrain_qat" if qat else "retrain_fp32")
+
+
+def test_tao_order_retrains_qat_from_the_pruned_model_and_hands_the_fp32_retrain_on():
+    spec = _spec("qat.start=pruned", "qat.finetune_epochs=3")  # finetune_epochs only counts for start fp32
+    qat = plan_retrain(spec, True, PRUNED, RETRAINED)
+    assert (qat.source, qat.epochs, qat.stage_name) == (PRUNED, 8, "retrain_qat")
+    baseline = plan_retrain(spec, False, PRUNED, RETRAINED)
+    assert baseline.hands_on and (baseline.source, baseline.stage_name) == (RETRAINED, FINETUNE_FP32)
+
+
+def test_fp32_order_fine_tunes_the_retrained_model_as_long_in_qat_and_in_fp32():
+    for sets, epochs in ((["qat.finetune_epochs=3"], 3), ([], 8), (["retrain.epochs=null", "train.epochs=5"], 5)):
+        spec = _spec("qat.start=fp32", *sets)
+        qat, baseline = plan_retrain(spec, True, PRUNED, RETRAINED), plan_retrain(spec, False, PRUNED, RETRAINED)
+        assert (qat.source, qat.epochs, qat.stage_name) == (RETRAINED, epochs, "retrain_qat"), sets
+        assert (baseline.source, baseline.epochs, baseline.stage_name) == (RETRAINED, epochs, FINETUNE_FP32), sets
+        assert not baseline.hands_on
+
+
+def test_an_unknown_start_is_refused_by_the_spec():
+    from qatpipe.errors import QatpipeError
+
+    with pytest.raises(QatpipeError, match="qat.start"):
+        _spec("qat.start=unpruned")
+
+
+def test_hand_on_copies_the_retrain_and_records_that_nothing_was_trained(tmp_path):
+    retrained = tmp_path / "retrain"
+    retrained.mkdir()
+    (retrained / "model.keras").write_bytes(b"weights")
+    (retrained / "train_summary.json").write_text(json.dumps({"params": 7, "epochs": 8}))
+    StageRecord("retrain_fp32", metrics={"final_loss": 1.0}).write(retrained)
+
+    summary = hand_on(retrained, tmp_path / "baseline")
+    assert summary == {"params": 7, "epochs": 8}
+    assert (tmp_path / "baseline" / "model.keras").read_bytes() == b"weights"
+    record = StageRecord.read(tmp_path / "baseline")
+    assert record.stage == FINETUNE_FP32 and record.params == {"qat.start": "pruned", "trained": False}
+    assert not record.metrics  # the FP32 retrain's figures are logged once, under its own stage
+    assert StageRecord.read(retrained).stage == "retrain_fp32"  # the source is left as it was
+
+
+@pytest.mark.slow
+def test_the_fp32_control_trains_under_its_own_stage_name(trained_tiny, tmp_path):
+    from qatpipe.stages.scale_out import run_training_stage
+
+    spec, model = trained_tiny
+    spec = spec.model_copy(deep=True)
+    spec.qat.start, spec.retrain.epochs = "fp32", 1
+    summary = run_training_stage("retrain", spec, tmp_path / "control", pruned_model=model, stage_name=FINETUNE_FP32)
+    record = StageRecord.read(tmp_path / "control")
+    assert summary["epochs"] == 1 and record.stage == FINETUNE_FP32
+    assert record.params["qat.start"] == "fp32" and record.params["qat.enabled"] is False
+
+
+def test_the_stage_name_reaches_horovod_and_cluster_commands():
+    from qatpipe.cli import build_parser
+    from qatpipe.stages.scale_out import _command
+
+    command = _command("retrain", Path("s.yaml"), Path("out"), Path("m.keras"), FINETUNE_FP32)
+    assert command == ["retrain", "-e", "s.yaml", "-r", "out", "-m", "m.keras", "--stage-name", FINETUNE_FP32]
+    assert build_parser().parse_args(command).stage_name == FINETUNE_FP32
+    assert "--stage-name" not in _command("retrain", Path("s.yaml"), Path("out"), Path("m.keras"))
