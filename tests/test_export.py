@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import struct
 
 import numpy as np
 import onnx
@@ -11,6 +10,7 @@ import pytest
 
 from qatpipe.cli import main
 from qatpipe.errors import ModelFileError, QatpipeError
+from qatpipe.export.qdq import read_calibration_cache
 from qatpipe.onnx_model import OnnxModel
 from qatpipe.stages.export import export
 
@@ -205,19 +205,6 @@ def test_qat_onnx_evaluates_like_the_tensorflow_qat_model(qat_export, tmp_path):
     onnx_result = evaluate(spec, path, tmp_path / "onnx")
     assert keras_result["map50"] > 0.05
     assert onnx_result["map50"] == pytest.approx(keras_result["map50"], abs=0.01)
-
-
-def read_calibration_cache(text: str) -> tuple[str, dict[str, float]]:
-    """(header, tensor -> scale) of a TensorRT calibration cache (TensorRT reads it itself; this test reads it
-    to check what the export wrote)."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    if not lines or not lines[0].startswith("TRT-"):
-        raise ValueError("not a TensorRT calibration cache: the first line must be TRT-<version>-<calibrator>")
-    scales = {}
-    for line in lines[1:]:
-        name, _, value = line.rpartition(":")
-        scales[name.strip()] = struct.unpack(">f", bytes.fromhex(value.strip()))[0]
-    return lines[0], scales
 
 
 def test_calibration_cache_is_tao_format_and_pairs_with_the_implicit_onnx(qat_export):

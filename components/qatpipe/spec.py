@@ -329,6 +329,18 @@ class ExportSpec(_Section):
         "precision_report.json/.md beside it")
     fp16_images: int = Field(16, ge=1, description="training images (a seeded sample) the FP16 guard records "
                              "ranges on and the FP16 form is compared on, layer by layer")
+    target: Literal["gpu", "dla"] = Field(
+        "gpu", description="dla: the QAT export also writes <stem>_dla.onnx (fixed batch, NCHW input) and "
+        "<stem>_dla.cache, a scale for every tensor (the QAT model's where it has them, the rest calibrated: TAO's "
+        "force_ptq), and dla_report.md (which layers fall back to the GPU, and why); engines on TensorRT 10 are "
+        "then built for Jetson Orin's DLA (export/dla.py)")
+    dla_batch: int = Field(1, ge=1, description="target dla: the fixed batch of the DLA form (DLA has no dynamic "
+                           "shapes; DeepStream's batch-size)")
+    dla_calibration_images: int = Field(64, ge=1, description="target dla: training images (a seeded sample) the "
+                                        "tensors without a QAT scale are calibrated on")
+    dla_calibration_method: Literal["percentile", "entropy", "minmax"] = Field(
+        "percentile", description="target dla: how those tensors are calibrated (ONNX Runtime's calibrator, as "
+        "PTQ; percentile at PTQ's default 99.99th). bench/dla.py: max ranges lost 3.0 points on MobileNetV2")
 
 
 class EngineBenchSpec(_Section):
@@ -349,6 +361,10 @@ class EngineSpec(_Section):
     max_batch: int = Field(16, ge=1)
     workspace_mb: int = Field(2048, ge=64, description="TensorRT builder workspace limit")
     fp16: bool = Field(True, description="the FP32 model in FP16 on TensorRT 10 (TensorRT 11: TF32)")
+    dla_core: int = Field(0, ge=0, description="an export for DLA (export.target: dla): the DLA core TensorRT and "
+                          "DeepStream use (Orin has two: 0 and 1)")
+    gpu_fallback: bool = Field(True, description="an export for DLA: layers DLA cannot run go to the GPU (off: "
+                               "the build fails on them)")
     cpu_form: Literal["exact", "fast"] = Field(
         "fast", description="ONNX Runtime CPU engine of a Q/DQ model: fast (BN folded, ReLU absorbed: integer "
         "kernels; engines/cpu_qdq.py) or exact (TensorRT's numbers, mostly float kernels); validate scores a fast "

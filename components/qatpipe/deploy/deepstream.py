@@ -121,9 +121,11 @@ class DetectNetV2Layout:
 
 
 def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: str | Path, variant: str,
-                         network_mode: str = "int8", calibration_cache: str | Path | None = None) -> Path:
+                         network_mode: str = "int8", calibration_cache: str | Path | None = None,
+                         dla_core: int | None = None) -> Path:
     """Write the nvinfer config, the labels file and the model in DeepStream's layout (`<stem>_deepstream.onnx`,
-    from the ONNX at `onnx_path`) into `folder`; returns the config path."""
+    from the ONNX at `onnx_path`) into `folder`; returns the config path. `dla_core`: the model is a DLA form
+    (export/dla.py: fixed batch, NCHW input) for that core, INT8 from `calibration_cache` (copied beside it)."""
     from qatpipe.export.onnx_export import save_onnx
     from qatpipe.models import get_architecture
     from qatpipe.onnx_model import load_onnx_proto
@@ -137,7 +139,18 @@ def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: st
         raise QatpipeError(f"dataset.image_size {height}x{width}: nvinfer's parser needs multiples of the output "
                            f"stride {stride}")
     model_path = folder / f"{Path(onnx_path).stem}_deepstream.onnx"
-    save_onnx(layout.onnx(load_onnx_proto(onnx_path)), model_path)
+    source = load_onnx_proto(onnx_path)
+    save_onnx(layout.onnx(source), model_path)
+    batch, device = spec.engine.max_batch, "gpu0"
+    if dla_core is not None:  # DLA: the fixed batch of the form, its calibration cache beside the model
+        import shutil
+
+        from qatpipe.export.dla import input_layout
+
+        if calibration_cache is None or input_layout(source) != "NCHW":
+            raise QatpipeError(f"{onnx_path}: a DLA config needs the DLA form (NCHW input) and its calibration cache")
+        batch, device = source.graph.input[0].type.tensor_type.shape.dim[0].dim_value, f"dla{dla_core}"
+        calibration_cache = shutil.copyfile(calibration_cache, folder / Path(calibration_cache).name)
     labels = folder / "labels.txt"
     atomic_write_text(labels, "\n".join(spec.dataset.classes) + "\n")
     lines = [
@@ -148,13 +161,14 @@ def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: st
         "net-scale-factor=0.00392156862745098",  # 1/255: the model takes RGB in [0, 1]
         "model-color-format=0",  # RGB
         f"onnx-file={model_path.name}",
-        f"model-engine-file={model_path.name}_b{spec.engine.max_batch}_gpu0_{network_mode}.engine",
+        f"model-engine-file={model_path.name}_b{batch}_{device}_{network_mode}.engine",
         f"labelfile-path={labels.name}",
-        f"batch-size={spec.engine.max_batch}",
+        f"batch-size={batch}",
         f"network-mode={NETWORK_MODES[network_mode]}",
         f"num-detected-classes={spec.num_classes}",
         f"infer-dims=3;{height};{width}",
-        "network-input-order=1",  # NHWC: the ONNX input is input_1 (batch, height, width, 3)
+        # NHWC: the ONNX input is input_1 (batch, height, width, 3); the DLA form's is NCHW
+        f"network-input-order={0 if dla_core is not None else 1}",
         *layout.properties(),
         "interval=0",
         "gie-unique-id=1",
@@ -164,6 +178,9 @@ def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: st
     ]
     if calibration_cache is not None:
         lines.insert(lines.index("[property]") + 1, f"int8-calib-file={Path(calibration_cache).name}")
+    if dla_core is not None:
+        lines[lines.index("[property]") + 1:lines.index("[property]") + 1] = [
+            "enable-dla=1", f"use-dla-core={dla_core}"]
     path = folder / f"config_infer_primary_{variant}.txt"
     atomic_write_text(path, "\n".join(lines) + "\n")
     return path

@@ -275,6 +275,7 @@ def to_cpu_form(model, form: str) -> dict[str, int]:
     if fast:
         counts["requantizations_merged"] = merge_requantization(model)
         counts["biases_quantized"] = quantize_conv_biases(model)
+    drop_unused_initializers(model.graph)  # the int8 zero points the uint8 ones replaced
     return counts
 
 

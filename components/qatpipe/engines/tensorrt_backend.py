@@ -5,11 +5,17 @@ which is the only INT8 path TensorRT 11 keeps (it removed calibrators, implicit 
 builder flags). The FP32 model builds in FP16 on TensorRT 10 (BuilderFlag.FP16) and in TF32 on TensorRT 11.
 Every engine gets an optimisation profile for the dynamic batch, a workspace limit and a timing cache, and
 its metadata records the TensorRT version and GPU: an engine only runs where it was built.
+
+A DLA form (export.target dla, export/dla.py) builds for Jetson Orin's DLA on TensorRT 10: DeviceType.DLA on
+`engine.dla_core`, INT8 from its full-tensor calibration cache and FP16 for the rest (implicit precision, which
+TensorRT 10 still has), GPU fallback as `engine.gpu_fallback` says, its fixed batch. TensorRT 11 builds DLA
+only strongly typed (11.4.1+ on JetPack 7.2.2): refused with that reason.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +48,75 @@ def gpu_name() -> str | None:
 
 def major_version(trt) -> int:
     return int(trt.__version__.split(".")[0])
+
+
+@dataclass(frozen=True)
+class DlaBuild:
+    """How a DLA form is built: the core, GPU fallback, its fixed batch and calibration cache."""
+
+    core: int
+    gpu_fallback: bool
+    batch: int
+    calibration_cache: bytes
+
+
+def dla_build(onnx_path: Path, settings, trt_major: int) -> DlaBuild | None:
+    """The DLA build of `onnx_path` when it is a DLA form (None otherwise); refused on TensorRT 11 and without
+    its calibration cache."""
+    from qatpipe.export.dla import is_dla_form
+    from qatpipe.onnx_model import load_onnx_proto
+
+    if not is_dla_form(onnx_path):
+        return None
+    if trt_major >= 11:
+        raise QatpipeError(f"{onnx_path}: a DLA form for TensorRT 10's implicit INT8 (a calibration cache); TensorRT "
+                           f"11 builds DLA only strongly typed (11.4.1+, JetPack 7.2.2): use JetPack 6's TensorRT 10")
+    cache = Path(onnx_path).with_suffix(".cache")
+    if not cache.is_file():
+        raise QatpipeError(f"{onnx_path}: its calibration cache {cache.name} is not beside it")
+    batch = load_onnx_proto(onnx_path).graph.input[0].type.tensor_type.shape.dim[0].dim_value
+    return DlaBuild(settings.dla_core, settings.gpu_fallback, batch, cache.read_bytes())
+
+
+def dla_cores() -> int:
+    """DLA cores TensorRT sees here (0 without TensorRT or on a GPU without DLA)."""
+    try:
+        import tensorrt as trt
+    except ImportError:
+        return 0
+    return int(trt.Builder(trt.Logger(trt.Logger.ERROR)).num_DLA_cores)
+
+
+def _configure_dla(trt, builder, config, dla: DlaBuild) -> str:
+    """TensorRT 10's DLA build settings on `config`; returns the precision label."""
+    if builder.num_DLA_cores <= dla.core:
+        raise QatpipeError(f"no DLA core {dla.core} here ({gpu_name()} has {builder.num_DLA_cores}): DLA engines "
+                           f"build on Jetson Orin")
+
+    class CacheCalibrator(trt.IInt8EntropyCalibrator2):  # hands TensorRT the cache; it never asks for images
+        def __init__(self):
+            super().__init__()
+
+        def get_batch_size(self):
+            return dla.batch
+
+        def get_batch(self, names):
+            return None
+
+        def read_calibration_cache(self):
+            return dla.calibration_cache
+
+        def write_calibration_cache(self, cache):
+            return None
+
+    config.default_device_type = trt.DeviceType.DLA
+    config.DLA_core = dla.core
+    config.set_flag(trt.BuilderFlag.INT8)
+    config.set_flag(trt.BuilderFlag.FP16)
+    if dla.gpu_fallback:
+        config.set_flag(trt.BuilderFlag.GPU_FALLBACK)
+    config.int8_calibrator = CacheCalibrator()
+    return f"int8 (DLA core {dla.core}, calibration cache{', GPU fallback' if dla.gpu_fallback else ''})"
 
 
 class TensorRTRunner(EngineRunner):
@@ -94,10 +169,11 @@ class TensorRTBackend(EngineBackend):
         quantized = is_explicitly_quantized(model)
         fp16_casts = any(node.op_type == "Cast" and any(a.name == "to" and a.i == 10 for a in node.attribute)
                          for node in model.graph.node)  # an FP16 form (export/fp16.py): its types decide
+        dla = dla_build(Path(onnx_path), settings, major_version(trt))
         logger = trt.Logger(trt.Logger.WARNING)
         builder = trt.Builder(logger)
         flags = 0
-        strongly_typed = quantized or fp16_casts or major_version(trt) >= 11
+        strongly_typed = (quantized or fp16_casts or major_version(trt) >= 11) and dla is None
         if strongly_typed:
             flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
         network = builder.create_network(flags)
@@ -107,7 +183,9 @@ class TensorRTBackend(EngineBackend):
             raise QatpipeError(f"{onnx_path}: TensorRT cannot parse the ONNX model: {errors}")
         config = builder.create_builder_config()
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, settings.workspace_mb << 20)
-        if strongly_typed:
+        if dla is not None:
+            precision = _configure_dla(trt, builder, config, dla)
+        elif strongly_typed:
             precision = ("int8 (explicit Q/DQ, strongly typed)" if quantized else
                          "fp16 (explicit casts, strongly typed)" if fp16_casts else "tf32 (strongly typed)")
             if quantized and fp16_casts:
@@ -119,10 +197,11 @@ class TensorRTBackend(EngineBackend):
             precision = "tf32"
         input_tensor = network.get_input(0)
         _, *chw = input_tensor.shape
-        profile = builder.create_optimization_profile()
-        profile.set_shape(input_tensor.name, (settings.min_batch, *chw), (settings.opt_batch, *chw),
-                          (settings.max_batch, *chw))
-        config.add_optimization_profile(profile)
+        if dla is None:  # the DLA form's batch is fixed: no profile
+            profile = builder.create_optimization_profile()
+            profile.set_shape(input_tensor.name, (settings.min_batch, *chw), (settings.opt_batch, *chw),
+                              (settings.max_batch, *chw))
+            config.add_optimization_profile(profile)
         cache_path = folder / TIMING_CACHE_FILE
         timing_cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
         config.set_timing_cache(timing_cache, ignore_mismatch=False)
@@ -138,7 +217,8 @@ class TensorRTBackend(EngineBackend):
             source_sha256=file_sha256(onnx_path), precision=precision, label=engine_label(self.name, "", precision),
             runtime_version=trt.__version__,
             device=gpu_name() or "unknown GPU", input_name=input_tensor.name,
-            batch_profile={"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch},
+            batch_profile=({"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch}
+                           if dla is None else dict.fromkeys(("min", "opt", "max"), dla.batch)),
             extra={"workspace_mb": settings.workspace_mb, "timing_cache": TIMING_CACHE_FILE},
         )
         metadata.write(folder)

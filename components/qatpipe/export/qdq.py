@@ -254,6 +254,19 @@ def calibration_cache_text(scales: dict[str, float], trt_version: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_calibration_cache(text: str) -> tuple[str, dict[str, float]]:
+    """(header, tensor -> scale) of a TensorRT calibration cache (calibration_cache_text's format; tensor names
+    may hold colons, the value follows the last)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines or not lines[0].startswith("TRT-"):
+        raise ValueError("not a TensorRT calibration cache: the first line must be TRT-<version>-<calibrator>")
+    scales = {}
+    for line in lines[1:]:
+        name, _, value = line.rpartition(":")
+        scales[name.strip()] = struct.unpack(">f", bytes.fromhex(value.strip()))[0]
+    return lines[0], scales
+
+
 def write_scales_json(path: str | Path, scales: dict[str, float]) -> None:
     Path(path).write_text(json.dumps({name: {"scale": scale, "amax": scale * 127.0}
                                       for name, scale in sorted(scales.items())}, indent=2) + "\n")

@@ -106,6 +106,34 @@ class BatchReader:
         return {self.input_name: image[None]}
 
 
+def tensor_amax(fp32_onnx: str | Path, batches: Iterable[np.ndarray], method: str,
+                percentile: float = field_default(PtqSpec, "percentile")) -> dict[str, float]:
+    """max(|low|, |high|) of the range `method` calibrates (ORT's calibrator, as quantize_ptq runs it) for every
+    tensor the nodes of `fp32_onnx` read or write, over `batches`."""
+    import tempfile
+
+    from onnxruntime.quantization import CalibrationMethod
+    from onnxruntime.quantization.calibrate import create_calibrator
+
+    if method not in METHODS:
+        raise QatpipeError(f"unknown calibration method {method!r}: one of {', '.join(METHODS)}")
+    model = load_onnx_proto(fp32_onnx)
+    reader = BatchReader(model.graph.input[0].name, batches)
+    with tempfile.TemporaryDirectory(prefix="qatpipe-calibrate-") as work:
+        calibrator = create_calibrator(Path(fp32_onnx), sorted({node.op_type for node in model.graph.node}),
+                                       augmented_model_path=str(Path(work) / "augmented.onnx"),
+                                       calibrate_method=getattr(CalibrationMethod, METHODS[method]),
+                                       extra_options=calibrator_options(method, percentile))
+        calibrator.collect_data(reader)
+        if reader.images == 0:
+            raise QatpipeError(f"{fp32_onnx}: calibration got no images")
+        data = entropy_ranges(calibrator) if method == "entropy" else calibrator.compute_data()
+        del calibrator
+    return {name: float(max(abs(np.asarray(ranges.range_value[0]).ravel()[0]),
+                            abs(np.asarray(ranges.range_value[1]).ravel()[0])))
+            for name, ranges in data.data.items()}
+
+
 def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np.ndarray], method: str,
                  percentile: float = field_default(PtqSpec, "percentile")) -> dict:
     """Calibrate on `batches` by `method` (minmax, entropy, percentile) and write the Q/DQ model. The ranges

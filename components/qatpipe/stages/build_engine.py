@@ -42,10 +42,23 @@ def build_engine(spec: ExperimentSpec, onnx_path: str | Path, output: str | Path
 
 
 def engine_source(spec: ExperimentSpec, backend: str, onnx_path: Path) -> Path:
-    """The ONNX the engine is built from: on TensorRT with `engine.fp16`, the export's FP16 form beside it
+    """The ONNX the engine is built from: on TensorRT with a DLA core (Jetson Orin) the export's DLA form when
+    it has one (export.target dla); else on TensorRT with `engine.fp16`, the export's FP16 form beside it
     (`<stem>_fp16.onnx`: float regions FP16 through casts, strongly typed, the same on TensorRT 10 and 11) when
     there is one; else `onnx_path`. ONNX Runtime's CPU engines stay float32: CPUs without FP16 arithmetic
     would only emulate it."""
+    from qatpipe.engines.tensorrt_backend import dla_cores
+    from qatpipe.export.dla import dla_paths
+
+    dla_form = dla_paths(onnx_path)[0]
+    if backend == "tensorrt" and dla_form.is_file():
+        if dla_cores() > spec.engine.dla_core:
+            log.info("engine from the DLA form %s on DLA core %d (export.target dla)", dla_form.name,
+                     spec.engine.dla_core)
+            return dla_form
+        log.info("the export has a DLA form, but no DLA core %d here: building for the GPU; on the Jetson, "
+                 "DeepStream builds the DLA engine from the validated model's *_dla nvinfer config",
+                 spec.engine.dla_core)
     fp16_form = onnx_path.with_name(f"{onnx_path.stem}_fp16.onnx")
     if backend == "tensorrt" and spec.engine.fp16 and fp16_form.is_file():
         log.info("engine from the FP16 form %s (engine.fp16)", fp16_form.name)

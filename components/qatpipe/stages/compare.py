@@ -33,6 +33,7 @@ VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
     "layers": ("compute layers INT8 / FP16 / FP32", "{}"),  # per precision, as the engine's ONNX asks (engine.json)
     "map50": ("mAP@0.5", "{:.4f}"),
     "map50_tensorrt_emulated": ("mAP@0.5, TensorRT's numbers", "{:.4f}"),  # a fast CPU INT8 engine's exact form
+    "map50_dla_emulated": ("mAP@0.5, Orin DLA's INT8", "{:.4f}"),  # export.target dla: INT8 on every tensor
     "map": ("mAP@[.5:.95]", "{:.4f}"),
     "latency_ms_p50": ("p50 latency (ms)", "{:.2f}"),
     "latency_ms_p99": ("p99 latency (ms)", "{:.2f}"),
@@ -43,7 +44,7 @@ VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
     "gflops": ("GFLOPs", "{:.3f}"),
 }
 TENSORRT_PREFIX = "tensorrt."  # metrics of the differences in TensorRT's numbers: tensorrt.qat-fp32.map50_diff
-OPTIONAL_COLUMNS = ("engine", "layers", "map50_tensorrt_emulated")  # shown when some variant has them
+OPTIONAL_COLUMNS = ("engine", "layers", "map50_tensorrt_emulated", "map50_dla_emulated")  # when some variant has them
 
 
 def variant_row(evaluation_dir: str | Path) -> dict[str, Any]:
@@ -62,6 +63,7 @@ def variant_row(evaluation_dir: str | Path) -> dict[str, Any]:
         "layers": f"{layers['int8']} / {layers['fp16']} / {layers['fp32']}" if layers else None,
         "map50": metrics["map50"],
         "map50_tensorrt_emulated": validation.get("map50_tensorrt_emulated"),
+        "map50_dla_emulated": validation.get("map50_dla_emulated"),
         "map": metrics["map"],
         "latency_ms_p50": single.get("latency_ms_p50"),
         "latency_ms_p99": single.get("latency_ms_p99"),

@@ -8,6 +8,7 @@ graph `<stem>_implicit.onnx` with the QAT weights, and the activation scales as 
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 from pathlib import Path
@@ -64,6 +65,10 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
               "quantization": "explicit int8 (QAT)" if qat else "none (FP32)"}
     if qat:
         report.update(_finish_qat_export(spec, output_path))
+        if spec.export.target == "dla":
+            report["dla"] = _write_dla_form(spec, output_path, Path(report["implicit_onnx"]))
+    elif spec.export.target == "dla":
+        log.warning("export.target dla: the DLA form is written for the QAT model only; %s is not one", model_path)
     report["size_mb"] = round(output_path.stat().st_size / 2**20, 3)
     # inputs in the model's range ([0, 1] pixels); two images exercise the dynamic batch
     sample = np.random.default_rng(0).uniform(size=(2, *model.input_shape[1:])).astype(np.float32)
@@ -87,6 +92,11 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
                 f"see {output_path.stem}_export.json")
     files = [output_path, report_path] + [Path(report[key]) for key in ("implicit_onnx", "calibration_cache")
                                           if key in report]
+    if "dla" in report:
+        from qatpipe.export.dla import REPORT_JSON, REPORT_MARKDOWN
+
+        files += [Path(report["dla"]["onnx"]), Path(report["dla"]["cache"]), output_path.with_name(REPORT_JSON),
+                  output_path.with_name(REPORT_MARKDOWN)]
     if qat:
         files.append(output_path.with_name(f"{output_path.stem}_scales.json"))
     fp16_metrics = {}
@@ -174,6 +184,23 @@ def _finish_qat_export(spec: ExperimentSpec, output_path: Path) -> dict:
              len(check.residual_adds), cache, len(scales))
     return {"int8_weights": folded, "qdq_check": check.to_dict(), "implicit_onnx": str(implicit),
             "calibration_cache": str(cache), "calibration_tensors": len(scales)}
+
+
+def _write_dla_form(spec: ExperimentSpec, output_path: Path, implicit_onnx: Path) -> dict:
+    """export.target dla: the DLA form of the QAT model and its full-tensor calibration cache (export/dla.py),
+    calibrated on `export.dla_calibration_images` training images; the report without its per-layer list."""
+    from qatpipe.data.pipeline import eval_dataset
+    from qatpipe.data.splits import sample_split
+    from qatpipe.export.dla import write_dla_export
+
+    samples = sample_split(spec, "train", spec.export.dla_calibration_images, seed=0)
+    scales = {name: entry["scale"] for name, entry in
+              json.loads(output_path.with_name(f"{output_path.stem}_scales.json").read_text()).items()}
+    report = write_dla_export(output_path, implicit_onnx, scales,
+                              (batch.numpy() for batch in eval_dataset(samples, spec)), spec.export.dla_batch,
+                              spec.export.calibration_cache_trt_version, len(samples),
+                              spec.export.dla_calibration_method)
+    return {key: value for key, value in report.items() if key != "placement"}
 
 
 __all__ = ["export", "write_fp16_form"]

@@ -22,6 +22,7 @@ REPORT_FILE = "validation.json"
 MARKDOWN_FILE = "validation.md"
 EMULATED_FOLDER = "tensorrt_emulated"  # the exact CPU form of a fast engine, and its evaluation
 FP16_ROUNDED_FILE = "fp16_rounded.onnx"  # in EMULATED_FOLDER: the FP16 form as ONNX Runtime's CPU build scores it
+DLA_EMULATED_FOLDER = "dla_emulated"  # export.target dla: the DLA form, INT8 on every tensor, and its evaluation
 FP16_REPORT_FILE = "fp16_precision_report.md"  # the export's FP16 precision report, beside the verdict
 DEEPSTREAM_FOLDER = "deepstream"  # a passing model's nvinfer config, labels and DeepStream-layout ONNX
 
@@ -98,6 +99,40 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
     return result["map50"], f"{how} ({EMULATED_FOLDER}/)"
 
 
+def dla_emulated_map50(spec: ExperimentSpec, source: Path, output_dir: Path) -> tuple[float | None, str]:
+    """(mAP@0.5 of the export's DLA form as DLA's INT8 computes it, how), or (None, why not) without one.
+
+    The DLA form's graph is the export's implicit FP32 ONNX (`<stem>_implicit.onnx`) with a fixed batch; its
+    calibration cache gives every tensor a scale, and a DLA layer computes INT8 on each. So the implicit graph
+    with a symmetric int8 Q/DQ on every cached tensor (export/dla.py `fake_quantized`), in ONNX Runtime's exact
+    CPU form, scores what the Orin DLA engine will, up to the layers TensorRT leaves to the GPU or FP16."""
+    import onnx
+
+    from qatpipe.export.dla import dla_paths, fake_quantized
+    from qatpipe.export.onnx_export import save_onnx
+    from qatpipe.export.qdq import read_calibration_cache
+    from qatpipe.stages.build_engine import build_engine
+    from qatpipe.stages.evaluate import evaluate
+
+    dla_onnx, cache = dla_paths(source)
+    implicit = source.with_name(f"{source.stem}_implicit.onnx")
+    if not (dla_onnx.is_file() and cache.is_file()):
+        return None, "no DLA form beside the ONNX (export.target: gpu)"
+    if not implicit.is_file():
+        raise QatpipeError(f"{source}: the DLA form needs its implicit FP32 graph {implicit.name} beside it to be "
+                           "scored")
+    _, scales = read_calibration_cache(cache.read_text())
+    folder = output_dir / DLA_EMULATED_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    scored = save_onnx(fake_quantized(onnx.load(implicit), scales), folder / "model.onnx")
+    exact = spec.model_copy(deep=True)
+    exact.engine.cpu_form = "exact"
+    build_engine(exact, scored, folder / "engine", backend="onnxruntime", stage_name="build_dla_emulated")
+    result = evaluate(exact, folder / "engine", folder, stage_name="validate_dla_emulated")
+    return result["map50"], (f"{implicit.name} with an int8 Q/DQ on each of the {len(scales)} tensors of "
+                             f"{cache.name}, in ONNX Runtime's exact CPU form ({DLA_EMULATED_FOLDER}/)")
+
+
 def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str | Path,
              output_dir: str | Path | None = None, variant: str = "int8",
              onnx_model: str | Path | None = None) -> dict:
@@ -121,6 +156,7 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
     evaluation = evaluate(spec, engine_dir, output_dir, stage_name=f"validate_{variant}")
     source = Path(onnx_model) if onnx_model else Path(metadata.source_onnx)  # the ONNX the engine was built from
     emulated, emulation = tensorrt_emulated_map50(spec, engine_dir, output_dir, source)
+    dla, dla_how = dla_emulated_map50(spec, source, output_dir)
     max_drop = spec.validate_.max_map_drop
     passed, drop = gate(evaluation["map50"], baseline["map50"], max_drop)
     report = {
@@ -138,6 +174,10 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
         if engine_source(spec, "tensorrt", source) != source:
             report["fp16_form"] = True  # TensorRT's numbers are the FP16 form's
             fp16_report = _fp16_precision_report(source, output_dir)
+    if dla is not None:  # export.target dla: the Orin DLA engine's numbers gate too
+        dla_passed, dla_drop = gate(dla, baseline["map50"], max_drop)
+        report.update(map50_dla_emulated=dla, map50_dla_emulated_drop=dla_drop, dla_emulation=dla_how)
+        passed = passed and dla_passed
     report["passed"] = passed
     artifacts = [REPORT_FILE, MARKDOWN_FILE]
     if fp16_report:
@@ -155,11 +195,14 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
     if emulated is not None:
         rows.append(f"| {variant}, TensorRT's numbers (emulated) | {emulated:.4f} | | "
                     f"{100 * report['map50_tensorrt_emulated_drop']:+.2f} |")
+    if dla is not None:
+        rows.append(f"| {variant}, Orin DLA's INT8 (emulated) | {dla:.4f} | | {100 * dla_drop:+.2f} |")
     atomic_write_text(output_dir / MARKDOWN_FILE, "\n".join([
         f"# Validation of {variant}: {verdict}", "",
         "| | mAP@0.5 | mAP@[.5:.95] | mAP@0.5 drop (points) |", "|---|---|---|---|", *rows,
         f"| baseline | {baseline['map50']:.4f} | {baseline.get('map', float('nan')):.4f} | |", "",
         f"Allowed drop {100 * max_drop:.2f} points (validate.max_map_drop); TensorRT-emulated mAP: {emulation}.",
+        *([f"DLA-emulated mAP: {dla_how}."] if dla is not None else []),
         "", *_fp16_section(report, fp16_report)]))
     record = StageRecord.read(output_dir)
     record.params["engine"] = label
@@ -167,6 +210,8 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
     if emulated is not None:
         record.metrics.update({"map50_tensorrt_emulated": emulated,
                                "map50_tensorrt_emulated_drop": report["map50_tensorrt_emulated_drop"]})
+    if dla is not None:
+        record.metrics.update({"map50_dla_emulated": dla, "map50_dla_emulated_drop": dla_drop})
     record.artifacts.extend(artifacts)
     record.write(output_dir)
     if not passed:
@@ -209,6 +254,7 @@ def _deepstream_config(spec: ExperimentSpec, metadata, source: Path, output_dir:
     """The nvinfer config of a passing model, in the network mode of what the engine is (engine.json's
     precision, not the variant's name); False, with a warning, when its ONNX is not here."""
     from qatpipe.deploy.deepstream import write_nvinfer_config
+    from qatpipe.export.dla import dla_paths
 
     if not source.is_file():
         log.warning("no DeepStream config for %s: its ONNX %s is not here (pass the model the engine was built "
@@ -216,6 +262,10 @@ def _deepstream_config(spec: ExperimentSpec, metadata, source: Path, output_dir:
         return False
     network_mode = "int8" if metadata.precision.startswith("int8") else "fp16"
     write_nvinfer_config(spec, source, output_dir / DEEPSTREAM_FOLDER, variant, network_mode)
+    dla_onnx, dla_cache = dla_paths(source)
+    if dla_onnx.is_file() and dla_cache.is_file():  # export.target dla: a second config, for Orin's DLA
+        write_nvinfer_config(spec, dla_onnx, output_dir / DEEPSTREAM_FOLDER, f"{variant}_dla", "int8",
+                             calibration_cache=dla_cache, dla_core=spec.engine.dla_core)
     return True
 
 
@@ -223,12 +273,13 @@ def gate_message(report: dict) -> str:
     emulated = "TensorRT-emulated mAP@0.5" + (f" (the FP16 form; {FP16_REPORT_FILE} says where it loses)"
                                              if report.get("fp16_form") else "")
     failures = [f"{what} {report[key]:.4f} is {100 * report[f'{key}_drop']:.2f} points below"
-                for key, what in (("map50", "mAP@0.5"), ("map50_tensorrt_emulated", emulated))
+                for key, what in (("map50", "mAP@0.5"), ("map50_tensorrt_emulated", emulated),
+                                  ("map50_dla_emulated", "DLA-emulated mAP@0.5 (INT8 on every tensor)"))
                 if key in report and not within(report[f"{key}_drop"], report["max_map_drop"])]
     return (f"validation gate failed for {report['variant']}: {'; '.join(failures)} the baseline "
             f"{report['baseline_map50']:.4f}, more than validate.max_map_drop={report['max_map_drop']} "
             f"({100 * report['max_map_drop']:.2f} points) allows")
 
 
-__all__ = ["validate", "gate", "gate_message", "read_baseline", "tensorrt_emulated_map50", "REPORT_FILE",
-           "MARKDOWN_FILE", "EMULATED_FOLDER", "DEEPSTREAM_FOLDER"]
+__all__ = ["validate", "gate", "gate_message", "read_baseline", "tensorrt_emulated_map50", "dla_emulated_map50",
+           "REPORT_FILE", "MARKDOWN_FILE", "EMULATED_FOLDER", "DLA_EMULATED_FOLDER", "DEEPSTREAM_FOLDER"]

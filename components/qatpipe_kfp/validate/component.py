@@ -31,7 +31,8 @@ def validate(validate_spec: str, variant: str, dataset: Input[Dataset], engine: 
         results: Folder with validation.json and validation.md, the evaluation's files, bench.json, and
             tensorrt_emulated/ and deepstream/ where made; its metadata names the variant, the verdict and the
             engine.
-        metrics: mAP@0.5, mAP@[.5:.95], the mAP@0.5 drop, TensorRT's emulated mAP@0.5 where scored, and passed.
+        metrics: mAP@0.5, mAP@[.5:.95], the mAP@0.5 drop, TensorRT's emulated mAP@0.5 where scored, the DLA form's
+            emulated mAP@0.5 under export.target dla, and passed.
         report: validation.md (the engine's mAP against the baseline, and the verdict), as Markdown.
         Output: Whether the variant passed the gate (a single output: kfp.local's dsl.If resolves only those).
     """
@@ -49,6 +50,7 @@ def validate(validate_spec: str, variant: str, dataset: Input[Dataset], engine: 
                                 onnx_model=onnx_file)
         results.metadata.update({"variant": variant, "passed": result["passed"], "engine": result["engine_label"]})
         write_metrics(metrics, {key: float(result[key]) for key in
-                                ("map50", "map", "map50_drop", "map50_tensorrt_emulated", "passed") if key in result})
+                                ("map50", "map", "map50_drop", "map50_tensorrt_emulated", "map50_dla_emulated",
+                                 "passed") if key in result})
         write_text(report, (Path(results.path) / MARKDOWN_FILE).read_text())
         return bool(result["passed"])
