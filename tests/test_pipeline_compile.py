@@ -131,9 +131,15 @@ def test_parameters(compiled):
         "spec_uri": "STRING", "spec_overrides": "LIST", "run_name": "STRING", "gpus": "NUMBER_INTEGER",
         "workers": "NUMBER_INTEGER", "mpijob_api_version": "STRING", "launcher": "STRING", "training_image": "STRING",
         "engine_image": "STRING", "node_selector": "STRUCT", "tolerations": "LIST", "credentials_secret": "STRING",
-        "kfp_ui_url": "STRING", "gpu_type": "STRING", **{f"{kind}_{what}": "STRING" for kind in ("training", "gpu_stage", "cpu_stage", "light")
-                                   for what in ("cpu", "memory")},
+        "kfp_ui_url": "STRING", "gpu_type": "STRING", "checkpoint_uri": "STRING",
+        **{f"{kind}_{what}": "STRING" for kind in ("training", "gpu_stage", "cpu_stage", "light")
+           for what in ("cpu", "memory")},
     }
+    # train and retrain get it (their resume state on S3 without the cache volume)
+    tasks = _all_tasks(spec)
+    for name in TRAINING_TASKS:
+        assert tasks[name]["inputs"]["parameters"]["checkpoint_uri"]["componentInputParameter"] == (
+            "pipelinechannel--checkpoint_uri"), name
     # the image defaults are the names images/build.sh builds
     from qatpipe_kfp.settings import IMAGES
 

@@ -21,16 +21,33 @@ TASK = textwrap.dedent("""
     from kfp import dsl
     from qatpipe_kfp.train.component import train
 
-    spec_file, dataset, out = sys.argv[1:4]
+    spec_file, dataset, out, checkpoint_uri = sys.argv[1:5]
     train.python_func(train_spec=open(spec_file).read(), dataset=dsl.Dataset(uri=dataset),
                       model=dsl.Model(uri=out + "/model"), metrics=dsl.Metrics(uri=out + "/metrics"),
-                      tensorboard=dsl.Artifact(uri=out + "/tensorboard"))
+                      tensorboard=dsl.Artifact(uri=out + "/tensorboard"), checkpoint_uri=checkpoint_uri)
 """)
 
 
-def _task(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", TASK, *args], env=env, stdout=subprocess.DEVNULL,
+def _task(args: list[str], env: dict, checkpoint_uri: str = "") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", TASK, *args, checkpoint_uri], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
+
+
+def _check_resumed(errors: str, attempt: Path) -> None:
+    """The retry's Model artifact: the training continued after the checkpoint, every epoch logged once, the
+    model without its resume state, TensorBoard in its own artifact."""
+    model = attempt / "model"
+    summary = json.loads((model / "train_summary.json").read_text())
+    assert 1 <= summary["resumed_from_epoch"] < 3 and summary["epochs"] == 3
+    assert "resuming from" in errors
+    with (model / "training_log.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(row["epoch"]) for row in rows] == [0, 1, 2]  # every epoch once: none lost, none twice
+    assert all(row["loss"] and row["val_map50"] for row in rows)
+    assert (model / "model.keras").is_file() and not (model / "checkpoints").exists()
+    assert not (model / "tensorboard").exists()
+    assert any((attempt / "tensorboard").rglob("events.out.tfevents.*"))
+    assert summary["model"] == str(model / "model.keras")
 
 
 @pytest.mark.slow
@@ -63,18 +80,79 @@ def test_a_killed_training_task_resumes_at_the_next_epoch_when_retried(tiny_spec
     second = _task(args + [str(tmp_path / "attempt-2")], env)  # the retry: a new pod, the same volume
     _, errors = second.communicate(timeout=600)
     assert second.returncode == 0, errors[-3000:]
-    model = tmp_path / "attempt-2" / "model"
-    summary = json.loads((model / "train_summary.json").read_text())
-    assert 1 <= summary["resumed_from_epoch"] < 3 and summary["epochs"] == 3
-    assert "resuming in" in errors and "resuming from" in errors
-    with (model / "training_log.csv").open() as handle:
-        rows = list(csv.DictReader(handle))
-    assert [int(row["epoch"]) for row in rows] == [0, 1, 2]  # every epoch once: none lost, none twice
-    assert all(row["loss"] and row["val_map50"] for row in rows)
-    # the Model artifact: the model and its records; the resume state stayed on the volume and is gone now
-    assert (model / "model.keras").is_file() and not (model / "checkpoints").exists()
-    # TensorBoard's event files in their own artifact, not in the Model every later stage downloads
-    assert not (model / "tensorboard").exists()
-    assert any((tmp_path / "attempt-2" / "tensorboard").rglob("events.out.tfevents.*"))
-    assert summary["model"] == str(model / "model.keras")
+    assert "resuming in" in errors
+    _check_resumed(errors, tmp_path / "attempt-2")
+    # the resume state stayed on the volume and is gone now
     assert not any(work.iterdir())
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """moto's S3 server on loopback (no S3 here), with a bucket; the task processes reach it through the
+    environment, as a pod reaches MinIO through the credentials Secret."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    client.create_bucket(Bucket="ckpt")
+    yield env, client
+    server.stop()
+
+
+def _keys(client) -> list[str]:
+    return [obj["Key"] for obj in client.list_objects_v2(Bucket="ckpt").get("Contents", [])]
+
+
+@pytest.mark.slow
+def test_without_the_cache_volume_a_retry_resumes_from_the_s3_checkpoint_uri(tiny_spec, tmp_path, s3):
+    from qatpipe.data.prepare import prepare_dataset
+    from qatpipe.spec import spec_to_yaml
+
+    s3_env, client = s3
+    spec = tiny_spec("train.epochs=3", "train.checkpoint_interval=1", "train.validation_interval=1")
+    prepare_dataset(spec, tmp_path / "dataset")
+    (tmp_path / "spec.yaml").write_text(spec_to_yaml(spec))
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, **s3_env, "TF_USE_LEGACY_KERAS": "1", "QATPIPE_KFP_RUN_ID": "run-9",
+           "PYTHONPATH": f"{root / 'components'}{os.pathsep}{root / 'pipelines'}"}
+    for key in ("MLFLOW_TRACKING_URI", "QATPIPE_CACHE_DIR", "S3_ENDPOINT_URL", "AWS_PROFILE"):
+        env.pop(key, None)
+    args = [str(tmp_path / "spec.yaml"), str(tmp_path / "dataset")]
+
+    first = _task(args + [str(tmp_path / "attempt-1")], env, "s3://ckpt/resume")
+    deadline = time.monotonic() + 300
+    while not any(key.endswith("/checkpoints/checkpoint") for key in _keys(client)):
+        assert first.poll() is None, first.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint mirrored within 5 minutes"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)  # the pod is lost: its local work folder with it
+    first.wait()
+    mirrored = _keys(client)
+    assert all(key.startswith("resume/run-9/qatpipe-train-") for key in mirrored)  # keyed by run and job
+    assert not any("/tensorboard/" in key for key in mirrored)
+
+    second = _task(args + [str(tmp_path / "attempt-2")], env, "s3://ckpt/resume")  # the retry: a new pod
+    _, errors = second.communicate(timeout=600)
+    assert second.returncode == 0, errors[-3000:]
+    assert "restored from s3://ckpt/resume/run-9/" in errors
+    _check_resumed(errors, tmp_path / "attempt-2")
+    assert _keys(client) == []  # the model is kept: the mirror is gone
+
+
+def test_a_checkpoint_uri_that_is_not_s3_is_refused(monkeypatch):
+    from qatpipe.errors import QatpipeError
+    from qatpipe_kfp.runtime import training_resume_uri
+
+    monkeypatch.delenv("QATPIPE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("QATPIPE_KFP_RUN_ID", "run-1")
+    monkeypatch.delenv("QATPIPE_KFP_RUN_ID_V2", raising=False)
+    assert training_resume_uri("") is None
+    assert training_resume_uri("s3://b/p/") == "s3://b/p/run-1"
+    with pytest.raises(QatpipeError, match="checkpoint_uri '/mnt/ckpt': an s3://bucket/prefix is needed"):
+        training_resume_uri("/mnt/ckpt")

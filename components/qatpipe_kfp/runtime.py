@@ -79,6 +79,29 @@ def training_work_root() -> Path | None:
     return Path(cache_dir) / "work" / run_id if cache_dir and run_id else None
 
 
+def training_resume_uri(checkpoint_uri: str) -> str | None:
+    """Where train / retrain mirror their resume state without the cache volume: `checkpoint_uri` (s3://, the
+    pipeline parameter) / this KFP run's id, so a retried task finds it; None when not asked for, or when the
+    cache volume holds it already."""
+    from qatpipe.data.storage import is_s3_uri
+    from qatpipe.errors import QatpipeError
+    from qatpipe.tracking.live import kfp_run_id
+
+    if not checkpoint_uri:
+        return None
+    if not is_s3_uri(checkpoint_uri):
+        raise QatpipeError(f"checkpoint_uri {checkpoint_uri!r}: an s3://bucket/prefix is needed")
+    if training_work_root() is not None:
+        log.info("checkpoint_uri %s not used: the resume state lives on the cache volume", checkpoint_uri)
+        return None
+    run_id = kfp_run_id()
+    if not run_id:
+        log.warning("checkpoint_uri %s not used: this pod has no KFP run id to key the resume state by",
+                    checkpoint_uri)
+        return None
+    return f"{checkpoint_uri.rstrip('/')}/{run_id}"
+
+
 def cluster_settings(training_image: str, credentials_secret: str, node_selector: dict, tolerations: list,
                      mpijob_api_version: str, launcher: str = "mpijob"):
     """Where a train / retrain MPIJob or TrainJob runs: this pod's image, Secret, placement, and its dataset-cache PVC as

@@ -2,8 +2,10 @@
 
 fingerprint data → prepare data → train (unpruned) → evaluate (unpruned) and prune →
   retrain FP32 →
-  [finetune FP32 (the baseline: as trained, or as long as QAT) → export → evaluate FP32; PTQ calibrate → evaluate PTQ]
-  [retrain QAT (qat.start: the pruned model, or fine-tuning FP32's) → export (Q/DQ + calibration cache) → evaluate QAT]
+  [finetune FP32 (the baseline: as trained, or as long as QAT) → export → evaluate FP32;
+   PTQ calibrate → evaluate PTQ]
+  [retrain QAT (qat.start: the pruned model, or fine-tuning FP32's) → export (Q/DQ + calibration cache)
+   → evaluate QAT]
 → per variant: build engine (+ latency benchmark) → validate against the FP32 baseline
 → compare (FP32 / PTQ / QAT table, pruning block, gate) → register (each variant an MLflow model; the QAT one
   a registry version: alias champion when it passed the gate, challenger when not).
@@ -267,6 +269,7 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         cpu_stage_memory: str = TASK_SIZES["cpu_stage"][1],
         light_cpu: str = TASK_SIZES["light"][0],
         light_memory: str = TASK_SIZES["light"][1],
+        checkpoint_uri: str = "",
     ):
         """Train, prune, QAT-retrain, export, build and validate an INT8 detector; FP32 and PTQ alongside.
 
@@ -302,6 +305,10 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             light_cpu: CPU (request = limit) of the spec, tracking and logging tasks (and the tasks that follow
                 an MPIJob).
             light_memory: memory (request = limit) of those light tasks.
+            checkpoint_uri: s3://bucket/prefix for train and retrain's resume state when the pipeline is compiled
+                without --cache-pvc: mirrored after every checkpoint under the KFP run id and job, so that a
+                retried (pre-empted) task resumes at its next epoch; removed once the model is kept. Empty: a
+                retry without the cache volume starts its training again.
         """
         sizes = {"training": (training_cpu, training_memory), "gpu_stage": (gpu_stage_cpu, gpu_stage_memory),
                  "cpu_stage": (cpu_stage_cpu, cpu_stage_memory), "light": (light_cpu, light_memory)}
@@ -310,7 +317,8 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
                             placement=placement, code_version=code_version, shm_size=shm_size)
         scale_out = dict(gpus=gpus, workers=workers, mpijob_api_version=mpijob_api_version, launcher=launcher,
                          training_image=training_image, credentials_secret=credentials_secret,
-                         node_selector=node_selector, tolerations=tolerations, mpijob=mpijob)
+                         node_selector=node_selector, tolerations=tolerations, mpijob=mpijob,
+                         checkpoint_uri=checkpoint_uri)
 
         # an exit task may not depend on other tasks: it finds the MLflow run by the KFP run id
         finish = run.cpu(finish_tracking(kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), per_run=True, size="light")

@@ -85,7 +85,7 @@ def _describe_endpoint(client) -> str:
 
 
 @contextlib.contextmanager
-def _s3_errors(uri: str, client):
+def s3_errors(uri: str, client):
     """Turn boto errors into one-line StorageErrors naming the URI and the endpoint."""
     where = f"{uri} (endpoint: {_describe_endpoint(client)})"
     try:
@@ -162,7 +162,7 @@ def list_objects(uri: str, client=None) -> list[dict]:
     bucket, prefix = parse_s3_uri(uri)
     client = client or s3_client()
     list_prefix = f"{prefix}/" if prefix else ""  # trailing slash: "train" must not match "train2"
-    with _s3_errors(uri, client):
+    with s3_errors(uri, client):
         objects = []
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=list_prefix):
             objects += [o for o in page.get("Contents", []) if not o["Key"].endswith("/")]
@@ -217,7 +217,7 @@ def sync_s3_prefix(uri: str, dest_dir: str | Path, *, client=None, threads: int 
         report.bytes += size
 
     try:
-        with _s3_errors(uri, client):
+        with s3_errors(uri, client):
             pending.update({pool.submit(_download, client, bucket, key, target): rel for key, rel, target in wanted})
             for done in as_completed(list(pending)):
                 record(done)  # the first failure stops the sync: queued downloads are cancelled
@@ -256,7 +256,7 @@ def upload_dir(local_dir: str | Path, uri: str, *, client=None) -> int:
     client = client or s3_client()
     files = sorted(p for p in src.rglob("*")
                    if p.is_file() and p.name != MANIFEST_NAME and not p.name.endswith(".part"))
-    with _s3_errors(uri, client):
+    with s3_errors(uri, client):
         for path in files:
             rel = path.relative_to(src).as_posix()
             client.upload_file(str(path), bucket, f"{prefix}/{rel}" if prefix else rel)
@@ -268,7 +268,7 @@ def read_s3_text(uri: str, *, client=None) -> str:
     """The UTF-8 text of one S3 object (a spec file, say)."""
     bucket, key = parse_s3_uri(uri)
     client = client or s3_client()
-    with _s3_errors(uri, client):
+    with s3_errors(uri, client):
         body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     try:
         return body.decode("utf-8")

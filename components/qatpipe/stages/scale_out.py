@@ -59,13 +59,16 @@ class ClusterSettings:
 def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path, *, pruned_model: Path | None = None,
                        processes_per_node: int = 1, nodes: int = 1, cluster: ClusterSettings | None = None,
                        use_mpijob: bool = False, work_root: str | Path | None = None,
-                       tensorboard_dir: str | Path | None = None, stage_name: str | None = None) -> dict:
+                       tensorboard_dir: str | Path | None = None, stage_name: str | None = None,
+                       resume_uri: str | None = None) -> dict:
     """Train (`stage` "train") or retrain (`stage` "retrain", from `pruned_model`) into `results_dir`;
     returns the training summary. `use_mpijob`: an MPIJob even for one node (this process only follows it).
 
     On this host the training works in a folder of `work_root` (the KFP components pass this run's folder on
     the cache volume) named after the stage's inputs: a retried task (pre-emption, eviction) resumes from the
-    last checkpoint there. Without `work_root` the folder is temporary. Only the model and its records come to
+    last checkpoint there. Without `work_root` the folder is temporary; with `resume_uri` (s3://, the pipeline's
+    checkpoint_uri and run id) its resume state is mirrored there after every checkpoint and restored by a
+    retry (training/resume_store.py). Only the model and its records come to
     `results_dir` (the Model artifact every later stage downloads), never the checkpoints; the TensorBoard
     event files go to `tensorboard_dir` when it is given (the KFP components' own artifact), else with them.
     `stage_name` names the tracking record and the live curves (default: the stage's own, e.g. retrain_qat)."""
@@ -75,7 +78,7 @@ def run_training_stage(stage: str, spec: ExperimentSpec, results_dir: str | Path
         raise QatpipeError(f"need at least 1 process and 1 node, got {processes_per_node} and {nodes}")
     results_dir = Path(results_dir)
     if nodes == 1 and not use_mpijob:
-        with _work_folder(stage, spec, pruned_model, processes_per_node, work_root) as work:
+        with _work_folder(stage, spec, pruned_model, processes_per_node, work_root, resume_uri) as work:
             if processes_per_node == 1:
                 _in_process(stage, spec, work, pruned_model, stage_name)
             else:
@@ -93,12 +96,29 @@ RESUME_STATE = ("checkpoints", "best")
 
 
 @contextlib.contextmanager
-def _work_folder(stage, spec, pruned_model, processes, work_root):
+def _work_folder(stage, spec, pruned_model, processes, work_root, resume_uri=None):
     """The training's working folder (see run_training_stage); removed once the results are kept. Without a
-    durable root, a temporary one (nothing to resume from)."""
+    durable root, a temporary one: mirrored to S3 under `resume_uri` when given, else nothing to resume from."""
     if work_root is None:
         with tempfile.TemporaryDirectory(prefix=f"qatpipe-{stage}-") as tmp:
-            yield Path(tmp)
+            if not resume_uri:
+                yield Path(tmp)
+                return
+            from qatpipe.training import resume_store
+
+            mirror = f"{resume_uri.rstrip('/')}/{_job_folder_name(stage, spec, pruned_model, f'1x{processes}')}"
+            if resume_store.restore(mirror, tmp):
+                log.info("%s: resuming from the resume state an earlier attempt mirrored to %s", stage, mirror)
+            previous = os.environ.get(resume_store.RESUME_URI_ENV)
+            os.environ[resume_store.RESUME_URI_ENV] = mirror  # the training processes upload there
+            try:
+                yield Path(tmp)
+            finally:
+                if previous is None:
+                    os.environ.pop(resume_store.RESUME_URI_ENV, None)
+                else:
+                    os.environ[resume_store.RESUME_URI_ENV] = previous
+            resume_store.clear(mirror)  # done: the model is kept
         return
     folder = Path(work_root) / _job_folder_name(stage, spec, pruned_model, f"1x{processes}")
     if (folder / "checkpoints").is_dir():

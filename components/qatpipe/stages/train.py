@@ -119,6 +119,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     from qatpipe.training.callbacks import CheckpointEveryN, EpochLog, ProgressLogger
     from qatpipe.training.distributed import init_world
     from qatpipe.training.precision import FLOAT32, cast_model, configure_precision, model_policy
+    from qatpipe.training.resume_store import upload_callback
     from qatpipe.training.validation import BEST_DIR, BestCheckpoint, ValidateEveryN
 
     world = init_world()
@@ -179,6 +180,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         chief_callbacks = [
             progress, *([validating] if validating else []), EpochLog(results_dir / LOG_FILE),
             CheckpointEveryN(manager, epoch_var, spec.train.checkpoint_interval, spec.train.epochs),
+            *([mirror] if (mirror := upload_callback(results_dir, manager)) else []),  # S3 resume state
             keras.callbacks.TensorBoard(str(results_dir / TENSORBOARD_DIR), update_freq="epoch", profile_batch=0),
             *([curves] if (curves := live_curves(stage_name, steps, spec.train.batch_size * world.size)) else []),
             *(extra_callbacks or []),

@@ -14,7 +14,7 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
             metrics: Output[Metrics], tensorboard: Output[Artifact], gpus: int = 1, workers: int = 1,
             mpijob_api_version: str = "v2beta1", launcher: str = "mpijob", training_image: str = "",
             credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [], mpijob: bool = False,
-            start: Optional[Input[Model]] = None):
+            checkpoint_uri: str = "", start: Optional[Input[Model]] = None):
     """Fine-tune the pruned detector in FP32 or quantisation-aware (QAT), like TAO's retrain.
 
     One Horovod process per GPU; with `workers` > 1, or `mpijob`, an MPIJob (or TrainJob) across nodes.
@@ -35,6 +35,8 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
         node_selector: Node labels for the MPIJob's pods.
         tolerations: Kubernetes tolerations for the MPIJob's pods.
         mpijob: Run as an MPIJob even on one node; this task then only follows the job.
+        checkpoint_uri: s3://bucket/prefix where the resume state is mirrored after every checkpoint when the
+            pipeline has no cache volume (under the KFP run id), so that a retried task resumes. Empty: none.
         start: The FP32 retrain's model, for the retrains after it (qatpipe.stages.retrain.plan_retrain). Under
             qat.start fp32 the QAT task fine-tunes it for qat.finetune_epochs, and the FP32 task (the baseline,
             finetune-fp32) fine-tunes it as long in FP32. Under qat.start pruned the QAT task retrains the pruned
@@ -55,7 +57,8 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
     from qatpipe.stages.scale_out import run_training_stage
     from qatpipe.tracking.live import parent_run_from_kfp
     from qatpipe.stages.train import summary_metrics
-    from qatpipe_kfp.runtime import cluster_settings, load_stage_spec, stage, training_work_root, write_metrics
+    from qatpipe_kfp.runtime import (cluster_settings, load_stage_spec, stage, training_resume_uri,
+                                     training_work_root, write_metrics)
 
     variant = "qat" if qat else "fp32"
     with stage("finetune-fp32" if start is not None and not qat else f"retrain-{variant}"):
@@ -73,7 +76,7 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
             summary = run_training_stage("retrain", spec, model.path, pruned_model=plan.source, processes_per_node=gpus,
                                          nodes=workers, cluster=cluster, use_mpijob=mpijob,
                                          work_root=training_work_root(), tensorboard_dir=tensorboard.path,
-                                         stage_name=plan.stage_name)
+                                         stage_name=plan.stage_name, resume_uri=training_resume_uri(checkpoint_uri))
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],
                                "variant": variant, "processes": summary.get("processes", 1)})
         write_metrics(metrics, summary_metrics(summary))

@@ -12,7 +12,7 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
           tensorboard: Output[Artifact],
           gpus: int = 1, workers: int = 1, mpijob_api_version: str = "v2beta1", launcher: str = "mpijob",
           training_image: str = "", credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [],
-          mpijob: bool = False):
+          mpijob: bool = False, checkpoint_uri: str = ""):
     """Train the unpruned detector on the prepared data set (TAO `train`).
 
     One Horovod process per GPU; with `workers` > 1, or `mpijob`, an MPIJob (or TrainJob) across nodes.
@@ -31,6 +31,8 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
         node_selector: Node labels for the MPIJob's pods.
         tolerations: Kubernetes tolerations for the MPIJob's pods.
         mpijob: Run as an MPIJob even on one node; this task then only follows the job.
+        checkpoint_uri: s3://bucket/prefix where the resume state is mirrored after every checkpoint when the
+            pipeline has no cache volume (under the KFP run id), so that a retried task resumes. Empty: none.
 
     Returns:
         model: The training results folder: model.keras, the training log and summary, and tracking.json; its
@@ -44,7 +46,8 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
     from qatpipe.stages.scale_out import run_training_stage
     from qatpipe.tracking.live import parent_run_from_kfp
     from qatpipe.stages.train import summary_metrics
-    from qatpipe_kfp.runtime import cluster_settings, load_stage_spec, stage, training_work_root, write_metrics
+    from qatpipe_kfp.runtime import (cluster_settings, load_stage_spec, stage, training_resume_uri,
+                                     training_work_root, write_metrics)
 
     with stage("train"):
         spec = spec_with_prepared_dataset(load_stage_spec(train_spec), dataset.path)
@@ -53,7 +56,8 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
                                    mpijob_api_version, launcher)
         summary = run_training_stage("train", spec, model.path, processes_per_node=gpus, nodes=workers,
                                      cluster=cluster, use_mpijob=mpijob, work_root=training_work_root(),
-                                     tensorboard_dir=tensorboard.path)
+                                     tensorboard_dir=tensorboard.path,
+                                     resume_uri=training_resume_uri(checkpoint_uri))
         model.metadata.update({"framework": "tf_keras", "file": "model.keras", "params": summary["params"],
                                "processes": summary.get("processes", 1)})
         write_metrics(metrics, summary_metrics(summary))
