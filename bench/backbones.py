@@ -57,8 +57,11 @@ def _finished_run(backbone: str, work: Path) -> dict:
         "fp32_eval": evaluation_folders(kfp_root)["fp32"],
         "fp32_onnx": next(p for p in kfp_root.rglob("model_export.json")
                           if "QAT" not in p.read_text()).with_name("model.onnx"),
+        # the retrains of the pruned model, by their tracking records (a run in the fine-tuning order, qat.start
+        # fp32, also has finetune_fp32, whose spec would collide with the FP32 retrain's)
         "specs": {load_spec(p).qat.enabled: p for p in kfp_root.rglob("spec.yaml")
-                  if p.parent.parent.name.startswith("retrain")},
+                  if p.parent.parent.name.startswith("retrain")
+                  and json.loads(p.with_name("tracking.json").read_text())["stage"] in ("retrain_fp32", "retrain_qat")},
     }
 
 

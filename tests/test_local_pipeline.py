@@ -47,7 +47,8 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert json.loads((out / "summary.json").read_text()) == summary
     assert list(summary["variants"]) == ["fp32", "ptq", "qat"]  # all three scored in ONNX Runtime
     fp32 = summary["variants"]["fp32"]
-    assert set(fp32) == {"engine", "layers", "map50", "map50_tensorrt_emulated", "map", "latency_ms_p50", "latency_ms_p99",
+    assert set(fp32) == {"engine", "layers", "map50", "map50_tensorrt_emulated", "map50_dla_emulated", "map",
+                         "latency_ms_p50", "latency_ms_p99",
                          "throughput", "throughput_batch", "speedup_vs_fp32", "size_mb", "params", "gflops",
                          "map50_ci95_lo", "map50_ci95_hi", "map_ci95_lo", "map_ci95_hi"}
     # every row says what ran it; each also carries TensorRT's numbers: the INT8 ones' (fast CPU form), and
@@ -122,9 +123,12 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert children["validate_qat"].data.metrics["passed"] == 1.0
     assert children["validate_qat"].data.metrics["map50_tensorrt_emulated"] == pytest.approx(
         summary["variants"]["qat"]["map50_tensorrt_emulated"])
-    for variant in ("ptq", "qat"):  # TensorRT's numbers: what evaluate gives for the ONNX as exported
+    # TensorRT's numbers: what evaluate gives for the ONNX as exported (ONNX Runtime's own int8 kernels). On 48
+    # val images with ~55 objects a class, one detection moves mAP@0.5 by ~0.6 points: within 0.02, as the FP32
+    # row's check above (the default run at 905d97f, 300 images: 0.9151 against 0.9154 for QAT)
+    for variant in ("ptq", "qat"):
         assert summary["variants"][variant]["map50_tensorrt_emulated"] == pytest.approx(
-            children[f"evaluate_{variant}"].data.metrics["map50"], abs=0.01), variant
+            children[f"evaluate_{variant}"].data.metrics["map50"], abs=0.02), variant
     assert parent.data.tags["qatpipe.engine.qat"] == "onnxruntime cpu int8"
     # the differences again in TensorRT's numbers (the INT8 engines' exact form, the FP16 forms' rounding),
     # beside the CPU engines' ones
