@@ -106,7 +106,7 @@ def test_every_component_folder_has_metadata_matching_its_function():
 
     root = Path(__file__).resolve().parents[1] / "components" / "qatpipe_kfp"
     folders = sorted(f for f in root.iterdir() if (f / "component.py").is_file())
-    assert len(folders) == 16
+    assert len(folders) == 17
     for folder in folders:
         assert {"README.md", "metadata.yaml", "test_component.py"} <= {p.name for p in folder.iterdir()}, folder.name
         metadata = yaml.safe_load((folder / "metadata.yaml").read_text())

@@ -22,8 +22,8 @@ STAGES = {"prepare-data", "train", "evaluate-unpruned", "prune", "retrain-fp32",
 GPU_TASKS = {"train", "retrain-fp32", "finetune-fp32", "retrain-qat", "evaluate-unpruned",
              *(f"{stage}-{v}" for v in VARIANTS for stage in ("build-engine", "validate"))}
 TRAINING_TASKS = {"train", "retrain-fp32", "finetune-fp32", "retrain-qat"}
-LIGHT_TASKS = {"resolve-spec", "start-tracking", "finish-tracking", "fingerprint-data"}  # and every log-* task
-CACHED_TASKS = STAGES
+LIGHT_TASKS = {"resolve-spec", "start-tracking", "finish-tracking", "fingerprint-data", "gpu-placement"}  # + log-*
+CACHED_TASKS = STAGES | {"gpu-placement"}  # gpu-placement: a pure function of two parameters
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +65,15 @@ def test_dag_shape(compiled):
     handler = spec["components"][root["exit-handler-1"]["componentRef"]["name"]]["dag"]["tasks"]
     logged = {f"log-{stage}" for stage in STAGES}
     assert {task["taskInfo"]["name"] for task in handler.values()} == (
-        STAGES | logged | {"resolve-spec", "start-tracking", "fingerprint-data", "compare", "register"})
+        STAGES | logged | {"resolve-spec", "start-tracking", "fingerprint-data", "gpu-placement", "compare",
+                           "register"})
     tasks = _all_tasks(spec)
 
     def upstream(name):
-        return _upstream(spec, tasks[name]) - {"resolve-spec"}  # every stage reads its spec view
+        # every stage reads its spec view, and every GPU stage's node selector is gpu-placement's output
+        found = _upstream(spec, tasks[name]) - {"resolve-spec"}
+        assert ("gpu-placement" in found) == (name in GPU_TASKS), name
+        return found - {"gpu-placement"}
 
     assert upstream("start-tracking") == set() and upstream("fingerprint-data") == set()
     # the data as it is now keys prepare-data's cache (fingerprint-data runs every time, prepare-data is cached)
@@ -169,7 +173,10 @@ def test_gpu_requests_and_placement(compiled):
         if name in GPU_TASKS:
             assert accelerator["resourceType"] == "nvidia.com/gpu"
             assert "pipelinechannel--gpus" in accelerator["resourceCount"]
-            assert "nodeSelector" in k8s[executor] and "tolerations" in k8s[executor]
+            # node_selector plus gpu_type's GPU model, computed by gpu-placement at run time
+            assert k8s[executor]["nodeSelector"] == {"nodeSelectorJson": {"taskOutputParameter": {
+                "outputParameterKey": "Output", "producerTask": "gpu-placement"}}}, name
+            assert "tolerations" in k8s[executor]
         else:
             assert accelerator is None, name
 
@@ -236,8 +243,11 @@ def test_train_and_retrain_get_the_scale_out_parameters(compiled):
     for name in TRAINING_TASKS:
         params = tasks[name]["inputs"]["parameters"]
         for key in ("gpus", "workers", "mpijob_api_version", "launcher", "training_image", "credentials_secret",
-                    "node_selector", "tolerations"):
+                    "tolerations"):
             assert params[key]["componentInputParameter"] == f"pipelinechannel--{key}", (name, key)
+        # an MPIJob's pods get the GPU stages' node selector (node_selector + gpu_type), gpu-placement's output
+        assert params["node_selector"]["taskOutputParameter"] == {"producerTask": "gpu-placement",
+                                                                  "outputParameterKey": "Output"}, name
 
 
 def test_cache_pvc_tells_training_tasks_its_claim_for_mpijobs(tmp_path):

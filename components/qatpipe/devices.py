@@ -26,6 +26,24 @@ def _model_key(name: str) -> str:
     return re.sub(r"[\s_-]+", "-", name.strip().lower())
 
 
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # the GPU model label GPU Feature Discovery puts on nodes
+
+
+def gpu_node_selector(node_selector: dict, gpu_type: str) -> dict:
+    """The GPU stages' node selector: `node_selector` plus GPU_PRODUCT_LABEL = `gpu_type` when one is named,
+    so that the GPU model engines are cached under is the one they are built on. A `node_selector` that pins
+    another model is refused, naming both."""
+    selector = {str(key): str(value) for key, value in (node_selector or {}).items()}
+    gpu_type = (gpu_type or "").strip()
+    if not gpu_type:
+        return selector
+    pinned = selector.get(GPU_PRODUCT_LABEL)
+    if pinned is not None and pinned != gpu_type:
+        raise QatpipeError(f"node_selector pins {GPU_PRODUCT_LABEL}={pinned!r} but gpu_type is {gpu_type!r}: "
+                           f"name one GPU model")
+    return {**selector, GPU_PRODUCT_LABEL: gpu_type}
+
+
 def check_gpu_type(expected: str) -> None:
     """Raise QatpipeError when `expected` names a GPU model and this machine's first GPU is another one (or
     there is none): an engine is built for the GPU it runs on, and KFP caches it under `expected`."""

@@ -28,6 +28,7 @@ from qatpipe_kfp.evaluate.component import evaluate
 from qatpipe_kfp.export.component import export
 from qatpipe_kfp.finish_tracking.component import finish_tracking
 from qatpipe_kfp.fingerprint_data.component import fingerprint_data
+from qatpipe_kfp.gpu_placement.component import gpu_placement
 from qatpipe_kfp.log_stage.component import log_stage
 from qatpipe_kfp.prepare_data.component import prepare_data
 from qatpipe_kfp.prune.component import prune
@@ -293,8 +294,9 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             kfp_ui_url: the KFP UI's address (`qatpipe submit` sets it): MLflow runs and model versions then link
                 to this run's page.
             gpu_type: the GPU model engines are built for, as nvidia.com/gpu.product names it (e.g.
-                "NVIDIA-A100-SXM4-80GB"): build-engine's cache key, so an engine is reused only on that model, and
-                checked on the node (pin the model with node_selector). Empty: engines are cached for any GPU.
+                "NVIDIA-A100-SXM4-80GB"): every GPU stage runs on nodes of that model (added to node_selector
+                as nvidia.com/gpu.product), and it keys build-engine's cache, so an engine is reused only on that
+                model (and checked on the node). Empty: no model pinned; engines are cached for any GPU.
             training_cpu: CPU request of train / retrain on GPU nodes (no CPU limit: input pipelines burst).
             training_memory: memory (request = limit) of train / retrain.
             gpu_stage_cpu: CPU (request = limit) of evaluate-unpruned, build-engine and validate.
@@ -315,10 +317,6 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         run = _TaskSettings(training_image, engine_image, credentials_secret, gpus, node_selector, tolerations,
                             sizes=sizes, cache_pvc=cache_pvc, network_retries=network_retries,
                             placement=placement, code_version=code_version, shm_size=shm_size)
-        scale_out = dict(gpus=gpus, workers=workers, mpijob_api_version=mpijob_api_version, launcher=launcher,
-                         training_image=training_image, credentials_secret=credentials_secret,
-                         node_selector=node_selector, tolerations=tolerations, mpijob=mpijob,
-                         checkpoint_uri=checkpoint_uri)
 
         # an exit task may not depend on other tasks: it finds the MLflow run by the KFP run id
         finish = run.cpu(finish_tracking(kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), per_run=True, size="light")
@@ -327,6 +325,14 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             specs = run.cpu(resolve_spec(spec_uri=spec_uri, overrides=spec_overrides,
                                          credentials_secret=credentials_secret), network=True, per_run=True,
                             size="light")  # per run: the URI's content may change
+            # the GPU stages' node selector: node_selector plus gpu_type's GPU model (a task output: kfp-kubernetes
+            # takes no expression over parameters), so gpu_type pins the model that keys build-engine's cache
+            run.node_selector = run.cpu(gpu_placement(node_selector=node_selector, gpu_type=gpu_type),
+                                        size="light").output
+            scale_out = dict(gpus=gpus, workers=workers, mpijob_api_version=mpijob_api_version, launcher=launcher,
+                             training_image=training_image, credentials_secret=credentials_secret,
+                             node_selector=run.node_selector, tolerations=tolerations, mpijob=mpijob,
+                             checkpoint_uri=checkpoint_uri)
             tracking = run.cpu(start_tracking(spec=specs.outputs["spec"], run_name=run_name,
                                               kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_ui_url=kfp_ui_url),
                                network=True, per_run=True, size="light")
