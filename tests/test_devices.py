@@ -35,3 +35,14 @@ def test_another_model_or_no_gpu_is_refused(nvidia_smi, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(QatpipeError, match="no NVIDIA GPU is visible"):
         check_gpu_type("NVIDIA L4")
+
+
+def test_the_gpu_stages_selector_and_who_holds_the_training_gpus():
+    from qatpipe.devices import GPU_PRODUCT_LABEL, gpu_node_selector, training_task_holds_gpus
+
+    assert gpu_node_selector({"pool": "gpu"}, " ") == {"pool": "gpu"}
+    assert gpu_node_selector({}, "NVIDIA-L4") == {GPU_PRODUCT_LABEL: "NVIDIA-L4"}
+    assert gpu_node_selector({GPU_PRODUCT_LABEL: "NVIDIA-L4"}, "NVIDIA-L4") == {GPU_PRODUCT_LABEL: "NVIDIA-L4"}
+    assert training_task_holds_gpus(1) and not training_task_holds_gpus(2)
+    with pytest.raises(QatpipeError, match="workers is 0"):
+        training_task_holds_gpus(0)

@@ -172,10 +172,12 @@ def test_gpu_requests_and_placement(compiled):
         accelerator = container.get("resources", {}).get("accelerator")
         if name in GPU_TASKS:
             assert accelerator["resourceType"] == "nvidia.com/gpu"
-            assert "pipelinechannel--gpus" in accelerator["resourceCount"]
+            # a training task's GPUs are gpu-placement's: gpus on one node, 0 when it only follows its job
+            source = "gpu-placement-training_gpus" if name in TRAINING_TASKS else "gpus"
+            assert accelerator["resourceCount"] == f"{{{{$.inputs.parameters['pipelinechannel--{source}']}}}}", name
             # node_selector plus gpu_type's GPU model, computed by gpu-placement at run time
             assert k8s[executor]["nodeSelector"] == {"nodeSelectorJson": {"taskOutputParameter": {
-                "outputParameterKey": "Output", "producerTask": "gpu-placement"}}}, name
+                "outputParameterKey": "node_selector", "producerTask": "gpu-placement"}}}, name
             assert "tolerations" in k8s[executor]
         else:
             assert accelerator is None, name
@@ -247,7 +249,7 @@ def test_train_and_retrain_get_the_scale_out_parameters(compiled):
             assert params[key]["componentInputParameter"] == f"pipelinechannel--{key}", (name, key)
         # an MPIJob's pods get the GPU stages' node selector (node_selector + gpu_type), gpu-placement's output
         assert params["node_selector"]["taskOutputParameter"] == {"producerTask": "gpu-placement",
-                                                                  "outputParameterKey": "Output"}, name
+                                                                  "outputParameterKey": "node_selector"}, name
 
 
 def test_cache_pvc_tells_training_tasks_its_claim_for_mpijobs(tmp_path):
@@ -312,8 +314,14 @@ def test_every_task_has_cpu_and_memory_requests_and_limits(compiled):
                 if key == "resourceCpuLimit" and kind == "training":  # CFS throttling starves tf.data
                     assert key not in resources, name
                     continue
-                assert resources[key] == f"{{{{$.inputs.parameters['pipelinechannel--{kind}_{what}']}}}}", (name, key)
+                # the training tasks' sizes pass through gpu-placement (light when they only follow a job)
+                source = f"gpu-placement-{kind}_{what}" if kind == "training" else f"{kind}_{what}"
+                assert resources[key] == f"{{{{$.inputs.parameters['pipelinechannel--{source}']}}}}", (name, key)
             assert params[f"{kind}_{what}"]["defaultValue"] == TASK_SIZES[kind][what == "memory"]
+    placement = _all_tasks(spec)["gpu-placement"]["inputs"]["parameters"]
+    for key in ("gpus", "workers", "training_cpu", "training_memory", "light_cpu", "light_memory", "gpu_type",
+                "node_selector"):
+        assert placement[key] == {"componentInputParameter": f"pipelinechannel--{key}"}, key
         shm = k8s[executor].get("emptyDirMounts", [])
         if name in TRAINING_TASKS:
             assert shm == [{"medium": "Memory", "mountPath": "/dev/shm", "sizeLimit": "8Gi", "volumeName": "shm"}]

@@ -44,6 +44,14 @@ def gpu_node_selector(node_selector: dict, gpu_type: str) -> dict:
     return {**selector, GPU_PRODUCT_LABEL: gpu_type}
 
 
+def training_task_holds_gpus(workers: int) -> bool:
+    """Whether a train / retrain task trains in its own pod (one node) and so needs the GPUs; with workers > 1
+    it only creates and follows an MPIJob or TrainJob, whose pods hold them (stages/scale_out.py)."""
+    if workers < 1:
+        raise QatpipeError(f"workers is {workers}: at least one node trains")
+    return workers == 1
+
+
 def check_gpu_type(expected: str) -> None:
     """Raise QatpipeError when `expected` names a GPU model and this machine's first GPU is another one (or
     there is none): an engine is built for the GPU it runs on, and KFP caches it under `expected`."""

@@ -79,6 +79,7 @@ class _TaskSettings:
         self.sizes = sizes  # kind -> (cpu, memory), pipeline parameters
         self.cache_pvc, self.network_retries, self.placement = cache_pvc, network_retries, placement
         self.code_version, self.shm_size = code_version, shm_size
+        self.training_gpus = gpus  # the GPUs of a training task; gpu-placement's output once it exists
 
     def cpu(self, task: dsl.PipelineTask, *, network: bool = False, per_run: bool = False,
             reads_data: bool = False, engine: bool = False, size: str = "cpu_stage") -> dsl.PipelineTask:
@@ -110,7 +111,8 @@ class _TaskSettings:
             size: str = "gpu_stage") -> dsl.PipelineTask:
         self.cpu(task, reads_data=reads_data, engine=engine, size=size)
         if self.placement:
-            task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(self.gpus)
+            task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(
+                self.training_gpus if size == "training" else self.gpus)
             kubernetes.add_node_selector_json(task, node_selector_json=self.node_selector)
             kubernetes.add_toleration_json(task, toleration_json=self.tolerations)
         return task
@@ -297,7 +299,8 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
                 "NVIDIA-A100-SXM4-80GB"): every GPU stage runs on nodes of that model (added to node_selector
                 as nvidia.com/gpu.product), and it keys build-engine's cache, so an engine is reused only on that
                 model (and checked on the node). Empty: no model pinned; engines are cached for any GPU.
-            training_cpu: CPU request of train / retrain on GPU nodes (no CPU limit: input pipelines burst).
+            training_cpu: CPU request of train / retrain on GPU nodes (no CPU limit: input pipelines burst); with
+                workers > 1 their tasks only follow their jobs and take the light sizes and no GPU (gpu-placement).
             training_memory: memory (request = limit) of train / retrain.
             gpu_stage_cpu: CPU (request = limit) of evaluate-unpruned, build-engine and validate.
             gpu_stage_memory: memory (request = limit) of evaluate-unpruned, build-engine and validate.
@@ -325,10 +328,14 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             specs = run.cpu(resolve_spec(spec_uri=spec_uri, overrides=spec_overrides,
                                          credentials_secret=credentials_secret), network=True, per_run=True,
                             size="light")  # per run: the URI's content may change
-            # the GPU stages' node selector: node_selector plus gpu_type's GPU model (a task output: kfp-kubernetes
-            # takes no expression over parameters), so gpu_type pins the model that keys build-engine's cache
-            run.node_selector = run.cpu(gpu_placement(node_selector=node_selector, gpu_type=gpu_type),
-                                        size="light").output
+            # task outputs, as KFP takes no expression over parameters: the GPU stages' node selector (node_selector
+            # plus gpu_type's GPU model, so gpu_type pins the model that keys build-engine's cache), and what a
+            # training task holds (with workers > 1 it only follows its job: no GPU, the light sizes)
+            placed = run.cpu(gpu_placement(node_selector=node_selector, gpu_type=gpu_type, gpus=gpus, workers=workers,
+                                           training_cpu=training_cpu, training_memory=training_memory,
+                                           light_cpu=light_cpu, light_memory=light_memory), size="light")
+            run.node_selector, run.training_gpus = placed.outputs["node_selector"], placed.outputs["training_gpus"]
+            run.sizes["training"] = (placed.outputs["training_cpu"], placed.outputs["training_memory"])
             scale_out = dict(gpus=gpus, workers=workers, mpijob_api_version=mpijob_api_version, launcher=launcher,
                              training_image=training_image, credentials_secret=credentials_secret,
                              node_selector=run.node_selector, tolerations=tolerations, mpijob=mpijob,
