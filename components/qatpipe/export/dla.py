@@ -54,8 +54,9 @@ def is_dla_form(onnx_path: str | Path) -> bool:
 
 
 def dla_form(model, batch: int):
-    """A copy of the implicit FP32 ONNX `model` for DLA: the batch fixed to `batch`, and an input transpose
-    NHWC -> NCHW folded into an NCHW input (nvinfer's network-input-order=0)."""
+    """A copy of the implicit FP32 ONNX `model` for DLA: the batch fixed to `batch`, an input transpose
+    NHWC -> NCHW folded into an NCHW input (nvinfer's network-input-order=0), and each BatchNormalization that
+    follows a convolution folded into it."""
     import onnx
 
     model = onnx.ModelProto.FromString(model.SerializeToString())
