@@ -191,19 +191,16 @@ def test_prune_command_errors(tmp_path, caplog):
 
 
 @pytest.mark.slow
-def test_retrain_recovers_a_pruned_detector(tiny_spec, tmp_path):
+def test_retrain_recovers_a_pruned_detector(trained_tiny, tmp_path):
     """train -> prune hard -> retrain: the retrained small model beats the pruned one and keeps its shape."""
     from qatpipe.errors import QatpipeError
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.prune import prune
     from qatpipe.stages.retrain import retrain
-    from qatpipe.stages.train import train
 
-    spec = tiny_spec("train.epochs=8")
-    train(spec, tmp_path / "train")
+    spec, trained = trained_tiny  # the session's briefly trained tiny detector (conftest)
     # a threshold above every score leaves min_filters per group: a heavy, deterministic cut
-    result = prune(tmp_path / "train" / "model.keras", tmp_path / "pruned",
-                   PruneSpec(threshold=1.01, granularity=8, min_filters=16))
+    result = prune(trained, tmp_path / "pruned", PruneSpec(threshold=1.01, granularity=8, min_filters=16))
     assert result["flops_ratio"] < 0.5
     pruned_map = evaluate(spec, tmp_path / "pruned" / "model.keras", tmp_path / "eval_pruned")["map50"]
     summary = retrain(spec, tmp_path / "pruned" / "model.keras", tmp_path / "retrain")
@@ -211,7 +208,7 @@ def test_retrain_recovers_a_pruned_detector(tiny_spec, tmp_path):
     retrained = evaluate(spec, tmp_path / "retrain" / "model.keras", tmp_path / "eval_retrained")["map50"]
     assert retrained > pruned_map
     # the checkpoints belong to that pruned model: another one is refused
-    keras.models.load_model(tmp_path / "train" / "model.keras", compile=False).save(tmp_path / "other.keras")
+    keras.models.load_model(trained, compile=False).save(tmp_path / "other.keras")
     with pytest.raises(QatpipeError, match="holds a retraining of another pruned model"):
         retrain(spec, tmp_path / "other.keras", tmp_path / "retrain")
 

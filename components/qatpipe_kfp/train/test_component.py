@@ -4,7 +4,7 @@ from qatpipe_kfp.train.component import train
 
 SCALE_OUT_INPUTS = {"gpus": "Integer", "workers": "Integer", "mpijob_api_version": "String", "launcher": "String",
                     "training_image": "String", "credentials_secret": "String", "node_selector": "Dict",
-                    "tolerations": "List", "mpijob": "Boolean"}
+                    "tolerations": "List", "mpijob": "Boolean", "checkpoint_uri": "String"}
 
 
 def test_interface():
