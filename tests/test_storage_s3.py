@@ -25,6 +25,7 @@ from qatpipe.data.storage import (
     MANIFEST_NAME,
     SyncReport,
     is_s3_uri,
+    list_objects,
     parse_s3_uri,
     resolve_dataset_dir,
     s3_client,
@@ -269,6 +270,7 @@ def test_empty_prefix_says_no_objects(seeded, tmp_path):
     uri = f"s3://{BUCKET}/datasets/test"
     with pytest.raises(StorageError, match="no objects under s3://bucket/datasets/test"):
         resolve_dataset_dir(uri, tmp_path)
+    assert list_objects(uri, must_exist=False) == []  # where an empty prefix is normal (a resume mirror)
 
 
 def test_unreachable_endpoint_keeps_existing_files(monkeypatch, tmp_path):

@@ -157,8 +157,9 @@ def _prune(dest: Path, keep: set[str]) -> list[str]:
     return removed
 
 
-def list_objects(uri: str, client=None) -> list[dict]:
-    """Every object under the prefix `uri` names (Key, Size, ETag, ...); a StorageError when there is none."""
+def list_objects(uri: str, client=None, must_exist: bool = True) -> list[dict]:
+    """Every object under the prefix `uri` names (Key, Size, ETag, ...); a StorageError when there is none,
+    unless `must_exist` is false (an empty list then)."""
     bucket, prefix = parse_s3_uri(uri)
     client = client or s3_client()
     list_prefix = f"{prefix}/" if prefix else ""  # trailing slash: "train" must not match "train2"
@@ -166,7 +167,7 @@ def list_objects(uri: str, client=None) -> list[dict]:
         objects = []
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=list_prefix):
             objects += [o for o in page.get("Contents", []) if not o["Key"].endswith("/")]
-        if not objects:
+        if not objects and must_exist:
             raise StorageError(f"no objects under {uri} (endpoint: {_describe_endpoint(client)})")
     return objects
 

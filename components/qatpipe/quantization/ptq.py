@@ -106,29 +106,37 @@ class BatchReader:
         return {self.input_name: image[None]}
 
 
-def tensor_amax(fp32_onnx: str | Path, batches: Iterable[np.ndarray], method: str,
-                percentile: float = field_default(PtqSpec, "percentile")) -> dict[str, float]:
-    """max(|low|, |high|) of the range `method` calibrates (ORT's calibrator, as quantize_ptq runs it) for every
-    tensor the nodes of `fp32_onnx` read or write, over `batches`."""
-    import tempfile
-
+def calibrated_ranges(onnx_path: str | Path, op_types: list[str], batches: Iterable[np.ndarray], method: str,
+                      percentile: float, work: str | Path):
+    """(ORT's TensorsData, images read): the ranges `method` calibrates on `batches` for the tensors of the
+    `op_types` nodes of `onnx_path`, with the bin counts each method needs (calibrator_options); `work` holds
+    the calibrator's augmented model."""
     from onnxruntime.quantization import CalibrationMethod
     from onnxruntime.quantization.calibrate import create_calibrator
 
     if method not in METHODS:
         raise QatpipeError(f"unknown calibration method {method!r}: one of {', '.join(METHODS)}")
-    model = load_onnx_proto(fp32_onnx)
-    reader = BatchReader(model.graph.input[0].name, batches)
+    import onnx  # not load_onnx_proto: quantize_ptq calibrates its pre-processed copy, a .part file
+
+    reader = BatchReader(onnx.load(str(onnx_path)).graph.input[0].name, batches)
+    calibrator = create_calibrator(Path(onnx_path), op_types, augmented_model_path=str(Path(work) / "augmented.onnx"),
+                                   calibrate_method=getattr(CalibrationMethod, METHODS[method]),
+                                   extra_options=calibrator_options(method, percentile))
+    calibrator.collect_data(reader)
+    if reader.images == 0:
+        raise QatpipeError("post-training quantisation got no calibration images")
+    return (entropy_ranges(calibrator) if method == "entropy" else calibrator.compute_data()), reader.images
+
+
+def tensor_amax(fp32_onnx: str | Path, batches: Iterable[np.ndarray], method: str,
+                percentile: float = field_default(PtqSpec, "percentile")) -> dict[str, float]:
+    """max(|low|, |high|) of the range `method` calibrates (as quantize_ptq does) for every tensor the nodes of
+    `fp32_onnx` read or write, over `batches`."""
+    import tempfile
+
+    op_types = sorted({node.op_type for node in load_onnx_proto(fp32_onnx).graph.node})
     with tempfile.TemporaryDirectory(prefix="qatpipe-calibrate-") as work:
-        calibrator = create_calibrator(Path(fp32_onnx), sorted({node.op_type for node in model.graph.node}),
-                                       augmented_model_path=str(Path(work) / "augmented.onnx"),
-                                       calibrate_method=getattr(CalibrationMethod, METHODS[method]),
-                                       extra_options=calibrator_options(method, percentile))
-        calibrator.collect_data(reader)
-        if reader.images == 0:
-            raise QatpipeError(f"{fp32_onnx}: calibration got no images")
-        data = entropy_ranges(calibrator) if method == "entropy" else calibrator.compute_data()
-        del calibrator
+        data, _ = calibrated_ranges(fp32_onnx, op_types, batches, method, percentile, work)
     return {name: float(max(abs(np.asarray(ranges.range_value[0]).ravel()[0]),
                             abs(np.asarray(ranges.range_value[1]).ravel()[0])))
             for name, ranges in data.data.items()}
@@ -142,31 +150,23 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
     import tempfile
 
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
+    from onnxruntime.quantization.calibrate import save_tensors_data
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     if method not in METHODS:
         raise QatpipeError(f"unknown calibration method {method!r}: one of {', '.join(METHODS)}")
     fp32_onnx, output = Path(fp32_onnx), Path(output)
-    input_name = load_onnx_proto(fp32_onnx).graph.input[0].name
+    load_onnx_proto(fp32_onnx)  # a missing, mis-named or corrupt model fails here, naming it
     output.parent.mkdir(parents=True, exist_ok=True)
     prepared, tmp = temp_path(output), temp_path(output)
-    reader = BatchReader(input_name, batches)
     calibrate_method = getattr(CalibrationMethod, METHODS[method])
     try:
         with tempfile.TemporaryDirectory(prefix="qatpipe-ptq-") as work:
             # shape inference and graph clean-up first, as ORT's quantisation guide asks
             quant_pre_process(str(fp32_onnx), str(prepared), skip_symbolic_shape=True)
-            calibrator = create_calibrator(prepared, OP_TYPES, augmented_model_path=str(Path(work) / "augmented.onnx"),
-                                           calibrate_method=calibrate_method,
-                                           extra_options=calibrator_options(method, percentile))
-            calibrator.collect_data(reader)
-            if reader.images == 0:
-                raise QatpipeError("post-training quantisation got no calibration images")
+            data, images = calibrated_ranges(prepared, OP_TYPES, batches, method, percentile, work)
             ranges = Path(work) / "ranges.json"
-            save_tensors_data(entropy_ranges(calibrator) if method == "entropy" else calibrator.compute_data(),
-                              ranges)
-            del calibrator
+            save_tensors_data(data, ranges)
             quantize_static(
                 str(prepared), str(tmp), None, quant_format=QuantFormat.QDQ, per_channel=True,
                 activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, op_types_to_quantize=OP_TYPES,
@@ -182,6 +182,6 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
     finally:
         prepared.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
-    log.info("PTQ (%s) calibrated on %d images: %s", method, reader.images, output)
-    return {"method": method, "calibration_images": reader.images, "onnx": str(output),
+    log.info("PTQ (%s) calibrated on %d images: %s", method, images, output)
+    return {"method": method, "calibration_images": images, "onnx": str(output),
             "size_mb": round(output.stat().st_size / 2**20, 3)}

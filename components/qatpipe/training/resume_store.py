@@ -26,6 +26,12 @@ STATE_FILE = "checkpoint"  # TensorFlow's CheckpointManager state: names the lat
 SKIPPED = ("tensorboard",)
 
 
+def _keys(uri: str, client) -> list[str]:
+    from qatpipe.data.storage import list_objects
+
+    return [obj["Key"] for obj in list_objects(uri, client, must_exist=False)]
+
+
 def _files(folder: Path) -> list[str]:
     files = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
     kept = [rel for rel in files if rel.split("/")[0] not in SKIPPED and not rel.endswith(".part")]
@@ -34,7 +40,7 @@ def _files(folder: Path) -> list[str]:
 
 def save(folder: str | Path, uri: str, *, client=None) -> int:
     """Mirror `folder`'s resume state to `uri` (see the module docstring); returns the files uploaded."""
-    from qatpipe.data.storage import s3_errors, parse_s3_uri, s3_client
+    from qatpipe.data.storage import parse_s3_uri, s3_client, s3_errors
 
     folder = Path(folder)
     bucket, prefix = parse_s3_uri(uri)
@@ -43,29 +49,24 @@ def save(folder: str | Path, uri: str, *, client=None) -> int:
     with s3_errors(uri, client):
         for rel in files:
             client.upload_file(str(folder / rel), bucket, f"{prefix}/{rel}")
-        stale = [key for key in _keys(client, bucket, prefix) if key[len(prefix) + 1:] not in set(files)]
+    kept = set(files)
+    stale = [key for key in _keys(uri, client) if key[len(prefix) + 1:] not in kept]
+    with s3_errors(uri, client):
         for key in stale:
             client.delete_object(Bucket=bucket, Key=key)
     log.info("resume state: %d files mirrored to %s", len(files), uri)
     return len(files)
 
 
-def _keys(client, bucket: str, prefix: str) -> list[str]:
-    keys = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
-        keys += [obj["Key"] for obj in page.get("Contents", [])]
-    return keys
-
-
 def restore(uri: str, folder: str | Path, *, client=None) -> int:
     """Download the mirror at `uri` into `folder`; returns the files restored (0: nothing there yet)."""
-    from qatpipe.data.storage import s3_errors, parse_s3_uri, s3_client
+    from qatpipe.data.storage import parse_s3_uri, s3_client, s3_errors
 
     bucket, prefix = parse_s3_uri(uri)
     client = client or s3_client()
     folder = Path(folder)
+    keys = _keys(uri, client)
     with s3_errors(uri, client):
-        keys = _keys(client, bucket, prefix)
         for key in keys:
             target = folder / key[len(prefix) + 1:]
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -77,12 +78,13 @@ def restore(uri: str, folder: str | Path, *, client=None) -> int:
 
 def clear(uri: str, *, client=None) -> None:
     """Delete the mirror (the training finished and its model is kept)."""
-    from qatpipe.data.storage import s3_errors, parse_s3_uri, s3_client
+    from qatpipe.data.storage import parse_s3_uri, s3_client, s3_errors
 
-    bucket, prefix = parse_s3_uri(uri)
+    bucket, _ = parse_s3_uri(uri)
     client = client or s3_client()
+    keys = _keys(uri, client)
     with s3_errors(uri, client):
-        for key in _keys(client, bucket, prefix):
+        for key in keys:
             client.delete_object(Bucket=bucket, Key=key)
 
 
