@@ -34,10 +34,9 @@ def bench_run(run: Path, work: Path, method: str) -> dict:
     from qatpipe.fileio import read_json
     from qatpipe.metrics.bootstrap import match_detections, paired_bootstrap
     from qatpipe.spec import load_spec
-    from qatpipe.stages.build_engine import build_engine
-    from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE, evaluate
+    from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE
     from qatpipe.stages.export import export
-    from qatpipe.stages.validate import DLA_EMULATED_FOLDER, dla_emulated_map50
+    from qatpipe.stages.validate import DLA_EMULATED_FOLDER, dla_emulated_map50, exact_form_map50
 
     spec_path = _qat_retrain(run)
     spec = load_spec(spec_path)
@@ -46,10 +45,7 @@ def bench_run(run: Path, work: Path, method: str) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     report = export(spec, spec_path.with_name("model.keras"), folder / "model.onnx")["dla"]
-    exact = spec.model_copy(deep=True)
-    exact.engine.cpu_form = "exact"
-    build_engine(exact, folder / "model.onnx", folder / "qdq_engine", backend="onnxruntime")
-    qdq = evaluate(exact, folder / "qdq_engine", folder / "qdq")["map50"]
+    qdq = exact_form_map50(spec, folder / "model.onnx", folder / "qdq", "qdq")
     dla, _ = dla_emulated_map50(spec, folder / "model.onnx", folder)
     matched = {name: match_detections(read_json(path / GROUND_TRUTH_FILE, "ground truth"),
                                       read_json(path / DETECTIONS_FILE, "detections"))

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from qatpipe.export.onnx_graph import (RANGE_KEEPING_OPS, attribute, drop_unused_initializers, graph_maps,
-                                      sort_topologically)
+from qatpipe.export.onnx_graph import (RANGE_KEEPING_OPS, absorb_batch_norm, batch_norm_factor,
+                                      drop_unused_initializers, graph_maps, sort_topologically)
 
 
 
@@ -70,8 +70,7 @@ def fold_batch_norms(model) -> int:
         if len(consumers[w_dq.output[0]]) != 1 or (len(conv.input) > 2 and conv.input[2] not in inits):
             continue  # a shared weight, or a bias computed at run time: leave it
         bn = users[0]
-        gamma, beta, mean, var = (value(name).astype(np.float64) for name in bn.input[1:5])
-        factor = gamma / np.sqrt(var + attribute(bn, "epsilon", 1e-5))
+        factor, mean, beta = batch_norm_factor(bn, value)
         weights, scale = value(w_dq.input[0]), value(w_dq.input[1]).astype(np.float64)
         if not np.all(factor != 0) or not np.all(scale > 0):
             continue  # a dead channel would give a zero scale
@@ -85,10 +84,7 @@ def fold_batch_norms(model) -> int:
             numpy_helper.from_array(((bias - mean) * factor + beta).astype(np.float32), f"{prefix}_bias"),
         ])
         w_dq.input[0], w_dq.input[1] = f"{prefix}_w", f"{prefix}_w_scale"
-        del conv.input[2:]
-        conv.input.append(f"{prefix}_bias")
-        conv.output[0] = bn.output[0]
-        graph.node.remove(bn)
+        absorb_batch_norm(graph, conv, bn, f"{prefix}_bias")
         folded += 1
     drop_unused_initializers(graph)
     return folded

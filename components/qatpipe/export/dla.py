@@ -42,8 +42,13 @@ INT8_MAX = 127.0
 def dla_paths(onnx_path: str | Path) -> tuple[Path, Path]:
     """(the DLA form, its calibration cache) of the export at `onnx_path`."""
     onnx_path = Path(onnx_path)
-    return (onnx_path.with_name(f"{onnx_path.stem}{DLA_SUFFIX}.onnx"),
-            onnx_path.with_name(f"{onnx_path.stem}{DLA_SUFFIX}.cache"))
+    form = onnx_path.with_name(f"{onnx_path.stem}{DLA_SUFFIX}.onnx")
+    return form, form_cache(form)
+
+
+def form_cache(dla_onnx: str | Path) -> Path:
+    """The calibration cache beside a DLA form: <stem>_dla.cache."""
+    return Path(dla_onnx).with_suffix(".cache")
 
 
 def is_dla_form(onnx_path: str | Path) -> bool:
@@ -93,7 +98,7 @@ def _fold_batch_norms(graph) -> int:
     how many."""
     from onnx import numpy_helper
 
-    from qatpipe.export.onnx_graph import drop_unused_initializers, graph_maps
+    from qatpipe.export.onnx_graph import absorb_batch_norm, batch_norm_factor, drop_unused_initializers, graph_maps
 
     inits = {init.name: init for init in graph.initializer}
     _, consumers = graph_maps(graph)
@@ -106,8 +111,7 @@ def _fold_batch_norms(graph) -> int:
         bn = users[0]
         if any(name not in inits for name in bn.input[1:5]):
             continue
-        gamma, beta, mean, var = (numpy_helper.to_array(inits[name]).astype(np.float64) for name in bn.input[1:5])
-        factor = gamma / np.sqrt(var + attribute(bn, "epsilon", 1e-5))
+        factor, mean, beta = batch_norm_factor(bn, lambda name: numpy_helper.to_array(inits[name]))
         weights = numpy_helper.to_array(inits[conv.input[1]]).astype(np.float64)
         bias = (numpy_helper.to_array(inits[conv.input[2]]).astype(np.float64)
                 if len(conv.input) > 2 and conv.input[2] else 0.0)
@@ -116,10 +120,7 @@ def _fold_batch_norms(graph) -> int:
             numpy_helper.from_array((weights * factor.reshape(-1, 1, 1, 1)).astype(np.float32), f"{prefix}_w"),
             numpy_helper.from_array(((bias - mean) * factor + beta).astype(np.float32), f"{prefix}_b")])
         conv.input[1] = f"{prefix}_w"
-        del conv.input[2:]
-        conv.input.append(f"{prefix}_b")
-        conv.output[0] = bn.output[0]
-        graph.node.remove(bn)
+        absorb_batch_norm(graph, conv, bn, f"{prefix}_b")
         folded += 1
     drop_unused_initializers(graph)
     return folded
@@ -416,5 +417,5 @@ def write_dla_export(export_onnx: str | Path, implicit_onnx: str | Path, qat_sca
 
 
 __all__ = ["DLA_RULES", "DlaRule", "Placement", "dla_form", "dla_paths", "dla_placement", "equal_ranges",
-           "fake_quantized", "full_tensor_scales", "fused_interiors", "input_layout", "is_dla_form",
+           "fake_quantized", "form_cache", "full_tensor_scales", "fused_interiors", "input_layout", "is_dla_form",
            "tensors_needing_scales", "write_dla_export"]

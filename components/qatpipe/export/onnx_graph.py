@@ -30,6 +30,25 @@ def graph_maps(graph) -> tuple[dict, dict]:
     return producers, consumers
 
 
+def batch_norm_factor(bn, value):
+    """gamma / sqrt(var + epsilon) of BatchNormalization `bn`, and its (mean, beta), as float64; `value(name)`
+    gives a constant input's array. A convolution before it folds in as weight * factor and bias
+    (bias - mean) * factor + beta."""
+    import numpy as np
+
+    gamma, beta, mean, var = (value(name).astype(np.float64) for name in bn.input[1:5])
+    return gamma / np.sqrt(var + attribute(bn, "epsilon", 1e-5)), mean, beta
+
+
+def absorb_batch_norm(graph, conv, bn, bias: str) -> None:
+    """`conv` takes BatchNormalization `bn`'s place, with the folded bias initializer `bias`: it writes bn's
+    output, and bn leaves the graph (its weights are the caller's to fold)."""
+    del conv.input[2:]
+    conv.input.append(bias)
+    conv.output[0] = bn.output[0]
+    graph.node.remove(bn)
+
+
 def drop_unused_initializers(graph) -> None:
     used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
     for init in [i for i in graph.initializer if i.name not in used]:

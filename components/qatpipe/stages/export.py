@@ -8,7 +8,6 @@ graph `<stem>_implicit.onnx` with the QAT weights, and the activation scales as 
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from pathlib import Path
@@ -65,8 +64,6 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
               "quantization": "explicit int8 (QAT)" if qat else "none (FP32)"}
     if qat:
         report.update(_finish_qat_export(spec, output_path))
-        if spec.export.target == "dla":
-            report["dla"] = _write_dla_form(spec, output_path, Path(report["implicit_onnx"]))
     elif spec.export.target == "dla":
         log.warning("export.target dla: the DLA form is written for the QAT model only; %s is not one", model_path)
     report["size_mb"] = round(output_path.stat().st_size / 2**20, 3)
@@ -179,23 +176,23 @@ def _finish_qat_export(spec: ExperimentSpec, output_path: Path) -> dict:
     cache = output_path.with_name(f"{stem}.cache")
     atomic_write_text(cache, calibration_cache_text(scales, spec.export.calibration_cache_trt_version))
     write_scales_json(output_path.with_name(f"{stem}_scales.json"), scales)
+    dla = _write_dla_form(spec, output_path, implicit, scales) if spec.export.target == "dla" else None
     log.info("QAT ONNX: %d int8 weights, %d quantised Conv/Gemm, %d float, %d Add nodes with a quantised input; "
              "calibration cache %s (%d tensors)", folded, len(check.quantized), len(check.float_),
              len(check.residual_adds), cache, len(scales))
     return {"int8_weights": folded, "qdq_check": check.to_dict(), "implicit_onnx": str(implicit),
-            "calibration_cache": str(cache), "calibration_tensors": len(scales)}
+            "calibration_cache": str(cache), "calibration_tensors": len(scales), **({"dla": dla} if dla else {})}
 
 
-def _write_dla_form(spec: ExperimentSpec, output_path: Path, implicit_onnx: Path) -> dict:
-    """export.target dla: the DLA form of the QAT model and its full-tensor calibration cache (export/dla.py),
-    calibrated on `export.dla_calibration_images` training images; the report without its per-layer list."""
+def _write_dla_form(spec: ExperimentSpec, output_path: Path, implicit_onnx: Path, scales: dict[str, float]) -> dict:
+    """export.target dla: the DLA form of the QAT model (its implicit graph and QAT `scales`) and its full-tensor
+    calibration cache (export/dla.py), calibrated on `export.dla_calibration_images` training images; the
+    report without its per-layer list."""
     from qatpipe.data.pipeline import eval_dataset
     from qatpipe.data.splits import sample_split
     from qatpipe.export.dla import write_dla_export
 
     samples = sample_split(spec, "train", spec.export.dla_calibration_images, seed=0)
-    scales = {name: entry["scale"] for name, entry in
-              json.loads(output_path.with_name(f"{output_path.stem}_scales.json").read_text()).items()}
     report = write_dla_export(output_path, implicit_onnx, scales,
                               (batch.numpy() for batch in eval_dataset(samples, spec)), spec.export.dla_batch,
                               spec.export.calibration_cache_trt_version, len(samples),

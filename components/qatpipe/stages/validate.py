@@ -61,8 +61,7 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
     as TensorRT would run it, into output_dir/tensorrt_emulated: its FP16 form with every FP16 value rounded
     as FP16 holds it (export/fp16.py `rounded_form`), in ONNX Runtime's exact CPU form."""
     from qatpipe.engines.base import EngineMetadata, file_sha256
-    from qatpipe.stages.build_engine import build_engine, engine_source
-    from qatpipe.stages.evaluate import evaluate
+    from qatpipe.stages.build_engine import engine_source
 
     metadata = EngineMetadata.read(engine_dir)
     if metadata.backend == "tensorrt":
@@ -80,8 +79,6 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
     if file_sha256(source) != metadata.source_sha256:
         raise QatpipeError(f"{source}: not the ONNX model {engine_dir} was built from (SHA-256 differs from "
                            "engine.json's source_sha256)")
-    exact = spec.model_copy(deep=True)
-    exact.engine.cpu_form = "exact"
     folder = output_dir / EMULATED_FOLDER
     scored, how = source, "the source ONNX in ONNX Runtime's exact CPU form"
     if fp16_form != source:
@@ -94,9 +91,20 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
         scored = save_onnx(rounded_form(onnx.load(source), onnx.load(fp16_form)), folder / FP16_ROUNDED_FILE)
         how = (f"its FP16 form {fp16_form.name} (engine.fp16: what TensorRT builds), FP16 values rounded as FP16 "
                "holds them, in ONNX Runtime's exact CPU form")
-    build_engine(exact, scored, folder / "engine", backend="onnxruntime", stage_name="build_tensorrt_emulated")
-    result = evaluate(exact, folder / "engine", folder, stage_name="validate_tensorrt_emulated")
-    return result["map50"], f"{how} ({EMULATED_FOLDER}/)"
+    return exact_form_map50(spec, scored, folder, "tensorrt_emulated"), f"{how} ({EMULATED_FOLDER}/)"
+
+
+def exact_form_map50(spec: ExperimentSpec, onnx_model: Path, folder: Path, name: str) -> float:
+    """mAP@0.5 of `onnx_model` as an ONNX Runtime engine in the exact CPU form (a Q/DQ model's numbers as
+    TensorRT computes them), built in folder/engine and evaluated into `folder` (stages build_<name>,
+    validate_<name>)."""
+    from qatpipe.stages.build_engine import build_engine
+    from qatpipe.stages.evaluate import evaluate
+
+    exact = spec.model_copy(deep=True)
+    exact.engine.cpu_form = "exact"
+    build_engine(exact, onnx_model, folder / "engine", backend="onnxruntime", stage_name=f"build_{name}")
+    return evaluate(exact, folder / "engine", folder, stage_name=f"validate_{name}")["map50"]
 
 
 def dla_emulated_map50(spec: ExperimentSpec, source: Path, output_dir: Path) -> tuple[float | None, str]:
@@ -111,8 +119,6 @@ def dla_emulated_map50(spec: ExperimentSpec, source: Path, output_dir: Path) -> 
     from qatpipe.export.dla import dla_paths, fake_quantized
     from qatpipe.export.onnx_export import save_onnx
     from qatpipe.export.qdq import read_calibration_cache
-    from qatpipe.stages.build_engine import build_engine
-    from qatpipe.stages.evaluate import evaluate
 
     dla_onnx, cache = dla_paths(source)
     implicit = source.with_name(f"{source.stem}_implicit.onnx")
@@ -125,12 +131,9 @@ def dla_emulated_map50(spec: ExperimentSpec, source: Path, output_dir: Path) -> 
     folder = output_dir / DLA_EMULATED_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     scored = save_onnx(fake_quantized(onnx.load(implicit), scales), folder / "model.onnx")
-    exact = spec.model_copy(deep=True)
-    exact.engine.cpu_form = "exact"
-    build_engine(exact, scored, folder / "engine", backend="onnxruntime", stage_name="build_dla_emulated")
-    result = evaluate(exact, folder / "engine", folder, stage_name="validate_dla_emulated")
-    return result["map50"], (f"{implicit.name} with an int8 Q/DQ on each of the {len(scales)} tensors of "
-                             f"{cache.name}, in ONNX Runtime's exact CPU form ({DLA_EMULATED_FOLDER}/)")
+    how = (f"{implicit.name} with an int8 Q/DQ on each of the {len(scales)} tensors of {cache.name}, in ONNX "
+           f"Runtime's exact CPU form ({DLA_EMULATED_FOLDER}/)")
+    return exact_form_map50(spec, scored, folder, "dla_emulated"), how
 
 
 def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str | Path,
@@ -282,4 +285,5 @@ def gate_message(report: dict) -> str:
 
 
 __all__ = ["validate", "gate", "gate_message", "read_baseline", "tensorrt_emulated_map50", "dla_emulated_map50",
+           "exact_form_map50",
            "REPORT_FILE", "MARKDOWN_FILE", "EMULATED_FOLDER", "DLA_EMULATED_FOLDER", "DEEPSTREAM_FOLDER"]
