@@ -7,7 +7,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 RESULTS ?= results/pipeline
 
-.PHONY: install main test bench clean lock
+MODELOPT_VENV := $(VENV)-modelopt
+MODELOPT_STAMP := $(MODELOPT_VENV)/.installed-stamp
+
+.PHONY: install modelopt main test bench clean lock
 
 $(STAMP): pyproject.toml images/horovod/build-wheel.sh
 	$(PYTHON) -m venv $(VENV)
@@ -19,13 +22,24 @@ $(STAMP): pyproject.toml images/horovod/build-wheel.sh
 
 install: $(STAMP)
 
+# NVIDIA Model Optimizer for `ptq.tool: modelopt`, in its own environment beside $(VENV) (it pins onnxruntime-gpu
+# and torch; qatpipe/quantization/modelopt_ptq.py finds it there). About 2 min and some GB (torch's CUDA wheels).
+$(MODELOPT_STAMP): images/modelopt/requirements.in
+	$(PYTHON) -m venv $(MODELOPT_VENV)
+	$(MODELOPT_VENV)/bin/pip install --quiet --upgrade pip
+	$(MODELOPT_VENV)/bin/pip install --quiet -r images/modelopt/requirements.in
+	touch $(MODELOPT_STAMP)
+
+modelopt: $(MODELOPT_STAMP)
+
 # Main job: the whole Kubeflow pipeline on this machine (kfp.local) on the default spec: synthetic KITTI data
 # -> train -> evaluate -> compare, tracked in MLflow (SQLite store in $(RESULTS)). Prints the variant table
 # and writes $(RESULTS)/summary.json. Re-running reuses every finished stage.
 main: $(STAMP)
 	$(BIN)/qatpipe run --local --spec default --output $(RESULTS)
 
-test: $(STAMP)
+# the tests run Model Optimizer's PTQ for real too, so its environment is installed first
+test: $(STAMP) $(MODELOPT_STAMP)
 	$(BIN)/pytest
 
 bench: $(STAMP)

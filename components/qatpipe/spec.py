@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Literal, Union, get_args
+from typing import Annotated, Any, Iterable, Literal, Optional, Union, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
@@ -307,15 +307,37 @@ class QatSpec(_Section):
 
 
 class PtqSpec(_Section):
-    """Post-training quantisation of the FP32 model (the baseline QAT must beat): ONNX Runtime static
-    quantisation, Q/DQ format, symmetric int8 activations and per-channel weights."""
+    """Post-training quantisation of the FP32 model (the baseline QAT must beat): Q/DQ format, symmetric int8
+    activations and per-channel weights, by ONNX Runtime's static quantisation or NVIDIA Model Optimizer's ONNX
+    quantiser (`tool`)."""
 
+    tool: Literal["onnxruntime", "modelopt"] = Field(
+        "onnxruntime", description="onnxruntime: ONNX Runtime's quantize_static (bench/README.md: the PTQ sweep); "
+        "modelopt: NVIDIA Model Optimizer's ONNX INT8 PTQ (modelopt.onnx.quantization), TensorRT's own tooling, "
+        "calibrated on CPU in its own environment (quantization/modelopt_ptq.py; `make modelopt`)")
     calibration_images: int = Field(200, ge=1, description="training images the ranges are calibrated on")
-    method: Literal["entropy", "percentile", "minmax"] = "percentile"  # bench/README.md: the PTQ sweep
+    method: Optional[Literal["entropy", "percentile", "minmax"]] = Field(
+        None, description="the calibration method; unset: the tool's default, percentile for onnxruntime (the "
+        "safest in bench/README.md's PTQ sweep), entropy for modelopt (TensorRT's calibrator; modelopt has no "
+        "percentile)")
     percentile: float = Field(99.99, gt=90, le=100, description="for method: percentile")
     seed: int = 0
     report_images: int = Field(16, ge=0, description="calibration images of the precision report (FP16 flags, "
                                "the INT8 model against FP32 layer by layer); 0: no report")
+
+    @model_validator(mode="after")
+    def _check_method(self) -> "PtqSpec":
+        if self.tool == "modelopt" and self.method == "percentile":
+            raise ValueError("tool modelopt calibrates by entropy or minmax (its 'max'); it has no percentile method")
+        return self
+
+    @property
+    def calibration_method(self) -> str:
+        """`method`, or the tool's default when it is unset."""
+        return self.method or PTQ_DEFAULT_METHODS[self.tool]
+
+
+PTQ_DEFAULT_METHODS = {"onnxruntime": "percentile", "modelopt": "entropy"}
 
 
 class ExportSpec(_Section):

@@ -183,5 +183,5 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
         prepared.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
     log.info("PTQ (%s) calibrated on %d images: %s", method, images, output)
-    return {"method": method, "calibration_images": images, "onnx": str(output),
+    return {"tool": "onnxruntime", "method": method, "calibration_images": images, "onnx": str(output),
             "size_mb": round(output.stat().st_size / 2**20, 3)}

@@ -31,6 +31,7 @@ PAIRS = (("qat", "fp32"), ("ptq", "fp32"), ("qat", "ptq"))
 VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
     "engine": ("engine", "{}"),  # the backend, device and precision the row's figures were measured with
     "layers": ("compute layers INT8 / FP16 / FP32", "{}"),  # per precision, as the engine's ONNX asks (engine.json)
+    "quantized_by": ("INT8 by", "{}"),  # a PTQ model's tool, version and calibration method (ptq.tool)
     "map50": ("mAP@0.5", "{:.4f}"),
     "map50_tensorrt_emulated": ("mAP@0.5, TensorRT's numbers", "{:.4f}"),  # a fast CPU INT8 engine's exact form
     "map50_dla_emulated": ("mAP@0.5, Orin DLA's INT8", "{:.4f}"),  # export.target dla: INT8 on every tensor
@@ -44,7 +45,8 @@ VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
     "gflops": ("GFLOPs", "{:.3f}"),
 }
 TENSORRT_PREFIX = "tensorrt."  # metrics of the differences in TensorRT's numbers: tensorrt.qat-fp32.map50_diff
-OPTIONAL_COLUMNS = ("engine", "layers", "map50_tensorrt_emulated", "map50_dla_emulated")  # when some variant has them
+# when some variant has them
+OPTIONAL_COLUMNS = ("engine", "layers", "quantized_by", "map50_tensorrt_emulated", "map50_dla_emulated")
 
 
 def variant_row(evaluation_dir: str | Path) -> dict[str, Any]:
@@ -61,6 +63,7 @@ def variant_row(evaluation_dir: str | Path) -> dict[str, Any]:
     return {
         "engine": validation.get("engine_label") or bench.get("label"),
         "layers": f"{layers['int8']} / {layers['fp16']} / {layers['fp32']}" if layers else None,
+        "quantized_by": validation.get("quantized_by"),
         "map50": metrics["map50"],
         "map50_tensorrt_emulated": validation.get("map50_tensorrt_emulated"),
         "map50_dla_emulated": validation.get("map50_dla_emulated"),

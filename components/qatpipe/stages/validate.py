@@ -107,6 +107,15 @@ def exact_form_map50(spec: ExperimentSpec, onnx_model: Path, folder: Path, name:
     return evaluate(exact, folder / "engine", folder, stage_name=f"validate_{name}")["map50"]
 
 
+def _quantized_by(onnx_path: Path) -> str | None:
+    """What quantised a PTQ model (its QUANTIZED_BY_KEY metadata), None for other models or without the ONNX."""
+    from qatpipe.onnx_model import QUANTIZED_BY_KEY, load_onnx_proto
+
+    if not onnx_path.is_file():
+        return None
+    return {prop.key: prop.value for prop in load_onnx_proto(onnx_path).metadata_props}.get(QUANTIZED_BY_KEY)
+
+
 def dla_emulated_map50(spec: ExperimentSpec, source: Path, output_dir: Path) -> tuple[float | None, str]:
     """(mAP@0.5 of the export's DLA form as DLA's INT8 computes it, how), or (None, why not) without one.
 
@@ -168,6 +177,7 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
         "baseline_map": baseline.get("map"), "map50_drop": drop, "max_map_drop": max_drop,
         "engine_size_mb": evaluation["model_size_mb"], "tensorrt_emulation": emulation,
         "layer_precision": metadata.layer_precision,  # compute layers per precision, as the engine's ONNX asks
+        "quantized_by": _quantized_by(source),  # a PTQ model's tool, version and method
     }
     fp16_report = None
     if emulated is not None:

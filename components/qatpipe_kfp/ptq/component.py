@@ -1,5 +1,5 @@
-"""ptq: the PTQ baseline: calibrate the FP32 ONNX on training images (ONNX Runtime static quantisation,
-symmetric int8 Q/DQ) into an INT8 ONNX."""
+"""ptq: the PTQ baseline: calibrate the FP32 ONNX on training images (ONNX Runtime's static quantisation or
+NVIDIA Model Optimizer's, symmetric int8 Q/DQ) into an INT8 ONNX."""
 
 from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
 
@@ -11,8 +11,9 @@ def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_on
         metrics: Output[Metrics], precision: Output[Markdown]):
     """Build the PTQ baseline: an INT8 ONNX calibrated from the FP32 ONNX on training images.
 
-    ONNX Runtime static quantisation, symmetric int8 Q/DQ; `ptq.method` and `ptq.calibration_images` set the
-    calibration.
+    Symmetric int8 Q/DQ by `ptq.tool` (onnxruntime: ONNX Runtime's static quantisation; modelopt: NVIDIA Model
+    Optimizer's ONNX quantiser, in its own environment); `ptq.method` and `ptq.calibration_images` set the
+    calibration. The model must pass TensorRT's Q/DQ rule check.
 
     Args:
         ptq_spec: The spec's ptq view (sections dataset, model, evaluate, ptq), as YAML; its data paths are
@@ -24,7 +25,7 @@ def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_on
 
     Returns:
         int8_onnx: Folder with model.onnx (int8 Q/DQ), model_ptq.json, precision_report.json/.md and
-            tracking.json; its metadata names the framework, file, variant and calibration method.
+            tracking.json; its metadata names the framework, file, variant, PTQ tool and calibration method.
         metrics: The number of calibration images, the INT8 model's size in MB, and the precision report's
             figures: tensors FP16 must leave in FP32, the INT8 model's worst layer error against FP32.
         precision: The precision report: which tensors FP16 must leave alone, and the INT8 model against the
@@ -42,7 +43,7 @@ def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_on
         source = Path(fp32_onnx.path) / fp32_onnx.metadata.get("file", "model.onnx")
         report = ptq_stage(spec, source, Path(int8_onnx.path) / "model.onnx")
         int8_onnx.metadata.update({"framework": "onnx", "file": "model.onnx", "variant": "ptq",
-                                   "quantization": f"int8 Q/DQ, PTQ ({report['method']})"})
+                                   "quantization": f"int8 Q/DQ, PTQ ({report['tool']}, {report['method']})"})
         write_metrics(metrics, {key: report.get(key) for key in ("calibration_images", "size_mb", "fp16_flags",
                                                                   "layer_max_error")})
         markdown = Path(int8_onnx.path) / MARKDOWN_FILE

@@ -1,0 +1,129 @@
+"""Benchmark: the two PTQ baselines (issue "TensorRT 11 and Jetson", item 4): ONNX Runtime's static quantisation
+(`ptq.tool: onnxruntime`, the pipeline's default) and NVIDIA Model Optimizer's ONNX INT8 PTQ (`ptq.tool:
+modelopt`), each with its calibration methods, on finished runs' FP32 models.
+
+    python bench/ptq_tools.py --run WORK/run [--run ...] [--work DIR] [--images 200]
+
+A run is a `qatpipe run --local` work folder. Its PTQ task's FP32 ONNX (the model the pipeline's PTQ baseline was
+calibrated from) is quantised afresh by the PTQ stage's own code (stages/ptq.py) for each tool and method into
+DIR/<run>/<tool>_<method>/, on the spec's calibration sample of `--images` training images. Each INT8 model is
+scored as TensorRT computes it (validate's exact CPU form), the FP32 model by the evaluate stage; the differences
+come with the paired bootstrap's 95% CI over the val images, against FP32 and against the pipeline's default
+baseline (onnxruntime, percentile). Model Optimizer runs in its own environment (`make modelopt`). No TensorRT
+here: engine speed is not compared. Writes DIR/bench_ptq_tools.json.
+"""
+
+import argparse
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+log = logging.getLogger("bench")
+
+SETTINGS = (("onnxruntime", "percentile"), ("onnxruntime", "entropy"), ("onnxruntime", "minmax"),
+            ("modelopt", "entropy"), ("modelopt", "minmax"))
+BASELINE = "onnxruntime_percentile"
+
+
+def _ptq_task(run: Path) -> tuple[Path, Path]:
+    """(the FP32 ONNX the run's PTQ task calibrated, the spec.yaml of the FP32 retrain that made it)."""
+    reports = sorted((run / "kfp").rglob("model_ptq.json"))
+    if not reports:
+        raise SystemExit(f"{run}: no finished PTQ task")
+    fp32_onnx = Path(json.loads(reports[-1].read_text())["source"])
+    for spec in sorted((run / "kfp").rglob("spec.yaml")):
+        record = spec.with_name("tracking.json")
+        if record.is_file() and json.loads(record.read_text())["stage"] in ("finetune_fp32", "retrain_fp32"):
+            return fp32_onnx, spec
+    raise SystemExit(f"{run}: no finished FP32 retrain")
+
+
+def bench_run(run: Path, work: Path, images: int) -> list[dict]:
+    import onnx
+
+    from qatpipe.export.qdq import check_explicit_quantization
+    from qatpipe.fileio import read_json
+    from qatpipe.metrics.bootstrap import match_detections, paired_bootstrap
+    from qatpipe.spec import load_spec
+    from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE, evaluate
+    from qatpipe.stages.ptq import ptq
+    from qatpipe.stages.validate import exact_form_map50
+
+    fp32_onnx, spec_path = _ptq_task(run)
+    spec = load_spec(spec_path)
+    spec.ptq.calibration_images, spec.ptq.report_images = images, 0
+    root = work / run.name
+    shutil.rmtree(root, ignore_errors=True)
+    scores = {"fp32": evaluate(spec, fp32_onnx, root / "fp32")["map50"]}
+    rows = []
+    for tool, method in SETTINGS:
+        name = f"{tool}_{method}"
+        spec.ptq.tool, spec.ptq.method = tool, method
+        started = time.monotonic()
+        report = ptq(spec, fp32_onnx, root / name / "model.onnx")
+        seconds = time.monotonic() - started
+        scores[name] = exact_form_map50(spec, root / name / "model.onnx", root / name, name)
+        check = check_explicit_quantization(onnx.load(root / name / "model.onnx"))
+        nodes = onnx.load(root / name / "model.onnx").graph.node
+        rows.append({"run": str(run), "backbone": spec.model.backbone.name, "tool": tool, "method": method,
+                     "calibration_images": report["calibration_images"], "seconds": round(seconds, 1),
+                     "map50": scores[name], "quantized_layers": len(check.quantized),
+                     "float_layers": len(check.float_), "quantize_nodes": sum(n.op_type == "QuantizeLinear"
+                                                                              for n in nodes),
+                     "rule_problems": len(check.problems), "versions": report.get("versions")})
+        log.info("%s %s/%s: mAP@0.5 %.4f (FP32 %.4f), %.0f s", run.name, tool, method, scores[name],
+                 scores["fp32"], seconds)
+    folders = {"fp32": root / "fp32", **{f"{r['tool']}_{r['method']}": root / f"{r['tool']}_{r['method']}"
+                                         for r in rows}}
+    matched = {name: match_detections(read_json(folder / GROUND_TRUTH_FILE, "ground truth"),
+                                      read_json(folder / DETECTIONS_FILE, "detections"))
+               for name, folder in folders.items()}
+    names = [name for name in folders if name != "fp32"]
+    pairs = paired_bootstrap(matched, [(name, "fp32") for name in names]
+                             + [(name, BASELINE) for name in names if name != BASELINE])["pairs"]
+    for row in rows:
+        name = f"{row['tool']}_{row['method']}"
+        row["fp32_map50"] = scores["fp32"]
+        row["vs_fp32"] = {key: pairs[f"{name}-fp32"]["map50"][key] for key in ("diff", "ci95")}
+        if name != BASELINE:
+            row["vs_baseline"] = {key: pairs[f"{name}-{BASELINE}"]["map50"][key] for key in ("diff", "ci95")}
+    return rows
+
+
+def _points(pair: dict | None) -> str:
+    if pair is None:
+        return "—"
+    lo, hi = (100 * v for v in pair["ci95"])
+    return f"{100 * pair['diff']:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+
+
+def print_rows(rows: list[dict]) -> None:
+    print("\nPTQ tools (INT8 mAP@0.5 as TensorRT computes it, validate's exact CPU form; differences in points with "
+          "the paired bootstrap's 95% CI)\n")
+    print("| run | backbone | tool | method | mAP@0.5 (FP32) | INT8 − FP32 | − onnxruntime percentile | "
+          "Conv/Gemm INT8 / float | QuantizeLinear nodes | rule problems | calibration s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {Path(r['run']).name} | {r['backbone']} | {r['tool']} | {r['method']} | {r['map50']:.4f} "
+              f"({r['fp32_map50']:.4f}) | {_points(r['vs_fp32'])} | {_points(r.get('vs_baseline'))} | "
+              f"{r['quantized_layers']} / {r['float_layers']} | {r['quantize_nodes']} | {r['rule_problems']} | "
+              f"{r['seconds']:.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", type=Path, action="append", required=True, help="a finished run's work folder")
+    parser.add_argument("--work", type=Path, default=Path("results/bench_ptq_tools"))
+    parser.add_argument("--images", type=int, default=200, help="calibration images (the default spec's)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rows = [row for run in args.run for row in bench_run(run, args.work, args.images)]
+    args.work.mkdir(parents=True, exist_ok=True)
+    (args.work / "bench_ptq_tools.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print_rows(rows)
+
+
+if __name__ == "__main__":
+    main()
