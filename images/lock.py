@@ -63,6 +63,7 @@ class Target:
     interpreter: str  # where that interpreter comes from (for the lock's header)
     project: bool  # the image installs qatpipe: its dependencies and build requirements are top-level
     first_layer: tuple[str, ...] = ()  # installed first, with their dependencies: requirements-base.lock
+    venvs: tuple[str, ...] = ()  # other targets whose locks the image installs, each into a venv of its own
     machine: str = "x86_64"
 
     @property
@@ -123,7 +124,7 @@ TARGETS = {
     target.kind: target for target in (
         # Ubuntu 24.04's python3.12 (python3.12=3.12.3-* in the Dockerfile), in a venv; glibc 2.39
         Target("training", "3.12.3", "2.39", "Ubuntu 24.04's python3.12 in nvidia/cuda:12.5.1-*-ubuntu24.04",
-               project=True,
+               project=True, venvs=("modelopt",),
                # TensorFlow and the build tools, in the layer Horovod is built against: a change elsewhere in the
                # lock leaves that layer, and Horovod's long build, cached
                first_layer=("pip", "setuptools", "wheel", "packaging", "tensorflow")),
@@ -134,12 +135,16 @@ TARGETS = {
                # the build backend first: the rest of the lock (its sdists) and qatpipe are built with it
                first_layer=("setuptools", "wheel")),
         Target("mlflow", "3.11.14", "2.36", "python:3.11.14-slim-bookworm (Debian 12)", project=False),
+        # NVIDIA Model Optimizer (ptq.tool: modelopt) in a venv of its own in the training image, /opt/venv-modelopt:
+        # it pins onnxruntime-gpu and torch, which qatpipe's venv must not get. No Dockerfile of its own.
+        Target("modelopt", "3.12.3", "2.39", "Ubuntu 24.04's python3.12 in the training image, /opt/venv-modelopt",
+               project=False, first_layer=("setuptools",)),
     )
 }
 
 # Published only as source distributions (no wheel on PyPI): allowed as sdists, still pinned and hashed, and built
 # in the image. All pure Python, so their metadata, prepared on this machine, is the image's too.
-SDISTS = frozenset({"kfp-server-api"})
+SDISTS = frozenset({"kfp-server-api", "cppimport"})
 
 WIDTH = 116
 HEADER_RULE = "#" + "-" * (WIDTH - 1)

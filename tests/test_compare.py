@@ -148,3 +148,22 @@ def test_flat_metrics_round_trip_and_verdicts():
     assert verdict("qat-fp32", [-0.04, -0.005]) == "fp32 better"
     text = report({"variants": {"qat": {"map50": 0.8}}, "comparisons": comparisons})
     assert "qat-fp32  mAP@0.5       -1.00                [-3.00, +1.00]   no significant difference" in text
+
+
+def test_the_ptq_row_says_what_quantised_it(tmp_path):
+    """validate records a PTQ model's tool, version and method (its ONNX metadata, stages/ptq.py); the summary's
+    row and the table's "INT8 by" column carry it, and the column is absent when no variant has it."""
+    from qatpipe.stages.validate import REPORT_FILE as VALIDATION_FILE
+
+    truth, detections = random_evaluation(3, images=20, max_detections=6)
+    fp32, _ = _evaluation(tmp_path / "fp32", truth, detections)
+    ptq, _ = _evaluation(tmp_path / "ptq", truth, detections)
+    write_json(ptq / VALIDATION_FILE, {"passed": True, "quantized_by": "modelopt 0.47.0, entropy"})
+    summary = compare_variants({"fp32": fp32, "ptq": ptq}, tmp_path / "out", resamples=20)
+    assert summary["variants"]["ptq"]["quantized_by"] == "modelopt 0.47.0, entropy"
+    assert summary["variants"]["fp32"]["quantized_by"] is None
+    table = (tmp_path / "out" / "comparison.md").read_text()
+    assert "INT8 by" in table and "modelopt 0.47.0, entropy" in table
+    (ptq / VALIDATION_FILE).unlink()
+    compare_variants({"fp32": fp32, "ptq": ptq}, tmp_path / "plain", resamples=20)
+    assert "INT8 by" not in (tmp_path / "plain" / "comparison.md").read_text()

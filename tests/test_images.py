@@ -150,6 +150,8 @@ def _load_lock_module():
 
 
 LOCK = _load_lock_module()
+# every lock: the images' and those an image installs into a venv of its own (Target.venvs: modelopt)
+LOCKED = tuple(LOCK.TARGETS)
 
 
 def test_every_image_has_a_dockerfile():
@@ -569,6 +571,9 @@ def test_dockerfile_installs_exactly_its_lock(kind):
     target = LOCK.TARGETS[kind]
     dockerfile = IMAGES / kind / "Dockerfile"
     expected = [relative(target.lock)] + ([relative(target.base_lock)] if target.base_lock else [])
+    for venv in target.venvs:  # another target's locks, each into a venv of its own
+        other = LOCK.TARGETS[venv]
+        expected += [relative(other.lock)] + ([relative(other.base_lock)] if other.base_lock else [])
     installed = []
     for stage in read_dockerfile(dockerfile)[1]:
         for run in stage.all("RUN"):
@@ -614,7 +619,7 @@ def _header_field(text: str, key: str) -> str:
     return re.search(rf"^# {key}: +(\S+?),?(\s|$)", text, re.M).group(1)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", LOCKED)
 def test_lock_pins_every_requirement_within_its_range(kind):
     """The lock against its inputs (no network): every top-level requirement of the image, pyproject.toml's and
     images/<kind>/requirements.in's, pinned at a version its specifier allows, with its extras; one line and one
@@ -755,7 +760,7 @@ def _assert_pip_took_the_lock(report: dict, target) -> None:
 
 
 @pytest.mark.slow  # the index pages of every locked package, and their metadata: 15-40 s, all six at once
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", LOCKED)
 def test_lock_installs_on_the_image_as_the_dockerfile_installs_it(kind, pip_dry_run):
     """pip's own check of the lock as the Dockerfile installs it (--require-hashes --no-deps), for the image's
     Python and platform: every pinned version exists on the index with a file for that target whose sha256 (as the
@@ -766,7 +771,7 @@ def test_lock_installs_on_the_image_as_the_dockerfile_installs_it(kind, pip_dry_
 
 
 @pytest.mark.slow  # as above
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", LOCKED)
 def test_lock_resolves_with_its_dependencies(kind, pip_dry_run):
     """pip's resolver, with dependencies this time, over the lock and the image's top-level requirements (as
     constraints): in --require-hashes mode pip must find every dependency in the lock (it fails on one that is not
