@@ -236,6 +236,7 @@ def test_depthwise_and_se_twins_track_ranges_save_and_load(tmp_path):
 def test_each_backbone_exports_a_qat_onnx_that_tensorrt_accepts_and_agrees_with_tf(backbone, tmp_path):
     from onnx import numpy_helper
 
+    from qatpipe.export.layer_check import NO_NODES, layer_differences
     from qatpipe.export.onnx_export import export_onnx, output_differences, rounding_sensitivity, save_onnx
     from qatpipe.export.qdq import check_explicit_quantization, fold_weight_quantizers
     from qatpipe.stages.export import ROUNDING_PERTURBATION, qat_limits
@@ -286,6 +287,31 @@ def test_each_backbone_exports_a_qat_onnx_that_tensorrt_accepts_and_agrees_with_
     save_onnx(proto, tmp_path / "broken.onnx")
     diff = output_differences(qat, tmp_path / "broken.onnx", images)["output_bbox"]
     assert any(diff[key] > limit for key, limit in limits["output_bbox"].items()), (diff, limits["output_bbox"])
+    # the layer-local check (the export's gate): the clean export agrees layer by layer, every layer with ONNX
+    # nodes checked; the broken one fails at the head that has the error, and only there
+    clean = layer_differences(qat, onnx.load(path), images)
+    assert clean["failed"] == [] and set(clean["skipped"].values()) == {NO_NODES}, clean["skipped"]
+    assert len(clean["layers"]) == len([layer for layer in qat.layers if layer.name not in clean["skipped"]])
+    assert layer_differences(qat, proto, images)["failed"] == ["conv_bbox"]
+    # a 1.1x scale on one channel of a convolution halfway down is named, whatever the end-to-end drift
+    middle = [layer for layer in qat.layers if type(layer).__name__ == "QDQConv2D"][len(weighted) // 2]
+    broken = onnx.load(path)
+    _scale_channel(broken, qat, middle, images, 1.1)
+    assert layer_differences(qat, broken, images)["failed"] == [middle.name]
+
+
+def _scale_channel(proto, model, layer, images, factor):
+    """Multiply the int8 weight scale of `layer`'s channel with the largest outputs by `factor` in `proto`."""
+    from onnx import numpy_helper
+
+    outputs = keras.Model(model.inputs, layer.output)(images).numpy()
+    channel = int(np.argmax(np.abs(outputs).max(axis=(0, 1, 2))))
+    producers = {out: node for node in proto.graph.node for out in node.output}
+    conv = next(n for n in proto.graph.node if n.op_type == "Conv" and f"/{layer.name}/" in n.name)
+    scale = next(i for i in proto.graph.initializer if i.name == producers[conv.input[1]].input[1])
+    values = numpy_helper.to_array(scale).copy()
+    values[channel] *= factor
+    scale.CopyFrom(numpy_helper.from_array(values, scale.name))
 
 
 def test_dense_layers_prune_like_convs():

@@ -280,6 +280,37 @@ def test_a_wrong_scale_on_one_output_channel_fails_the_agreement_check(qat_expor
     assert limits == {"p90_steps": 1.0, "p99_steps": 4.0}  # ResNet-10 moves little under rounding: fixed limits
 
 
+def test_the_export_checks_every_layer_and_refuses_one_that_differs(qat_export, tmp_path, monkeypatch):
+    """The export's gate is the layer-local check (export/layer_check.py): the tiny QAT model's export has
+    every layer with ONNX nodes checked and within its limits; a 1.1x scale on one channel of a convolution in
+    the middle of the network (planted in the export's own weight folding) fails the export, naming that layer."""
+    import qatpipe.export.qdq as qdq
+    from onnx import numpy_helper
+
+    spec, model_path, _, report = qat_export
+    check = report["layer_check"]
+    assert check["failed"] == {} and check["unchecked"] == {} and check["checked"] >= 30
+    assert all(f["within"] for f in check["layers"].values())
+    fold = qdq.fold_weight_quantizers
+
+    def fold_and_break(model):
+        folded = fold(model)
+        producers = {out: node for node in model.graph.node for out in node.output}
+        conv = next(n for n in model.graph.node if n.op_type == "Conv" and "/block_2a_conv_1/" in n.name)
+        scale = next(i for i in model.graph.initializer if i.name == producers[conv.input[1]].input[1])
+        values = numpy_helper.to_array(scale).copy()
+        values[int(np.argmax(values))] *= 1.1
+        scale.CopyFrom(numpy_helper.from_array(values, scale.name))
+        return folded
+
+    monkeypatch.setattr(qdq, "fold_weight_quantizers", fold_and_break)
+    with pytest.raises(QatpipeError, match=r"differs from TensorFlow at 1 layer\(s\) fed the same input: "
+                                           r"block_2a_conv_1 \(QDQConv2D: max"):
+        export(spec, model_path, tmp_path / "broken.onnx")
+    written = json.loads((tmp_path / "broken_export.json").read_text())["layer_check"]
+    assert list(written["failed"]) == ["block_2a_conv_1"]
+
+
 def test_a_quantised_model_output_keeps_its_name_in_the_implicit_onnx(tmp_path):
     import tf_keras as keras
 

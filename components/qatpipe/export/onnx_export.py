@@ -58,7 +58,7 @@ def output_differences(model, onnx_path: str | Path, inputs: np.ndarray, referen
     from qatpipe.onnx_model import OnnxModel
 
     reference = tf_outputs(model, inputs) if reference is None else reference
-    return _step_differences(reference, OnnxModel(onnx_path).run(inputs))
+    return step_differences(reference, OnnxModel(onnx_path).run(inputs))
 
 
 def rounding_sensitivity(model, inputs: np.ndarray, relative: float, seed: int = 0,
@@ -69,7 +69,7 @@ def rounding_sensitivity(model, inputs: np.ndarray, relative: float, seed: int =
     signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), size=inputs.shape)
     moved = (inputs * (1 + signs * np.float32(relative))).astype(np.float32)
     reference = tf_outputs(model, inputs) if reference is None else reference
-    return _step_differences(reference, tf_outputs(model, moved))
+    return step_differences(reference, tf_outputs(model, moved))
 
 
 def tf_outputs(model, inputs) -> dict[str, np.ndarray]:
@@ -79,7 +79,7 @@ def tf_outputs(model, inputs) -> dict[str, np.ndarray]:
     return dict(zip([name.split("/")[0] for name in model.output_names], (o.numpy() for o in outputs)))
 
 
-def _step_differences(reference: dict[str, np.ndarray], other: dict[str, np.ndarray]) -> dict[str, dict]:
+def step_differences(reference: dict[str, np.ndarray], other: dict[str, np.ndarray]) -> dict[str, dict]:
     result = {}
     for name, expected in reference.items():
         diff = np.abs(expected - other[name])

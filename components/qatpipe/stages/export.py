@@ -36,6 +36,12 @@ QAT_TOLERANCE_STEPS = {"p90_steps": 1.0, "p99_steps": 4.0}
 # is the fixed limit; a conversion bug still moves the outputs well beyond what rounding alone does.
 ROUNDING_PERTURBATION = 1e-6
 SENSITIVITY_MARGIN = 2.0
+# That end-to-end check is not what decides a QAT export: the layer-local one is (export/layer_check.py: every layer
+# fed TensorFlow's own input, so rounding flips do not accumulate). It is tighter where it matters: on
+# EfficientNet-B0 a 1.5x (and 1.1x) scale error on one channel of a middle layer moved the outputs less than the
+# end-to-end limits (90th percentile 0.46-0.80 steps) and the layer check named the layer (12.7-63.5 steps); a
+# correct EfficientNet-B0 export drifted past them (bench/README.md). The end-to-end figures stay in the report, a
+# warning past their limits, and decide only where some layer with ONNX nodes could not be checked.
 
 
 def qat_limits(sensitivity: dict[str, dict]) -> dict[str, dict[str, float]]:
@@ -72,16 +78,30 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
     reference = tf_outputs(model, sample)
     differences = output_differences(model, output_path, sample, reference)
     report["difference_vs_tensorflow"] = differences
-    limits = {}
+    limits, layers_decide = {}, False
     if qat:
         report["tensorflow_rounding_sensitivity"] = rounding_sensitivity(model, sample, ROUNDING_PERTURBATION,
                                                                          reference=reference)
         limits = report["difference_limits"] = qat_limits(report["tensorflow_rounding_sensitivity"])
+        report["layer_check"] = _layer_check(model, output_path, sample)
+        layers_decide = not report["layer_check"]["unchecked"]
     report_path = write_json(output_path.with_name(f"{output_path.stem}_export.json"), report)
+    if qat and report["layer_check"]["failed"]:
+        failed = report["layer_check"]["failed"]
+        raise QatpipeError(
+            f"{output_path}: ONNX Runtime differs from TensorFlow at {len(failed)} layer(s) fed the same input: "
+            + "; ".join(f"{name} ({f['kind']}: max {f['max_steps']:.2f}, 90th percentile {f['p90_steps']:.2f} int8 "
+                        f"steps of its output)" for name, f in list(failed.items())[:5])
+            + f"; the export is wrong there, see {output_path.stem}_export.json")
     for name, d in differences.items():
         too_far = (any(d[key] > limit for key, limit in limits[name].items()) if qat
                    else d["max_abs"] > FP32_TOLERANCE)
-        if too_far:
+        if too_far and layers_decide:
+            log.warning("%s: ONNX Runtime's %s differs from TensorFlow's by a 90th / 99th percentile of %.2f / %.2f "
+                        "int8 steps (TensorFlow's own rounding sensitivity gives %.2f / %.2f), while every layer "
+                        "agrees fed the same input: rounding flips accumulated over the depth", output_path, name,
+                        d["p90_steps"], d["p99_steps"], limits[name]["p90_steps"], limits[name]["p99_steps"])
+        elif too_far:
             raise QatpipeError(
                 f"{output_path}: ONNX Runtime differs from TensorFlow on {name} (max {d['max_abs']:.2e}; 90th / "
                 f"99th percentile {d['p90_steps']:.2f} / {d['p99_steps']:.2f} int8 steps, limits "
@@ -108,6 +128,9 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
                                   "export.fp16_onnx": spec.export.fp16_onnx},
         metrics={"size_mb": report["size_mb"], "int8_weights": report.get("int8_weights", 0),
                  **{f"{name}.max_abs_difference_vs_tf": d["max_abs"] for name, d in differences.items()},
+                 **({"layer_check.layers": report["layer_check"]["checked"],
+                     "layer_check.worst_max_steps": (report["layer_check"]["worst"] or {}).get("max_steps", 0.0)}
+                    if qat else {}),
                  **fp16_metrics},
         artifacts=[path.name for path in files],
     ).write(output_path.parent)
@@ -115,6 +138,25 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
              spec.export.opset, report["size_mb"], report["quantization"],
              ", ".join(f"{k} {v['max_abs']:.1e}" for k, v in differences.items()))
     return report
+
+
+def _layer_check(model, onnx_path: Path, sample: np.ndarray) -> dict:
+    """export/layer_check.py's comparison of every layer, for the report: the layers checked, those beyond their
+    limits, the closest to them, and the layers with ONNX nodes it could not check (why)."""
+    import onnx
+
+    from qatpipe.export.layer_check import NO_NODES, layer_differences
+
+    result = layer_differences(model, onnx.load(onnx_path), sample)
+    worst = result["worst"]
+    log.info("layer check: %d layers agree with TensorFlow fed the same input%s; closest to its limits: %s (max "
+             "%.3f int8 steps)", len(result["layers"]) - len(result["failed"]),
+             f", {len(result['failed'])} do not" if result["failed"] else "", worst,
+             result["layers"][worst]["max_steps"] if worst else 0.0)
+    return {"checked": len(result["layers"]), "failed": {name: result["layers"][name] for name in result["failed"]},
+            "worst": {"layer": worst, **result["layers"][worst]} if worst else None,
+            "unchecked": {name: why for name, why in result["skipped"].items() if why != NO_NODES},
+            "layers": result["layers"]}
 
 
 def write_fp16_form(spec: ExperimentSpec, output_path: Path, qat: bool) -> dict:
