@@ -26,14 +26,17 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-# Limits of one layer fed the same input, in int8 steps of its output's range (max |TF output| / 127). A layer
-# with a quantised input may see an input value flip by one int8 step where TF and ONNX round a boundary value
-# differently: the outputs that value feeds move by a weight times one input step (a 1x1 convolution: every
-# channel at that pixel, so on a small grid several percent of the outputs); measured at most 1.04 steps on the
-# three backbones' layers, untrained, and ... trained. The rest agree to float precision, so the 90th percentile
-# stays at 0: a wrong scale, axis or weight moves a whole channel or more. A float layer differs by float
-# rounding only (measured: 99th percentile 0.0004 steps).
-QUANTIZED_LIMITS = {"p90_steps": 0.05, "max_steps": 2.0}
+# Limits of one layer fed the same input, in int8 steps of its output's range (max |TF output| / 127). Where a
+# quantised layer's input values agree, its output agrees to float precision; two things make input codes differ:
+# a value within an ulp of a rounding boundary (TF computes x * (127/amax), ONNX x / (amax/127)), and a value
+# below -amax, which TF's narrow range clamps to -127 and ONNX's QuantizeLinear to -128 (TensorRT computes the
+# latter). Each moves the outputs that value feeds by a weight times one input step: in a 1x1 convolution every
+# channel at that pixel. Measured on the export check's random inputs: ResNet-10 at most 0.005 steps (trained),
+# 1.04 (untrained); a trained MobileNetV2's expand convolutions, fed residual sums of which 1.6% lie below -amax,
+# a 90th percentile of 0.16 and a maximum of 0.65. A wrong scale, axis or weight moves a whole channel or more by
+# many steps (a 1.1x scale on one channel: 12.7). A float layer differs by float rounding only (99th percentile
+# at most 0.0004 steps).
+QUANTIZED_LIMITS = {"p90_steps": 0.5, "max_steps": 2.0}
 FLOAT_LIMITS = {"p99_steps": 0.01, "max_steps": 0.1}
 NO_NODES = "no ONNX nodes of its own"  # the input layer, identities: nothing of theirs to check
 
