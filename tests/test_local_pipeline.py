@@ -47,8 +47,8 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert json.loads((out / "summary.json").read_text()) == summary
     assert list(summary["variants"]) == ["fp32", "ptq", "qat"]  # all three scored in ONNX Runtime
     fp32 = summary["variants"]["fp32"]
-    assert set(fp32) == {"engine", "layers", "map50", "map50_tensorrt_emulated", "map50_dla_emulated", "map",
-                         "latency_ms_p50", "latency_ms_p99",
+    assert set(fp32) == {"engine", "layers", "quantized_by", "map50", "map50_tensorrt_emulated", "map50_dla_emulated",
+                         "map", "latency_ms_p50", "latency_ms_p99",
                          "throughput", "throughput_batch", "speedup_vs_fp32", "size_mb", "params", "gflops",
                          "map50_ci95_lo", "map50_ci95_hi", "map_ci95_lo", "map_ci95_hi"}
     # every row says what ran it; each also carries TensorRT's numbers: the INT8 ones' (fast CPU form), and
@@ -59,6 +59,10 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
         row = summary["variants"][variant]
         assert row["engine"] == "onnxruntime cpu int8"
         assert row["map50_tensorrt_emulated"] is not None
+    # the PTQ row says what quantised it (ptq.tool, its version and method); the others were not post-quantised
+    assert summary["variants"]["ptq"]["quantized_by"].startswith("onnxruntime ")
+    assert summary["variants"]["ptq"]["quantized_by"].endswith(", percentile")
+    assert fp32["quantized_by"] is None and summary["variants"]["qat"]["quantized_by"] is None
     # ... and its compute layers per precision (INT8 / FP16 / FP32): the FP32 engine all float32, QAT's all INT8
     layers = {name: [int(n) for n in row["layers"].split(" / ")] for name, row in summary["variants"].items()}
     assert layers["fp32"][:2] == [0, 0] and layers["fp32"][2] > 0
