@@ -26,8 +26,9 @@ def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_on
     Returns:
         int8_onnx: Folder with model.onnx (int8 Q/DQ), model_ptq.json, precision_report.json/.md and
             tracking.json; its metadata names the framework, file, variant, PTQ tool and calibration method.
-        metrics: The number of calibration images, the INT8 model's size in MB, and the precision report's
-            figures: tensors FP16 must leave in FP32, the INT8 model's worst layer error against FP32.
+        metrics: The number of calibration images, the INT8 model's size in MB, its Conv/Gemm layers in INT8, and
+            the precision report's figures: tensors FP16 must leave in FP32, the INT8 model's worst layer error
+            against FP32.
         precision: The precision report: which tensors FP16 must leave alone, and the INT8 model against the
             FP32 one layer by layer.
     """
@@ -43,9 +44,10 @@ def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_on
         source = Path(fp32_onnx.path) / fp32_onnx.metadata.get("file", "model.onnx")
         report = ptq_stage(spec, source, Path(int8_onnx.path) / "model.onnx")
         int8_onnx.metadata.update({"framework": "onnx", "file": "model.onnx", "variant": "ptq",
-                                   "quantization": f"int8 Q/DQ, PTQ ({report['tool']}, {report['method']})"})
+                                   "quantization": f"int8 Q/DQ, PTQ by {report['quantized_by']}"})
         write_metrics(metrics, {key: report.get(key) for key in ("calibration_images", "size_mb", "fp16_flags",
-                                                                  "layer_max_error")})
+                                                                  "layer_max_error")}
+                      | {"quantized_layers": len(report["qdq_check"]["quantized"])})
         markdown = Path(int8_onnx.path) / MARKDOWN_FILE
         write_text(precision, markdown.read_text() if markdown.is_file() else "No precision report "
                    "(ptq.report_images: 0).\n")
