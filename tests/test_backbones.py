@@ -298,6 +298,17 @@ def test_each_backbone_exports_a_qat_onnx_that_tensorrt_accepts_and_agrees_with_
     broken = onnx.load(path)
     _scale_channel(broken, qat, middle, images, 1.1)
     assert layer_differences(qat, broken, images)["failed"] == [middle.name]
+    # a residual Add whose quantised input lost its Q/DQ in ONNX (read straight from its float tensor) is named too
+    unquantised = onnx.load(path)
+    producers = {out: node for node in unquantised.graph.node for out in node.output}
+    add = next(n for n in unquantised.graph.node if n.op_type == "Add" and any(
+        i in producers and producers[i].op_type == "DequantizeLinear" for i in n.input))
+    index = next(k for k, i in enumerate(add.input) if i in producers and producers[i].op_type == "DequantizeLinear")
+    add.input[index] = producers[producers[add.input[index]].input[0]].input[0]  # DQ <- Q <- the float tensor
+    result = layer_differences(qat, unquantised, images)
+    [failed] = result["failed"]
+    assert f"/{failed}/" in add.name and "1 quantised input(s) in TensorFlow, 0 QuantizeLinear in ONNX" in \
+        result["layers"][failed]["problem"]
 
 
 def _scale_channel(proto, model, layer, images, factor):

@@ -6,9 +6,9 @@ convolutions in other orders), and every later quantised layer carries such a fl
 the depth, not on the conversion: on EfficientNet-B0 (124 Q/DQ pairs) the outputs drift to a 90th percentile of 4
 int8 steps while no layer is wrong (bench/README.md). Here each layer starts afresh from TensorFlow's own values:
 its ONNX nodes (named `<model>/<layer>/...` by tf2onnx) are cut out of the exported graph, fed TensorFlow's
-outputs of the layers it reads, and their result compared with TensorFlow's output of that layer. A wrong scale,
-axis or weight shows at the layer that has it, whatever its depth; a rounding flip moves one output by at most a
-weight times one input step.
+outputs of the layers it reads (a quantised input on TensorFlow's int8 grid, so both sides take the same codes),
+and their result compared with TensorFlow's output of that layer. A wrong scale, axis or weight shows at the
+layer that has it, whatever its depth; a layer whose quantised input has no QuantizeLinear in ONNX fails too.
 
 Mapping: a layer's ONNX output is the tensor its nodes produce that the nodes of the layers reading it consume
 (or a graph output); its inputs are the outputs of the layers it reads (the graph input for the input layer).
@@ -26,18 +26,14 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-# Limits of one layer fed the same input, in int8 steps of its output's range (max |TF output| / 127). Where a
-# quantised layer's input values agree, its output agrees to float precision; two things make input codes differ:
-# a value within an ulp of a rounding boundary (TF computes x * (127/amax), ONNX x / (amax/127)), and a value
-# below -amax, which TF's narrow range clamps to -127 and ONNX's QuantizeLinear to -128 (TensorRT computes the
-# latter). Each moves the outputs that value feeds by a weight times one input step: in a 1x1 convolution every
-# channel at that pixel. Measured on the export check's random inputs: ResNet-10 at most 0.005 steps (trained),
-# 1.04 (untrained); a trained MobileNetV2's expand convolutions, fed residual sums of which 1.6% lie below -amax,
-# a 90th percentile of 0.16 and a maximum of 0.65. A wrong scale, axis or weight moves a whole channel or more by
-# many steps (a 1.1x scale on one channel: 12.7). A float layer differs by float rounding only (99th percentile
-# at most 0.0004 steps).
-QUANTIZED_LIMITS = {"p90_steps": 0.5, "max_steps": 2.0}
-FLOAT_LIMITS = {"p99_steps": 0.01, "max_steps": 0.1}
+# Limits of one layer fed the same input, in int8 steps of its output's range (max |TF output| / 127). A quantised
+# input is fed on TensorFlow's own int8 grid (its fake-quantised value, k * amax/127 with |k| <= 127), so both
+# sides take the same codes: no value sits on a rounding boundary (TF computes x * (127/amax), ONNX
+# x / (amax/127)), and none lies below -amax, which TF's narrow range clamps to -127 and ONNX's QuantizeLinear (as
+# TensorRT) to -128. What is left is float arithmetic in another order: measured at most 0.005 steps over every
+# layer of the trained ResNet-10, MobileNetV2 and EfficientNet-B0 exports. A wrong scale, axis or weight moves a
+# whole channel or more by many steps (a 1.1x scale on one channel: 12.7); a missing input quantiser is counted.
+LIMITS = {"p99_steps": 0.01, "max_steps": 0.1}
 NO_NODES = "no ONNX nodes of its own"  # the input layer, identities: nothing of theirs to check
 
 
@@ -48,6 +44,16 @@ class LayerMapping:
     quantized: bool
     output: str  # the ONNX tensor of the layer's output
     inputs: dict[str, str] = field(default_factory=dict)  # ONNX tensor -> the layer whose output feeds it
+    quantized_inputs: dict[str, float] = field(default_factory=dict)  # of those, the quantised ones -> amax
+
+
+def _input_ranges(layer) -> dict[int, float]:
+    """{input index: amax} of the inputs a quantised layer fake-quantises (quantization/layers.py)."""
+    if hasattr(layer, "quantized_inputs"):  # Add, Multiply: the inputs at those indices
+        return {index: float(r.amax.numpy()) for index, r in zip(layer.quantized_inputs, layer.activation_ranges())}
+    if hasattr(layer, "input_range"):  # weighted layers, pooling: the one input
+        return {0: float(layer.input_range.amax.numpy())}
+    return {}
 
 
 def _inbound(layer) -> list:
@@ -132,15 +138,17 @@ def map_layers(model, proto) -> tuple[list[LayerMapping], dict[str, str]]:
     for layer in model.layers:
         if layer.name in skipped:
             continue
-        inputs = {}
-        for inbound in _inbound(layer):
+        inputs, quantized_inputs, ranges = {}, {}, _input_ranges(layer)
+        for index, inbound in enumerate(_inbound(layer)):
             if inbound.name not in exit_of:
                 skipped[layer.name] = f"its input {inbound.name} has no mapping"
                 break
             inputs[exit_of[inbound.name]] = inbound.name
+            if index in ranges:
+                quantized_inputs[exit_of[inbound.name]] = ranges[index]
         else:
             mappings.append(LayerMapping(layer.name, type(layer).__name__, isinstance(layer, quantized_types),
-                                         exit_of[layer.name], inputs))
+                                         exit_of[layer.name], inputs, quantized_inputs))
     return mappings, skipped
 
 
@@ -207,6 +215,7 @@ def layer_differences(model, proto, inputs: np.ndarray) -> dict:
     import tf_keras as keras
 
     from qatpipe.export.onnx_export import step_differences
+    from qatpipe.quantization.quantizers import fake_quant_per_tensor
 
     mappings, skipped = map_layers(model, proto)
     named = {layer.name: layer for layer in model.layers}
@@ -224,8 +233,21 @@ def layer_differences(model, proto, inputs: np.ndarray) -> dict:
         except _NotCut as exc:
             skipped[mapping.layer] = f"its nodes also read {exc}, not a layer's output"
             continue
+        constants = {init.name for init in part.graph.initializer}
+        quantizers = sum(node.op_type == "QuantizeLinear" and node.input[0] not in constants
+                         for node in part.graph.node)
+        if quantizers < len(mapping.quantized_inputs):
+            results[mapping.layer] = {"kind": mapping.kind, "quantized": True, "within": False,
+                                      "problem": f"{len(mapping.quantized_inputs)} quantised input(s) in TensorFlow, "
+                                                 f"{quantizers} QuantizeLinear in ONNX", "max_steps": float("inf")}
+            continue
         session = ort.InferenceSession(part.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        feeds = {tensor: _to_layout(values[layer], shapes.get(tensor, [])) for tensor, layer in mapping.inputs.items()}
+        feeds = {}
+        for tensor, layer in mapping.inputs.items():
+            value = values[layer]
+            if tensor in mapping.quantized_inputs:  # on TF's own int8 grid: both sides take the same codes
+                value = fake_quant_per_tensor(value, mapping.quantized_inputs[tensor]).numpy()
+            feeds[tensor] = _to_layout(value, shapes.get(tensor, []))
         [onnx_out] = session.run([mapping.output], feeds)
         expected = values[mapping.layer]
         if onnx_out.shape != expected.shape and onnx_out.ndim == 4:
@@ -234,14 +256,15 @@ def layer_differences(model, proto, inputs: np.ndarray) -> dict:
             skipped[mapping.layer] = f"output shapes differ: ONNX {onnx_out.shape}, TensorFlow {expected.shape}"
             continue
         figures = step_differences({"x": expected}, {"x": onnx_out})["x"]
-        limits = QUANTIZED_LIMITS if mapping.quantized else FLOAT_LIMITS
+        limits = LIMITS
         results[mapping.layer] = {"kind": mapping.kind, "quantized": mapping.quantized, **figures,
                                   "limits": limits,
                                   "within": all(figures[key] <= limit for key, limit in limits.items())}
-    worst = max(results, key=lambda name: max(results[name][key] / limit
-                                              for key, limit in results[name]["limits"].items()), default=None)
+    worst = max(results, key=lambda name: max((results[name][key] / limit for key, limit
+                                               in results[name].get("limits", {}).items()), default=float("inf")),
+                default=None)
     return {"layers": results, "skipped": skipped, "worst": worst,
             "failed": [name for name, figures in results.items() if not figures["within"]]}
 
 
-__all__ = ["layer_differences", "map_layers", "QUANTIZED_LIMITS", "FLOAT_LIMITS", "NO_NODES"]
+__all__ = ["layer_differences", "map_layers", "LIMITS", "NO_NODES"]
