@@ -147,6 +147,53 @@ def fp32_longer(backbone: str, work: Path) -> dict:
     return row
 
 
+def _stage_folders(kfp_root: Path, stage: str) -> list[Path]:
+    """The folders under a run's kfp/ whose tracking record is `stage`'s (evaluate_fp32, validate_ptq, ...)."""
+    return [p.parent for p in sorted(kfp_root.rglob("tracking.json")) if json.loads(p.read_text())["stage"] == stage]
+
+
+def export_qat(backbone: str, work: Path) -> dict:
+    """The run's QAT retrain's model exported again by the current export stage (a run whose QAT export an
+    earlier check refused), then scored as the pipeline scores a variant: its CPU engine (evaluate) and
+    TensorRT's numbers (validate's exact form), paired against the run's FP32 and PTQ evaluations and their
+    TensorRT numbers."""
+    from qatpipe.spec import load_spec
+    from qatpipe.stages.compare import uncertainty
+    from qatpipe.stages.evaluate import evaluate
+    from qatpipe.stages.export import export
+    from qatpipe.stages.validate import EMULATED_FOLDER, exact_form_map50
+
+    kfp_root = work / backbone / "kfp"
+    spec_path = _finished_run(backbone, work)["specs"][True]
+    spec = load_spec(spec_path)
+    folder = work / f"{backbone}_qat_export"
+    report = export(spec, spec_path.with_name("model.keras"), folder / "model.onnx")
+    check = report["layer_check"]
+    engine = evaluate(spec, folder / "model.onnx", folder / "evaluation")["map50"]
+    tensorrt = exact_form_map50(spec, folder / "model.onnx", folder / "exact", "qat")
+    [fp32], [ptq] = _stage_folders(kfp_root, "evaluate_fp32"), _stage_folders(kfp_root, "evaluate_ptq")
+    [ptq_trt] = [f / EMULATED_FOLDER for f in _stage_folders(kfp_root, "validate_ptq")]
+    [fp32_trt] = [f / EMULATED_FOLDER for f in _stage_folders(kfp_root, "validate_fp32")]
+    engines = uncertainty({"fp32": fp32, "ptq": ptq, "qat": folder / "evaluation"})["pairs"]
+    numbers = uncertainty({"fp32": fp32_trt, "ptq": ptq_trt, "qat": folder / "exact"})["pairs"]
+    row = {"backbone": backbone, "layers_checked": check["checked"], "layers_failed": list(check["failed"]),
+           "closest_layer": check["worst"], "end_to_end": report["difference_vs_tensorflow"],
+           "end_to_end_limits": report["difference_limits"], "qat_map50": engine, "qat_map50_tensorrt": tensorrt,
+           **{f"{pair}{suffix}": {k: pairs[pair]["map50"][k] for k in ("diff", "ci95")}
+              for suffix, pairs in (("", engines), ("_tensorrt", numbers)) for pair in ("qat-fp32", "qat-ptq",
+                                                                                        "ptq-fp32")}}
+    print(f"\n{backbone}: QAT export: {check['checked']} layers checked, {len(check['failed'])} failed; end to end "
+          + ", ".join(f"{name} 90th/99th {d['p90_steps']:.2f}/{d['p99_steps']:.2f} steps (limits "
+                      f"{report['difference_limits'][name]['p90_steps']:.2f}/"
+                      f"{report['difference_limits'][name]['p99_steps']:.2f})"
+                      for name, d in report["difference_vs_tensorflow"].items()))
+    print(f"{backbone}: QAT mAP@0.5 {engine:.4f} (CPU engine), {tensorrt:.4f} (TensorRT's numbers)")
+    for key in ("qat-fp32", "qat-ptq", "ptq-fp32", "qat-fp32_tensorrt", "qat-ptq_tensorrt", "ptq-fp32_tensorrt"):
+        print(f"  {key:<18} {100 * row[key]['diff']:+.2f} points [{100 * row[key]['ci95'][0]:+.2f}, "
+              f"{100 * row[key]['ci95'][1]:+.2f}]")
+    return row
+
+
 def print_sweep(rows: list[dict]) -> None:
     print("\nbackbone         PTQ method  calib. images  mAP@0.5  PTQ - FP32 (points)  95% CI (points)")
     for r in rows:
@@ -186,6 +233,9 @@ def main() -> None:
     parser.add_argument("--fp32-longer", action="store_true",
                         help="continue each finished run's FP32 retrain for the same epochs (--qat-from-fp32's "
                              "control) and compare")
+    parser.add_argument("--export-qat", action="store_true",
+                        help="export each finished run's QAT retrain again with the current export stage (a run "
+                             "whose QAT export an earlier check refused) and score it against FP32 and PTQ")
     parser.add_argument("--qat-from-fp32", action="store_true",
                         help="re-run each finished run's QAT retrain from its FP32 model instead of the pruned one")
     args = parser.parse_args()
@@ -196,6 +246,10 @@ def main() -> None:
     if args.fp32_longer:
         rows = [fp32_longer(b, args.work) for b in args.backbones if (args.work / b).is_dir()]
         (args.work / "bench_backbones_fp32_longer.json").write_text(json.dumps(rows, indent=2) + "\n")
+        return
+    if args.export_qat:
+        rows = [export_qat(b, args.work) for b in args.backbones if (args.work / b).is_dir()]
+        (args.work / "bench_backbones_export_qat.json").write_text(json.dumps(rows, indent=2) + "\n")
         return
     if args.qat_from_fp32:
         rows = [qat_from_fp32(b, args.work) for b in args.backbones if (args.work / b).is_dir()]
