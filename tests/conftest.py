@@ -208,3 +208,17 @@ def masked_copy(model, removed_of):
                 weights[0][..., removed, :] = 0
                 layer.set_weights(weights)
     return masked
+
+
+def one_conv_onnx(path: Path) -> Path:
+    """An FP32 ONNX of one 1x1 Conv (3 -> 4 channels, all-ones weights) on a 1x3x8x8 NCHW input, at `path`."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.ones((4, 3, 1, 1), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], [weight])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    return path

@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 import pytest
 
+from conftest import one_conv_onnx
+
 from qatpipe.cli import main
 from qatpipe.errors import ModelFileError, QatpipeError
 from qatpipe.export.qdq import read_calibration_cache
@@ -127,16 +129,11 @@ def test_entropy_and_percentile_clip_a_long_tail_that_minmax_keeps(tmp_path):
     """One activation with rare large values: entropy and percentile calibration choose a range below its
     maximum. (Through quantize_static's own calibrator, entropy had 128 bins and 128 levels, one candidate,
     and gave minmax's range.)"""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import numpy_helper
 
     from qatpipe.quantization.ptq import quantize_ptq
 
-    weight = numpy_helper.from_array(np.ones((4, 3, 1, 1), np.float32), "w")
-    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv")], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], [weight])
-    fp32 = tmp_path / "conv.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), fp32)
+    fp32 = one_conv_onnx(tmp_path / "conv.onnx")
     rng = np.random.default_rng(0)
     images = rng.normal(0, 1, (64, 3, 8, 8)).astype(np.float32)
     images[5, 0, 2, 2] = 60.0  # one value in 12,288, far out

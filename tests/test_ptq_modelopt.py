@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import one_conv_onnx
 
 from qatpipe.errors import QatpipeError, SpecError
 from qatpipe.onnx_model import QUANTIZED_BY_KEY
@@ -86,16 +87,9 @@ def test_modelopt_failure_names_the_model_and_keeps_nothing_half_written(tmp_pat
     its last lines, naming the model; no output is left behind."""
     import sys
 
-    from onnx import TensorProto, helper, numpy_helper
-
     from qatpipe.quantization.modelopt_ptq import quantize_modelopt
 
-    weight = numpy_helper.from_array(np.ones((4, 3, 1, 1), np.float32), "w")
-    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv")], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], [weight])
-    fp32 = tmp_path / "conv.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), fp32)
+    fp32 = one_conv_onnx(tmp_path / "conv.onnx")
     monkeypatch.setenv(ENV_PYTHON, sys.executable)  # qatpipe's own environment, which has no modelopt
     images = np.zeros((4, 3, 8, 8), np.float32)
     try:
