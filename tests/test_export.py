@@ -332,6 +332,11 @@ def test_a_quantised_model_output_keeps_its_name_in_the_implicit_onnx(tmp_path):
 
     out = OnnxModel(save_onnx(proto, tmp_path / "implicit.onnx")).run(images)["output_cov"]
     np.testing.assert_allclose(out, model(images).numpy(), atol=0.05)  # the float network, QAT weights
+    # the Q/DQ model passes the layer check, its quantised output held to one of that output's int8 steps
+    from qatpipe.export.layer_check import OUTPUT_QUANTIZED_LIMITS, layer_differences
+
+    checked = layer_differences(qat, onnx.load(tmp_path / "q.onnx"), images)
+    assert checked["failed"] == [] and checked["layers"]["output_cov"]["limits"] == OUTPUT_QUANTIZED_LIMITS
 
 
 def test_ptq_and_prune_refuse_the_wrong_kind_of_model_file(trained_tiny, tmp_path):
