@@ -307,6 +307,21 @@ def test_the_export_checks_every_layer_and_refuses_one_that_differs(qat_export, 
     written = json.loads((tmp_path / "broken_export.json").read_text())["layer_check"]
     assert list(written["failed"]) == ["block_2a_conv_1"]
 
+    def fold_and_unquantise_a_residual(model):  # an Add reads its residual input past the Q/DQ TF has there
+        folded = fold(model)
+        producers = {out: node for node in model.graph.node for out in node.output}
+        add = next(n for n in model.graph.node if n.op_type == "Add" and any(
+            i in producers and producers[i].op_type == "DequantizeLinear" for i in n.input))
+        index = next(k for k, i in enumerate(add.input)
+                     if i in producers and producers[i].op_type == "DequantizeLinear")
+        add.input[index] = producers[producers[add.input[index]].input[0]].input[0]
+        return folded
+
+    monkeypatch.setattr(qdq, "fold_weight_quantizers", fold_and_unquantise_a_residual)
+    with pytest.raises(QatpipeError, match=r"at 1 layer\(s\) fed the same input: block_\w+_add \(QDQAdd: 1 "
+                                           r"quantised input\(s\) in TensorFlow, 0 QuantizeLinear in ONNX\)"):
+        export(spec, model_path, tmp_path / "unquantised.onnx")
+
 
 def test_a_quantised_model_output_keeps_its_name_in_the_implicit_onnx(tmp_path):
     import tf_keras as keras

@@ -215,8 +215,9 @@ def _shapes(proto) -> dict[str, list]:
 
 def layer_differences(model, proto, inputs: np.ndarray) -> dict:
     """Each mapped layer of `model` against its nodes in `proto` on `inputs`, fed TensorFlow's values:
-    {"layers": {layer: {kind, quantized, p50/p90/p99/max_steps, max_abs, limits, within}}, "skipped": {layer:
-    why}, "worst": the layer furthest beyond (or nearest to) its limits}."""
+    {"layers": {layer: {kind, quantized, p50/p90/p99/max_steps, max_abs, limits, within} or, for a quantised
+    input without a QuantizeLinear, {kind, quantized, within: False, problem}}, "skipped": {layer: why},
+    "worst": the measured layer furthest beyond (or nearest to) its limits, "failed": [layer]}."""
     import onnxruntime as ort
     import tf_keras as keras
 
@@ -245,7 +246,7 @@ def layer_differences(model, proto, inputs: np.ndarray) -> dict:
         if quantizers < len(mapping.quantized_inputs):
             results[mapping.layer] = {"kind": mapping.kind, "quantized": True, "within": False,
                                       "problem": f"{len(mapping.quantized_inputs)} quantised input(s) in TensorFlow, "
-                                                 f"{quantizers} QuantizeLinear in ONNX", "max_steps": float("inf")}
+                                                 f"{quantizers} QuantizeLinear in ONNX"}
             continue
         session = ort.InferenceSession(part.SerializeToString(), options, providers=["CPUExecutionProvider"])
         feeds = {}
@@ -266,9 +267,9 @@ def layer_differences(model, proto, inputs: np.ndarray) -> dict:
         results[mapping.layer] = {"kind": mapping.kind, "quantized": mapping.quantized, **figures,
                                   "limits": limits,
                                   "within": all(figures[key] <= limit for key, limit in limits.items())}
-    worst = max(results, key=lambda name: max((results[name][key] / limit for key, limit
-                                               in results[name].get("limits", {}).items()), default=float("inf")),
-                default=None)
+    measured = [name for name, figures in results.items() if "limits" in figures]  # not the missing quantisers
+    worst = max(measured, key=lambda name: max(results[name][key] / limit
+                                               for key, limit in results[name]["limits"].items()), default=None)
     return {"layers": results, "skipped": skipped, "worst": worst,
             "failed": [name for name, figures in results.items() if not figures["within"]]}
 

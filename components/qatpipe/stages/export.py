@@ -91,7 +91,8 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
         failed = report["layer_check"]["failed"]
         raise QatpipeError(
             f"{output_path}: ONNX Runtime differs from TensorFlow at {len(failed)} layer(s) fed the same input: "
-            + "; ".join(f"{name} ({f['kind']}: max {f['max_steps']:.2f}, 90th percentile {f['p90_steps']:.2f} int8 "
+            + "; ".join(f"{name} ({f['kind']}: {f['problem']})" if "problem" in f else
+                        f"{name} ({f['kind']}: max {f['max_steps']:.2f}, 90th percentile {f['p90_steps']:.2f} int8 "
                         f"steps of its output)" for name, f in list(failed.items())[:5])
             + f"; the export is wrong there, see {output_path.stem}_export.json")
     for name, d in differences.items():
