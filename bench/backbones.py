@@ -147,16 +147,13 @@ def fp32_longer(backbone: str, work: Path) -> dict:
     return row
 
 
-def _stage_folders(kfp_root: Path, stage: str) -> list[Path]:
-    """The folders under a run's kfp/ whose tracking record is `stage`'s (evaluate_fp32, validate_ptq, ...)."""
-    return [p.parent for p in sorted(kfp_root.rglob("tracking.json")) if json.loads(p.read_text())["stage"] == stage]
-
-
 def export_qat(backbone: str, work: Path) -> dict:
     """The run's QAT retrain's model exported again by the current export stage (a run whose QAT export an
     earlier check refused), then scored as the pipeline scores a variant: its CPU engine (evaluate) and
     TensorRT's numbers (validate's exact form), paired against the run's FP32 and PTQ evaluations and their
     TensorRT numbers."""
+    from runs import stage_folders
+
     from qatpipe.spec import load_spec
     from qatpipe.stages.compare import uncertainty
     from qatpipe.stages.evaluate import evaluate
@@ -171,9 +168,9 @@ def export_qat(backbone: str, work: Path) -> dict:
     check = report["layer_check"]
     engine = evaluate(spec, folder / "model.onnx", folder / "evaluation")["map50"]
     tensorrt = exact_form_map50(spec, folder / "model.onnx", folder / "exact", "qat")
-    [fp32], [ptq] = _stage_folders(kfp_root, "evaluate_fp32"), _stage_folders(kfp_root, "evaluate_ptq")
-    [ptq_trt] = [f / EMULATED_FOLDER for f in _stage_folders(kfp_root, "validate_ptq")]
-    [fp32_trt] = [f / EMULATED_FOLDER for f in _stage_folders(kfp_root, "validate_fp32")]
+    [fp32], [ptq] = stage_folders(kfp_root, "evaluate_fp32"), stage_folders(kfp_root, "evaluate_ptq")
+    [ptq_trt] = [f / EMULATED_FOLDER for f in stage_folders(kfp_root, "validate_ptq")]
+    [fp32_trt] = [f / EMULATED_FOLDER for f in stage_folders(kfp_root, "validate_fp32")]
     engines = uncertainty({"fp32": fp32, "ptq": ptq, "qat": folder / "evaluation"})["pairs"]
     numbers = uncertainty({"fp32": fp32_trt, "ptq": ptq_trt, "qat": folder / "exact"})["pairs"]
     row = {"backbone": backbone, "layers_checked": check["checked"], "layers_failed": list(check["failed"]),

@@ -21,24 +21,14 @@ from pathlib import Path
 log = logging.getLogger("bench")
 
 
-def _qat_retrain(run: Path) -> Path:
-    """The spec.yaml of the run's QAT retrain (its model.keras beside it)."""
-    for spec in (run / "kfp").rglob("spec.yaml"):
-        record = spec.with_name("tracking.json")
-        if record.is_file() and json.loads(record.read_text())["stage"] == "retrain_qat":
-            return spec
-    raise SystemExit(f"{run}: no finished QAT retrain")
-
-
 def bench_run(run: Path, work: Path, method: str) -> dict:
-    from qatpipe.fileio import read_json
-    from qatpipe.metrics.bootstrap import match_detections, paired_bootstrap
+    from runs import paired_differences, stage_folder
+
     from qatpipe.spec import load_spec
-    from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE
     from qatpipe.stages.export import export
     from qatpipe.stages.validate import DLA_EMULATED_FOLDER, dla_emulated_map50, exact_form_map50
 
-    spec_path = _qat_retrain(run)
+    spec_path = stage_folder(run, "retrain_qat") / "spec.yaml"  # its model.keras beside it
     spec = load_spec(spec_path)
     spec.export.target, spec.export.fp16_onnx, spec.export.dla_calibration_method = "dla", False, method
     folder = work / run.name / method
@@ -47,10 +37,8 @@ def bench_run(run: Path, work: Path, method: str) -> dict:
     report = export(spec, spec_path.with_name("model.keras"), folder / "model.onnx")["dla"]
     qdq = exact_form_map50(spec, folder / "model.onnx", folder / "qdq", "qdq")
     dla, _ = dla_emulated_map50(spec, folder / "model.onnx", folder)
-    matched = {name: match_detections(read_json(path / GROUND_TRUTH_FILE, "ground truth"),
-                                      read_json(path / DETECTIONS_FILE, "detections"))
-               for name, path in (("qdq", folder / "qdq"), ("dla", folder / DLA_EMULATED_FOLDER))}
-    pair = paired_bootstrap(matched, [("dla", "qdq")])["pairs"]["dla-qdq"]["map50"]
+    pair = paired_differences({"qdq": folder / "qdq", "dla": folder / DLA_EMULATED_FOLDER},
+                              [("dla", "qdq")])["dla-qdq"]["map50"]
     row = {"run": str(run), "backbone": spec.model.backbone.name, "method": method, "map50_qdq": qdq,
            "map50_dla_emulated": dla,
            "diff": pair["diff"], "ci95": pair["ci95"],

@@ -29,25 +29,18 @@ BASELINE = "onnxruntime_percentile"
 
 def _ptq_task(run: Path) -> tuple[Path, Path]:
     """(the FP32 ONNX the run's PTQ task calibrated, the spec.yaml of the FP32 retrain that made it)."""
-    reports = sorted((run / "kfp").rglob("model_ptq.json"))
-    if not reports:
-        raise SystemExit(f"{run}: no finished PTQ task")
-    fp32_onnx = Path(json.loads(reports[-1].read_text())["source"])
-    for spec in sorted((run / "kfp").rglob("spec.yaml")):
-        record = spec.with_name("tracking.json")
-        if record.is_file() and json.loads(record.read_text())["stage"] in ("finetune_fp32", "retrain_fp32"):
-            return fp32_onnx, spec
-    raise SystemExit(f"{run}: no finished FP32 retrain")
+    from runs import stage_folder
+
+    fp32_onnx = Path(json.loads((stage_folder(run, "ptq") / "model_ptq.json").read_text())["source"])
+    return fp32_onnx, stage_folder(run, "finetune_fp32", "retrain_fp32") / "spec.yaml"
 
 
 def bench_run(run: Path, work: Path, images: int) -> list[dict]:
     import onnx
+    from runs import paired_differences
 
-    from qatpipe.export.qdq import check_explicit_quantization
-    from qatpipe.fileio import read_json
-    from qatpipe.metrics.bootstrap import match_detections, paired_bootstrap
     from qatpipe.spec import load_spec
-    from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE, evaluate
+    from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.ptq import ptq
     from qatpipe.stages.validate import exact_form_map50
 
@@ -65,24 +58,21 @@ def bench_run(run: Path, work: Path, images: int) -> list[dict]:
         report = ptq(spec, fp32_onnx, root / name / "model.onnx")
         seconds = time.monotonic() - started
         scores[name] = exact_form_map50(spec, root / name / "model.onnx", root / name, name)
-        check = check_explicit_quantization(onnx.load(root / name / "model.onnx"))
+        check = report["qdq_check"]  # the PTQ stage's TensorRT rule check (it fails the stage on a problem)
         nodes = onnx.load(root / name / "model.onnx").graph.node
         rows.append({"run": str(run), "backbone": spec.model.backbone.name, "tool": tool, "method": method,
                      "calibration_images": report["calibration_images"], "seconds": round(seconds, 1),
-                     "map50": scores[name], "quantized_layers": len(check.quantized),
-                     "float_layers": len(check.float_), "quantize_nodes": sum(n.op_type == "QuantizeLinear"
-                                                                              for n in nodes),
-                     "rule_problems": len(check.problems), "versions": report.get("versions")})
+                     "map50": scores[name], "quantized_layers": len(check["quantized"]),
+                     "float_layers": len(check["float"]), "quantize_nodes": sum(n.op_type == "QuantizeLinear"
+                                                                                for n in nodes),
+                     "versions": report["versions"]})
         log.info("%s %s/%s: mAP@0.5 %.4f (FP32 %.4f), %.0f s", run.name, tool, method, scores[name],
                  scores["fp32"], seconds)
     folders = {"fp32": root / "fp32", **{f"{r['tool']}_{r['method']}": root / f"{r['tool']}_{r['method']}"
                                          for r in rows}}
-    matched = {name: match_detections(read_json(folder / GROUND_TRUTH_FILE, "ground truth"),
-                                      read_json(folder / DETECTIONS_FILE, "detections"))
-               for name, folder in folders.items()}
     names = [name for name in folders if name != "fp32"]
-    pairs = paired_bootstrap(matched, [(name, "fp32") for name in names]
-                             + [(name, BASELINE) for name in names if name != BASELINE])["pairs"]
+    pairs = paired_differences(folders, [(name, "fp32") for name in names]
+                               + [(name, BASELINE) for name in names if name != BASELINE])
     for row in rows:
         name = f"{row['tool']}_{row['method']}"
         row["fp32_map50"] = scores["fp32"]
@@ -101,15 +91,14 @@ def _points(pair: dict | None) -> str:
 
 def print_rows(rows: list[dict]) -> None:
     print("\nPTQ tools (INT8 mAP@0.5 as TensorRT computes it, validate's exact CPU form; differences in points with "
-          "the paired bootstrap's 95% CI)\n")
+          "the paired bootstrap's 95% CI; every model passed the PTQ stage's TensorRT rule check)\n")
     print("| run | backbone | tool | method | mAP@0.5 (FP32) | INT8 − FP32 | − onnxruntime percentile | "
-          "Conv/Gemm INT8 / float | QuantizeLinear nodes | rule problems | calibration s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "Conv/Gemm INT8 / float | QuantizeLinear nodes | calibration s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {Path(r['run']).name} | {r['backbone']} | {r['tool']} | {r['method']} | {r['map50']:.4f} "
               f"({r['fp32_map50']:.4f}) | {_points(r['vs_fp32'])} | {_points(r.get('vs_baseline'))} | "
-              f"{r['quantized_layers']} / {r['float_layers']} | {r['quantize_nodes']} | {r['rule_problems']} | "
-              f"{r['seconds']:.0f} |")
+              f"{r['quantized_layers']} / {r['float_layers']} | {r['quantize_nodes']} | {r['seconds']:.0f} |")
 
 
 def main() -> None:

@@ -19,3 +19,31 @@ def evaluation_folders(kfp_root: Path) -> dict[str, Path]:
         elif task.name.startswith("export") and "QAT" not in (task / "onnx_model" / "model_export.json").read_text():
             found["fp32"] = metrics_path.parent
     return found
+
+
+def stage_folders(kfp_root: Path, *stages: str) -> list[Path]:
+    """The task folders under a run's kfp/ whose tracking record is one of `stages`' (evaluate_fp32,
+    retrain_qat, ...), in path order."""
+    return [p.parent for p in sorted(kfp_root.rglob("tracking.json")) if json.loads(p.read_text())["stage"] in stages]
+
+
+def stage_folder(run: Path, *stages: str) -> Path:
+    """The first task folder of a `qatpipe run --local` folder whose record is one of `stages`'; exits naming the
+    run when there is none."""
+    found = stage_folders(run / "kfp", *stages)
+    if not found:
+        raise SystemExit(f"{run}: no finished {' or '.join(stages)}")
+    return found[0]
+
+
+def paired_differences(folders: dict[str, Path], pairs: list[tuple[str, str]]) -> dict:
+    """The paired bootstrap (metrics.bootstrap) of `pairs` over evaluation `folders` (name -> a folder with
+    detections.json and ground_truth.json): {"a-b": {metric: {"diff", "ci95"}}}."""
+    from qatpipe.fileio import read_json
+    from qatpipe.metrics.bootstrap import match_detections, paired_bootstrap
+    from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE
+
+    matched = {name: match_detections(read_json(folder / GROUND_TRUTH_FILE, "ground truth"),
+                                      read_json(folder / DETECTIONS_FILE, "detections"))
+               for name, folder in folders.items()}
+    return paired_bootstrap(matched, pairs)["pairs"]

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from qatpipe.export.onnx_graph import graph_maps
+
 log = logging.getLogger(__name__)
 
 # Limits of one layer fed the same input, in int8 steps of its output's range (max |TF output| / 127). A quantised
@@ -84,10 +86,7 @@ def map_layers(model, proto) -> tuple[list[LayerMapping], dict[str, str]]:
     for node in graph.node:
         if node.name.startswith(prefix):
             nodes_of[node.name[len(prefix):].split("/")[0]].append(node)
-    consumers: dict[str, list] = defaultdict(list)
-    for node in graph.node:
-        for name in node.input:
-            consumers[name].append(node)
+    _, consumers = graph_maps(graph)
     graph_outputs = {output.name for output in graph.output}
     graph_input = graph.input[0].name
     owned = {id(node) for nodes in nodes_of.values() for node in nodes}
@@ -162,14 +161,13 @@ class _NotCut(Exception):
     pass
 
 
-def _cut(proto, inputs: list[str], output: str):
+def _cut(proto, producer: dict, constants: set, inputs: list[str], output: str):
     """The ONNX model of the nodes between `inputs` and `output` (with the initializers they read); _NotCut
-    where `output` also depends on another tensor that is neither an initializer nor one of `inputs`."""
+    where `output` also depends on another tensor that is neither an initializer nor one of `inputs`.
+    `producer` (tensor -> node) and `constants` (initializer names) are the whole graph's."""
     from onnx import TensorProto, helper
 
     graph = proto.graph
-    producer = {out: node for node in graph.node for out in node.output}
-    constants = {init.name for init in graph.initializer}
     seen, pending = set(), [output]
     while pending:
         tensor = pending.pop()
@@ -231,12 +229,14 @@ def layer_differences(model, proto, inputs: np.ndarray) -> dict:
     values = dict(zip(wanted, (v.numpy() if hasattr(v, "numpy") else v
                                for v in probe(inputs, training=False))))
     shapes = _shapes(proto)
+    producer, _ = graph_maps(proto.graph)
+    graph_constants = {init.name for init in proto.graph.initializer}
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     results = {}
     for mapping in mappings:
         try:
-            part = _cut(proto, list(mapping.inputs), mapping.output)
+            part = _cut(proto, producer, graph_constants, list(mapping.inputs), mapping.output)
         except _NotCut as exc:
             skipped[mapping.layer] = f"its nodes also read {exc}, not a layer's output"
             continue

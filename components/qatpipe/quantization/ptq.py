@@ -183,5 +183,7 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
         prepared.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
     log.info("PTQ (%s) calibrated on %d images: %s", method, images, output)
+    import onnxruntime
+
     return {"tool": "onnxruntime", "method": method, "calibration_images": images, "onnx": str(output),
-            "size_mb": round(output.stat().st_size / 2**20, 3)}
+            "size_mb": round(output.stat().st_size / 2**20, 3), "versions": {"onnxruntime": onnxruntime.__version__}}

@@ -59,15 +59,12 @@ def _quantize(settings: PtqSpec, fp32_onnx: Path, output: Path, batches) -> dict
     return quantize_ptq(fp32_onnx, output, batches, settings.calibration_method, settings.percentile)
 
 
+TOOL_PACKAGES = {"onnxruntime": "onnxruntime", "modelopt": "nvidia-modelopt"}  # ptq.tool -> the package it runs
+
+
 def quantized_by(report: dict) -> str:
     """What made a PTQ model, for tables and the model's metadata: "onnxruntime 1.31.1, percentile"."""
-    if report["tool"] == "modelopt":
-        version = report["versions"]["nvidia-modelopt"]
-    else:
-        import onnxruntime
-
-        version = onnxruntime.__version__
-    return f"{report['tool']} {version}, {report['method']}"
+    return f"{report['tool']} {report['versions'][TOOL_PACKAGES[report['tool']]]}, {report['method']}"
 
 
 def _finish(model_path: Path, made_by: str) -> dict:
