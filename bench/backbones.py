@@ -171,8 +171,9 @@ def export_qat(backbone: str, work: Path) -> dict:
     [fp32], [ptq] = stage_folders(kfp_root, "evaluate_fp32"), stage_folders(kfp_root, "evaluate_ptq")
     [ptq_trt] = [f / EMULATED_FOLDER for f in stage_folders(kfp_root, "validate_ptq")]
     [fp32_trt] = [f / EMULATED_FOLDER for f in stage_folders(kfp_root, "validate_fp32")]
-    engines = uncertainty({"fp32": fp32, "ptq": ptq, "qat": folder / "evaluation"})["pairs"]
-    numbers = uncertainty({"fp32": fp32_trt, "ptq": ptq_trt, "qat": folder / "exact"})["pairs"]
+    engine_run = uncertainty({"fp32": fp32, "ptq": ptq, "qat": folder / "evaluation"})
+    numbers_run = uncertainty({"fp32": fp32_trt, "ptq": ptq_trt, "qat": folder / "exact"})
+    engines, numbers = engine_run["pairs"], numbers_run["pairs"]
     row = {"backbone": backbone, "layers_checked": check["checked"], "layers_failed": list(check["failed"]),
            "closest_layer": check["worst"], "end_to_end": report["difference_vs_tensorflow"],
            "end_to_end_limits": report["difference_limits"], "qat_map50": engine, "qat_map50_tensorrt": tensorrt,
@@ -184,7 +185,9 @@ def export_qat(backbone: str, work: Path) -> dict:
                       f"{report['difference_limits'][name]['p90_steps']:.2f}/"
                       f"{report['difference_limits'][name]['p99_steps']:.2f})"
                       for name, d in report["difference_vs_tensorflow"].items()))
-    print(f"{backbone}: QAT mAP@0.5 {engine:.4f} (CPU engine), {tensorrt:.4f} (TensorRT's numbers)")
+    for label, scored in (("CPU engines", engine_run), ("TensorRT's numbers", numbers_run)):
+        print(f"{backbone}: mAP@0.5 ({label}) " + ", ".join(
+            f"{name} {scored['variants'][name]['map50']['value']:.4f}" for name in ("fp32", "ptq", "qat")))
     for key in ("qat-fp32", "qat-ptq", "ptq-fp32", "qat-fp32_tensorrt", "qat-ptq_tensorrt", "ptq-fp32_tensorrt"):
         print(f"  {key:<18} {100 * row[key]['diff']:+.2f} points [{100 * row[key]['ci95'][0]:+.2f}, "
               f"{100 * row[key]['ci95'][1]:+.2f}]")
