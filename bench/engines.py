@@ -1,13 +1,15 @@
 """Benchmark: ONNX Runtime engines of the FP32, PTQ INT8 and QAT INT8 models, one harness, one run.
 
     python bench/engines.py --run DIR [--batch-sizes 1 8] [--iterations 50] [--min-seconds 5] [--profile]
+                            [--without REWRITE ...] [--openvino]
 
 DIR is a `qatpipe run --local` output folder (for instance bench/pipeline_local.py's WORK/run): the script
 takes the newest run's three ONNX models, builds each into an ONNX Runtime engine (`qatpipe build-engine
 --backend onnxruntime`), and times them with the latency harness of `qatpipe bench-engine` on random inputs of
 the spec's image size, every engine in this one process; the INT8 models in both CPU forms (`engine.cpu_form`
-fast, the default, and exact, TensorRT's numbers). With `--openvino` the same ONNX models also run in
-OpenVINO (if installed), the candidate CPU runtime the issue asked to measure. Prints p50 / p99 latency and
+fast, the default, and exact, TensorRT's numbers), and with `--without` in the fast form less each named speed
+rewrite (engines/cpu_qdq.OPTIONAL_REWRITES), to show what it buys. With `--openvino` the same ONNX models also
+run in OpenVINO (if installed), the candidate CPU runtime the issue asked to measure. Prints p50 / p99 latency and
 throughput per batch size, the speed-up over FP32, how many convolutions run as integer kernels, and each
 engine's mAP@0.5 on the run's val set; writes DIR/bench_engines.json.
 
@@ -38,6 +40,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: all cores)")
     parser.add_argument("--profile", action="store_true",
                         help="also print where each engine spends its time at the largest batch (ORT profiler)")
+    parser.add_argument("--without", nargs="+", default=[], metavar="REWRITE",
+                        help="also time each INT8 model's fast form without these speed rewrites "
+                             "(engines/cpu_qdq.OPTIONAL_REWRITES, e.g. stems_space_to_depth): what each buys")
     parser.add_argument("--openvino", action="store_true",
                         help="also time the ONNX models in OpenVINO (a candidate CPU runtime; pip install openvino)")
     args = parser.parse_args()
@@ -59,12 +64,16 @@ def main() -> None:
     results: dict[str, dict] = {}
     # each INT8 model in both CPU forms: exact (TensorRT's numbers) and fast (BN folded, ReLU absorbed)
     engines = [("fp32", "fp32", "fast"), ("ptq exact", "ptq", "exact"), ("ptq fast", "ptq", "fast"),
-               ("qat exact", "qat", "exact"), ("qat fast", "qat", "fast")]
+               *((f"ptq fast without {w}", "ptq", "fast") for w in args.without),
+               ("qat exact", "qat", "exact"), ("qat fast", "qat", "fast"),
+               *((f"qat fast without {w}", "qat", "fast") for w in args.without)]
     for variant, source, form in engines:
         engine_dir = args.run / "bench_engines" / variant.replace(" ", "_")
         spec.engine.cpu_form = form
         info = build_engine(spec, sources[source], engine_dir, backend="onnxruntime",
                             stage_name=f"bench_{source}")
+        if " without " in variant:
+            _rebuild_without(sources[source], engine_dir, variant.split(" without ")[1])
         runner = load_engine(engine_dir)
         if args.threads:
             from qatpipe.engines.onnxruntime_backend import OnnxRuntimeRunner
@@ -117,6 +126,23 @@ def main() -> None:
                             for n in r["profile"]["nodes"][:4])
             print(f"- {variant} ({total:.1f} ms in kernels): {top}")
     print(f"\nfigures: {args.run / 'bench_engines.json'}")
+
+
+def _rebuild_without(source: Path, engine_dir: Path, rewrite: str) -> None:
+    """Replace a built fast-form engine's ONNX with the fast form less one speed rewrite; engine.json's
+    rewrite counts follow."""
+    import onnx
+
+    from qatpipe.engines.base import EngineMetadata
+    from qatpipe.engines.cpu_qdq import to_cpu_form
+    from qatpipe.export.onnx_export import save_onnx
+
+    model = onnx.load(source)
+    counts = to_cpu_form(model, "fast", without=frozenset({rewrite}))
+    save_onnx(model, engine_dir / "model.onnx")
+    metadata = EngineMetadata.read(engine_dir)
+    metadata.extra = counts
+    metadata.write(engine_dir)
 
 
 def _fmt(value, fmt: str) -> str:

@@ -598,3 +598,13 @@ def test_space_to_depth_leaves_convolutions_it_does_not_speed_up():
     clipped.graph.initializer.extend([numpy_helper.from_array(np.float32(v), k) for k, v in (("lo", 0), ("hi", 6))])
     clipped.graph.node.insert(4, helper.make_node("Clip", ["c0", "lo", "hi"], ["c"]))
     assert space_to_depth_stems(clipped) == 0
+
+
+def test_the_fast_form_can_leave_out_a_speed_rewrite_and_refuses_a_needed_one():
+    from qatpipe.engines.cpu_qdq import to_cpu_form
+
+    model = _stem((1, 3, 20, 26), 7, (2, 2, 3, 3))
+    assert to_cpu_form(model, "fast", without=frozenset({"stems_space_to_depth"}))["stems_space_to_depth"] == 0
+    assert "SpaceToDepth" not in [n.op_type for n in model.graph.node]
+    with pytest.raises(ValueError, match="batch_norms_folded"):
+        to_cpu_form(_stem((1, 3, 20, 26), 7, (2, 2, 3, 3)), "fast", without=frozenset({"batch_norms_folded"}))

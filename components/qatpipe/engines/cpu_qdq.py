@@ -351,19 +351,25 @@ def space_to_depth_stems(model, max_channels: int = 4) -> int:
     return count
 
 
-def to_cpu_form(model, form: str) -> dict[str, int]:
+def to_cpu_form(model, form: str, without: frozenset[str] = frozenset()) -> dict[str, int]:
     """Rewrite a Q/DQ model in place into the CPU form `form` ("exact" or "fast", see the module docstring);
-    returns how many of each rewrite it made."""
+    returns how many of each rewrite it made. `without`: fast-form speed rewrites to leave out (OPTIONAL_REWRITES;
+    bench/engines.py --without times what each one buys)."""
+    if unknown := set(without) - set(OPTIONAL_REWRITES):
+        raise ValueError(f"not optional CPU form rewrites: {sorted(unknown)} (optional: {OPTIONAL_REWRITES})")
     fast = form == "fast"
     counts = dict.fromkeys(CPU_FORM_REWRITES, 0)
     if fast:  # the order matters: BN must be folded before conv outputs and biases are quantised
         counts["batch_norms_folded"] = fold_batch_norms(model)
-        counts["residual_conv_outputs_quantized"] = quantize_residual_conv_outputs(model)
+        if "residual_conv_outputs_quantized" not in without:
+            counts["residual_conv_outputs_quantized"] = quantize_residual_conv_outputs(model)
     counts["activation_qdq_shifted_to_uint8"] = activations_to_uint8(model, zero_point_0_after_relu=fast)
     if fast:
-        counts["requantizations_merged"] = merge_requantization(model)
+        if "requantizations_merged" not in without:
+            counts["requantizations_merged"] = merge_requantization(model)
         counts["biases_quantized"] = quantize_conv_biases(model)
-        counts["stems_space_to_depth"] = space_to_depth_stems(model)  # last: it pads with the uint8 zero point
+        if "stems_space_to_depth" not in without:  # last: it pads with the uint8 zero point
+            counts["stems_space_to_depth"] = space_to_depth_stems(model)
     drop_unused_initializers(model.graph)  # the int8 zero points the uint8 ones replaced
     return counts
 
@@ -371,3 +377,5 @@ def to_cpu_form(model, form: str) -> dict[str, int]:
 # the rewrites `to_cpu_form` reports, in engine.json's `extra`
 CPU_FORM_REWRITES = ("batch_norms_folded", "activation_qdq_shifted_to_uint8", "requantizations_merged",
                      "biases_quantized", "residual_conv_outputs_quantized", "stems_space_to_depth")
+# the fast form's rewrites that only buy speed: the form is valid without each
+OPTIONAL_REWRITES = ("requantizations_merged", "residual_conv_outputs_quantized", "stems_space_to_depth")
