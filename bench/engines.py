@@ -41,8 +41,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also print where each engine spends its time at the largest batch (ORT profiler)")
     parser.add_argument("--without", nargs="+", default=[], metavar="REWRITE",
-                        help="also time each INT8 model's fast form without these speed rewrites "
-                             "(engines/cpu_qdq.OPTIONAL_REWRITES, e.g. stems_space_to_depth): what each buys")
+                        help="also time each INT8 model's fast form without these speed rewrites (what each "
+                             "buys; engines/cpu_qdq.OPTIONAL_REWRITES, e.g. residual_conv_outputs_quantized)")
     parser.add_argument("--openvino", action="store_true",
                         help="also time the ONNX models in OpenVINO (a candidate CPU runtime; pip install openvino)")
     args = parser.parse_args()

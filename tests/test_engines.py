@@ -78,7 +78,7 @@ def test_exact_cpu_form_computes_the_same_numbers_with_uint8_activations(engines
     assert weights and all(w.dtype == np.int8 for w in weights)  # weights stay symmetric int8
     assert json.loads((engine_dir / "engine.json").read_text())["extra"] == {
         "batch_norms_folded": 0, "activation_qdq_shifted_to_uint8": len(activation_q), "requantizations_merged": 0,
-        "biases_quantized": 0, "residual_conv_outputs_quantized": 0, "stems_space_to_depth": 0}
+        "biases_quantized": 0, "residual_conv_outputs_quantized": 0}
     images = np.random.default_rng(0).uniform(size=(3, 192, 320, 3)).astype(np.float32)
     # the graph as written (no kernel fusion): identical numbers, not approximately
     expected, actual = _unoptimised(qat_onnx)(images), _unoptimised(engine_dir / "model.onnx")(images)
@@ -115,7 +115,6 @@ def test_default_cpu_engine_of_a_qdq_model_is_the_fast_form_with_integer_kernels
     # residual Add had their outputs quantised with the Add's other input's scale, so the Adds are integer too
     assert ops.count("QLinearConv") == 13 and ops.count("QLinearAdd") == 4
     assert metadata["extra"]["residual_conv_outputs_quantized"] == 4
-    assert metadata["extra"]["stems_space_to_depth"] == 1  # the 7x7 stem, over 12 channels, still QLinearConv
     # not exact (folded scales round differently, uint8 saturates later than int8): the detections agree
     from qatpipe.stages.evaluate import evaluate
 
@@ -535,76 +534,23 @@ def test_fold_batch_norm_skips_what_it_cannot_fold_exactly():
     assert fold_batch_norms(_qdq_graph(nodes, inits)) == 0
 
 
-def _stem(shape, kernel, pads, stride=2, channels_out=8, seed=0):
-    """A Q/DQ convolution over a uint8 image (ONNX Runtime fuses it into QLinearConv), as the CPU forms leave
-    a stem: input zero point 128, symmetric per-channel int8 weights, output after a ReLU (zero point 0)."""
-    from onnx import TensorProto, helper
-
-    rng = np.random.default_rng(seed)
-    weights = rng.integers(-127, 128, (channels_out, shape[1], kernel, kernel)).astype(np.int8)
-    inits = {"xs": np.float32(1 / 64), "xz": np.uint8(128), "w": weights,
-             "ws": rng.uniform(0.005, 0.02, channels_out).astype(np.float32), "wz": np.zeros(channels_out, np.int8),
-             "ys": np.float32(0.05), "yz": np.uint8(0)}
-    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
-             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
-             helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], axis=0),
-             helper.make_node("Conv", ["xd", "wd"], ["c"], kernel_shape=[kernel, kernel], strides=[stride, stride],
-                              pads=list(pads)),
-             helper.make_node("QuantizeLinear", ["c", "ys", "yz"], ["yq"]),
-             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["y"])]
-    graph = helper.make_graph(nodes, "stem", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", *shape[1:]])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", channels_out, "h", "w"])],
-                              [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-
-
-@pytest.mark.parametrize("shape, kernel, pads", [
-    ((2, 3, 20, 26), 7, (2, 2, 3, 3)),  # ResNet's stem, TF's SAME padding on even sizes
-    ((2, 3, 17, 23), 3, (0, 0, 1, 1)),  # MobileNetV2's and EfficientNet's, odd sizes
-    ((2, 1, 16, 16), 5, (2, 2, 2, 2)),  # one channel, symmetric padding
-])
-def test_space_to_depth_stem_computes_the_same_integers_in_one_integer_kernel(shape, kernel, pads, tmp_path):
-    """The fast form's stem rewrite (Pad with the zero point, SpaceToDepth, half the kernel at stride 1) sums the
-    same int8 products: ONNX Runtime's integer kernels give identical outputs, and the stem stays one QLinearConv."""
-    import onnxruntime as ort
-
-    from qatpipe.engines.cpu_qdq import space_to_depth_stems
-
-    model = _stem(shape, kernel, pads)
-    x = np.random.default_rng(1).uniform(-2.5, 2.5, shape).astype(np.float32)  # beyond int8's range too
-    before = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
-    assert space_to_depth_stems(model) == 1
-    onnx.checker.check_model(model)
-    assert [n.op_type for n in model.graph.node if n.op_type in ("Pad", "SpaceToDepth")] == ["Pad", "SpaceToDepth"]
-    options = ort.SessionOptions()
-    options.optimized_model_filepath = str(tmp_path / "optimised.onnx")
-    after = ort.InferenceSession(model.SerializeToString(), options).run(None, {"x": x})[0]
-    np.testing.assert_array_equal(after, before)
-    ops = [n.op_type for n in onnx.load(tmp_path / "optimised.onnx").graph.node]
-    assert ops.count("QLinearConv") == 1 and "Conv" not in ops
-
-
-def test_space_to_depth_leaves_convolutions_it_does_not_speed_up():
-    from qatpipe.engines.cpu_qdq import space_to_depth_stems
-
-    assert space_to_depth_stems(_stem((1, 3, 16, 16), 3, (1, 1, 1, 1), stride=1)) == 0  # stride 1
-    assert space_to_depth_stems(_stem((1, 16, 16, 16), 3, (0, 0, 1, 1))) == 0  # many channels: VNNI is busy
-    # a ReLU6 (Clip) before the Q: ORT runs the conv in float, where another summation order is not exact
+def test_the_fast_form_can_leave_out_a_speed_rewrite_and_refuses_a_needed_one():
+    """bench/engines.py --without times what each of the fast form's optional rewrites buys."""
     from onnx import helper
 
-    clipped = _stem((1, 3, 16, 16), 3, (0, 0, 1, 1))
-    conv = next(n for n in clipped.graph.node if n.op_type == "Conv")
-    conv.output[0] = "c0"
-    clipped.graph.initializer.extend([numpy_helper.from_array(np.float32(v), k) for k, v in (("lo", 0), ("hi", 6))])
-    clipped.graph.node.insert(4, helper.make_node("Clip", ["c0", "lo", "hi"], ["c"]))
-    assert space_to_depth_stems(clipped) == 0
-
-
-def test_the_fast_form_can_leave_out_a_speed_rewrite_and_refuses_a_needed_one():
     from qatpipe.engines.cpu_qdq import to_cpu_form
 
-    model = _stem((1, 3, 20, 26), 7, (2, 2, 3, 3))
-    assert to_cpu_form(model, "fast", without=frozenset({"stems_space_to_depth"}))["stems_space_to_depth"] == 0
-    assert "SpaceToDepth" not in [n.op_type for n in model.graph.node]
+    def chain():  # Q -> DQ -> ReLU -> Q -> DQ: a requantisation the fast form merges into one Q
+        nodes = [helper.make_node("QuantizeLinear", ["x", "s1", "z"], ["q1"]),
+                 helper.make_node("DequantizeLinear", ["q1", "s1", "z"], ["d1"]),
+                 helper.make_node("Relu", ["d1"], ["r1"]),
+                 helper.make_node("QuantizeLinear", ["r1", "s2", "z"], ["q2"]),
+                 helper.make_node("DequantizeLinear", ["q2", "s2", "z"], ["y"])]
+        return _qdq_graph(nodes, {"s1": np.float32(0.05), "s2": np.float32(0.1), "z": np.int8(0)})
+
+    assert to_cpu_form(chain(), "fast")["requantizations_merged"] == 1
+    kept = chain()
+    assert to_cpu_form(kept, "fast", without=frozenset({"requantizations_merged"}))["requantizations_merged"] == 0
+    assert [n.op_type for n in kept.graph.node].count("QuantizeLinear") == 2
     with pytest.raises(ValueError, match="batch_norms_folded"):
-        to_cpu_form(_stem((1, 3, 20, 26), 7, (2, 2, 3, 3)), "fast", without=frozenset({"batch_norms_folded"}))
+        to_cpu_form(chain(), "fast", without=frozenset({"batch_norms_folded"}))

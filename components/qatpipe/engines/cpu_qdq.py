@@ -21,8 +21,7 @@ nothing sits between Conv and Q except a ReLU whose Q has the lowest value as ze
   Not exact: float rounding of the folded scales, the bias step, and steps half as coarse after a ReLU,
   and a residual conv output clipped to its Add's other input's range. Also merges requantisation
   chains Q(s1) -> DQ -> [ReLU] -> Q(s2), which ONNX Runtime's PTQ writes after every convolution, into one
-  Q(s2): one rounding instead of two. And a stride-2 stem over an image's few channels reads its input
-  through Pad and SpaceToDepth as a stride-1 convolution with half the kernel (exact: the same int8 sums).
+  Q(s2): one rounding instead of two.
 """
 
 from __future__ import annotations
@@ -261,96 +260,6 @@ def quantize_residual_conv_outputs(model) -> int:
     return count
 
 
-def _fuses_into_qlinearconv(conv, consumers, inits) -> bool:
-    """ONNX Runtime turns DQ -> Conv -> [ReLU ->] Q into one integer QLinearConv (a ReLU only before a Q whose
-    zero point is its lowest value), after moving a Q up through range-keeping ops (a MaxPool: QAT's Q sits at
-    the next convolution's input). Elsewhere the convolution runs in float on dequantised inputs."""
-    from onnx import numpy_helper
-
-    users, relu = consumers[conv.output[0]], False
-    while len(users) == 1 and (users[0].op_type in RANGE_KEEPING_OPS or (users[0].op_type == "Relu" and not relu)):
-        relu = relu or users[0].op_type == "Relu"
-        users = consumers[users[0].output[0]]
-    if len(users) != 1 or users[0].op_type != "QuantizeLinear":
-        return False
-    zero_point = users[0].input[2] if len(users[0].input) > 2 else None
-    return not relu or (zero_point in inits and _is_lowest(numpy_helper.to_array(inits[zero_point])))
-
-
-def space_to_depth_stems(model, max_channels: int = 4) -> int:
-    """Fast form only: a stride-2 Q/DQ convolution over few channels (the stem, over an image) that ONNX
-    Runtime runs as an integer kernel reads its quantised input through Pad and SpaceToDepth(2) and becomes a
-    stride-1 convolution with half the kernel and four times the channels; returns how many. Exact: the same
-    int8 products are summed (weights moved, zeros added where the halved kernel overhangs). Why: the
-    integer convolution then reads 16 runs of 12 input channels per output instead of 49 runs of 3 (a 7x7
-    stem), which ONNX Runtime's kernel does faster on the CPUs measured (bench/engines.py times it). A stem that
-    runs in float (a ReLU6 or swish before its Q) is left alone: float sums in another order are not exact."""
-    from onnx import helper, numpy_helper, shape_inference
-
-    from qatpipe.export.onnx_graph import attribute
-
-    graph = model.graph
-    inits = {init.name: init for init in graph.initializer}
-    shapes = {info.name: [d.dim_value for d in info.type.tensor_type.shape.dim]
-              for info in shape_inference.infer_shapes(model).graph.value_info}
-    shapes.update({i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input})
-    producers, consumers = graph_maps(graph)
-    count = 0
-    for conv in [node for node in graph.node if node.op_type == "Conv"]:
-        if not _is_qdq_conv(conv, producers, inits) or attribute(conv, "group", 1) != 1:
-            continue
-        x_dq, w_dq = producers[conv.input[0]], producers[conv.input[1]]
-        weights = numpy_helper.to_array(inits[w_dq.input[0]])
-        out_channels, channels, kh, kw = weights.shape
-        shape = shapes.get(x_dq.input[0], [])
-        if (attribute(conv, "strides") != [2, 2] or any(d != 1 for d in attribute(conv, "dilations", [1, 1]))
-                or channels > max_channels or attribute(conv, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")
-                or len(shape) != 4 or not all(shape[2:]) or len(x_dq.input) < 3 or x_dq.input[2] not in inits
-                or len(consumers[w_dq.output[0]]) != 1 or not _fuses_into_qlinearconv(conv, consumers, inits)):
-            continue
-        top, left, bottom, right = attribute(conv, "pads", [0, 0, 0, 0])
-        height, width = shape[2:]
-        out_h, out_w = (height + top + bottom - kh) // 2 + 1, (width + left + right - kw) // 2 + 1
-        half_h, half_w = (kh + 1) // 2, (kw + 1) // 2
-        # padded so that SpaceToDepth's grid gives exactly out_h x out_w outputs of the halved kernel
-        pad_bottom = 2 * (out_h + half_h - 1) - height - top
-        pad_right = 2 * (out_w + half_w - 1) - width - left
-        if pad_bottom < 0 or pad_right < 0:
-            continue  # trailing input rows the stride-2 conv never reads: a crop, not worth a rule
-        moved = np.zeros((out_channels, channels, 2 * half_h, 2 * half_w), weights.dtype)
-        moved[:, :, :kh, :kw] = weights
-        # SpaceToDepth's channel (by * 2 + bx) * C + c holds input pixel (2y + by, 2x + bx) of channel c
-        moved = moved.reshape(out_channels, channels, half_h, 2, half_w, 2).transpose(0, 3, 5, 1, 2, 4)
-        prefix = f"{conv.name or conv.output[0]}_s2d"
-        graph.initializer.extend([
-            numpy_helper.from_array(moved.reshape(out_channels, 4 * channels, half_h, half_w), f"{prefix}_w"),
-            numpy_helper.from_array(np.array([0, 0, top, left, 0, 0, pad_bottom, pad_right], np.int64),
-                                    f"{prefix}_pads"),
-        ])
-        # padding with the zero point: the value that dequantises to 0, as the convolution's own padding
-        graph.node.extend([
-            helper.make_node("Pad", [x_dq.input[0], f"{prefix}_pads", x_dq.input[2]], [f"{prefix}_padded"],
-                             name=f"{prefix}_pad"),
-            helper.make_node("SpaceToDepth", [f"{prefix}_padded"], [f"{prefix}_q"], name=prefix, blocksize=2),
-            helper.make_node("DequantizeLinear", [f"{prefix}_q", *x_dq.input[1:]], [f"{prefix}_dq"],
-                             name=f"{prefix}_dq"),
-        ])
-        w_dq.input[0] = f"{prefix}_w"
-        conv.input[0] = f"{prefix}_dq"
-        for name in ("strides", "pads", "kernel_shape"):
-            for attr in [a for a in conv.attribute if a.name == name]:
-                conv.attribute.remove(attr)
-        conv.attribute.extend([helper.make_attribute("strides", [1, 1]),
-                               helper.make_attribute("kernel_shape", [half_h, half_w])])
-        if len(consumers[x_dq.output[0]]) == 1:
-            graph.node.remove(x_dq)  # it fed only this convolution
-        count += 1
-    if count:
-        sort_topologically(graph)
-        drop_unused_initializers(graph)
-    return count
-
-
 def to_cpu_form(model, form: str, without: frozenset[str] = frozenset()) -> dict[str, int]:
     """Rewrite a Q/DQ model in place into the CPU form `form` ("exact" or "fast", see the module docstring);
     returns how many of each rewrite it made. `without`: fast-form speed rewrites to leave out (OPTIONAL_REWRITES;
@@ -368,14 +277,12 @@ def to_cpu_form(model, form: str, without: frozenset[str] = frozenset()) -> dict
         if "requantizations_merged" not in without:
             counts["requantizations_merged"] = merge_requantization(model)
         counts["biases_quantized"] = quantize_conv_biases(model)
-        if "stems_space_to_depth" not in without:  # last: it pads with the uint8 zero point
-            counts["stems_space_to_depth"] = space_to_depth_stems(model)
     drop_unused_initializers(model.graph)  # the int8 zero points the uint8 ones replaced
     return counts
 
 
 # the rewrites `to_cpu_form` reports, in engine.json's `extra`
 CPU_FORM_REWRITES = ("batch_norms_folded", "activation_qdq_shifted_to_uint8", "requantizations_merged",
-                     "biases_quantized", "residual_conv_outputs_quantized", "stems_space_to_depth")
+                     "biases_quantized", "residual_conv_outputs_quantized")
 # the fast form's rewrites that only buy speed: the form is valid without each
-OPTIONAL_REWRITES = ("requantizations_merged", "residual_conv_outputs_quantized", "stems_space_to_depth")
+OPTIONAL_REWRITES = ("requantizations_merged", "residual_conv_outputs_quantized")
