@@ -1,17 +1,20 @@
 """Benchmark: ONNX Runtime engines of the FP32, PTQ INT8 and QAT INT8 models, one harness, one run.
 
-    python bench/engines.py --run DIR [--batch-sizes 1 8] [--iterations 50] [--min-seconds 5] [--profile]
-                            [--without REWRITE ...] [--openvino]
+    python bench/engines.py --run DIR [--batch-sizes 1 8] [--iterations 50] [--min-seconds 5] [--rounds 5]
+                            [--profile] [--without REWRITE ...] [--openvino]
 
 DIR is a `qatpipe run --local` output folder (for instance bench/pipeline_local.py's WORK/run): the script
 takes the newest run's three ONNX models, builds each into an ONNX Runtime engine (`qatpipe build-engine
---backend onnxruntime`), and times them with the latency harness of `qatpipe bench-engine` on random inputs of
-the spec's image size, every engine in this one process; the INT8 models in both CPU forms (`engine.cpu_form`
-fast, the default, and exact, TensorRT's numbers), and with `--without` in the fast form less each named speed
-rewrite (engines/cpu_qdq.OPTIONAL_REWRITES), to show what it buys. With `--openvino` the same ONNX models also
-run in OpenVINO (if installed), the candidate CPU runtime the issue asked to measure. Prints p50 / p99 latency and
-throughput per batch size, the speed-up over FP32, how many convolutions run as integer kernels, and each
-engine's mAP@0.5 on the run's val set; writes DIR/bench_engines.json.
+--backend onnxruntime`): the INT8 models in both CPU forms (`engine.cpu_form` fast, the default, and exact,
+TensorRT's numbers), and with `--without` in the fast form less each named speed rewrite
+(engines/cpu_qdq.OPTIONAL_REWRITES), to show what it buys. It times them with the latency harness of `qatpipe
+bench-engine` on random inputs of the spec's image size, every engine in this one process, once a round for
+`--rounds` rounds: a slow spell of a shared machine then hits every engine alike. Figures are the rounds'
+medians, and each speed-up's range over the rounds (each round's FP32 over the engine's) is printed beside it.
+With `--openvino` the same ONNX models also run in OpenVINO (if installed), the candidate CPU runtime the
+issue asked to measure. Prints p50 / p99 latency and throughput per batch size, the speed-up over FP32, how
+many convolutions run as integer kernels, and each engine's mAP@0.5 on the run's val set; writes
+DIR/bench_engines.json.
 
 Targets: deployment issue, INT8 at least 2x FP32's throughput at batch 8 on this 2-core CPU; "Speed where the
 work is", the default QAT engine at least 3x (the limit of int8 VNNI over fp32 FMA is 4x).
@@ -36,7 +39,9 @@ def main() -> None:
     parser.add_argument("--spec", default="default")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--iterations", type=int, default=50)
-    parser.add_argument("--min-seconds", type=float, default=5.0)
+    parser.add_argument("--min-seconds", type=float, default=5.0, help="per engine and batch size, over all rounds")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="time every engine once a round, this many rounds; figures are the rounds' medians")
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: all cores)")
     parser.add_argument("--profile", action="store_true",
                         help="also print where each engine spends its time at the largest batch (ORT profiler)")
@@ -67,6 +72,7 @@ def main() -> None:
                *((f"ptq fast without {w}", "ptq", "fast") for w in args.without),
                ("qat exact", "qat", "exact"), ("qat fast", "qat", "fast"),
                *((f"qat fast without {w}", "qat", "fast") for w in args.without)]
+    runners = {}
     for variant, source, form in engines:
         engine_dir = args.run / "bench_engines" / variant.replace(" ", "_")
         spec.engine.cpu_form = form
@@ -74,48 +80,63 @@ def main() -> None:
                             stage_name=f"bench_{source}")
         if " without " in variant:
             _rebuild_without(sources[source], engine_dir, variant.split(" without ")[1])
-        runner = load_engine(engine_dir)
+        runners[variant] = load_engine(engine_dir)
         if args.threads:
             from qatpipe.engines.onnxruntime_backend import OnnxRuntimeRunner
 
-            runner = OnnxRuntimeRunner(engine_dir / "model.onnx", runner.metadata, threads=args.threads)
-        rows = {}
-        for batch_size in args.batch_sizes:
-            batch = rng.uniform(size=(batch_size, size.height, size.width, 3)).astype(np.float32)
-            rows[batch_size] = measure_latency(runner.run, batch, warmup=5, iterations=args.iterations,
-                                               min_seconds=args.min_seconds).to_dict()
-            log.info("%s batch %d: p50 %.2f ms", variant, batch_size, rows[batch_size]["latency_ms_p50"])
+            runners[variant] = OnnxRuntimeRunner(engine_dir / "model.onnx", runners[variant].metadata,
+                                                 threads=args.threads)
         dataset = sources["qat"].parents[2] / "prepare-data" / "dataset"
         scored = evaluate(spec_with_prepared_dataset(spec, dataset), engine_dir, engine_dir / "evaluate")
         results[variant] = {"label": info["label"], "precision": info["precision"],
                             "engine_size_mb": info["engine_size_mb"],
-                            "fused_ops": _fused_ops(engine_dir / "model.onnx"), "batches": rows,
-                            "map50": scored["map50"]}
+                            "fused_ops": _fused_ops(engine_dir / "model.onnx"), "map50": scored["map50"]}
         if args.profile:
             batch = rng.uniform(size=(max(args.batch_sizes), size.height, size.width, 3)).astype(np.float32)
             results[variant]["profile"] = _profile(engine_dir / "model.onnx", batch, args.threads)
+    # timed in rounds, every engine once a round: a slow spell of this shared machine hits all engines alike
+    # and shows as the spread of the per-round speed-ups, not as one engine's figure
+    batches = {b: rng.uniform(size=(b, size.height, size.width, 3)).astype(np.float32) for b in args.batch_sizes}
+    rounds: dict[str, dict[int, list[dict]]] = {v: {b: [] for b in args.batch_sizes} for v in runners}
+    for round_ in range(args.rounds):
+        for variant, runner in runners.items():
+            for batch_size, batch in batches.items():
+                rounds[variant][batch_size].append(measure_latency(
+                    runner.run, batch, warmup=5, iterations=max(1, args.iterations // args.rounds),
+                    min_seconds=args.min_seconds / args.rounds).to_dict())
+        log.info("round %d/%d: %s", round_ + 1, args.rounds, ", ".join(
+            f"{v} {r[max(args.batch_sizes)][-1]['latency_ms_p50']:.1f} ms" for v, r in rounds.items()))
+    for variant, per_batch in rounds.items():
+        results[variant]["batches"] = {b: _median_round(timings) for b, timings in per_batch.items()}
+        results[variant]["rounds"] = per_batch
     largest = max(args.batch_sizes)
     if args.openvino:
         results.update(_openvino(sources, size, largest, args.min_seconds, rng))
     fp32 = results["fp32"]["batches"][largest]["latency_ms_p50"]
+    per_round = [r["latency_ms_p50"] for r in rounds["fp32"][largest]]
     report = {
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}, "
                    f"onnxruntime {ort.__version__}",
-        "models": {name: str(path) for name, path in sources.items()}, "results": results,
+        "models": {name: str(path) for name, path in sources.items()}, "rounds": args.rounds, "results": results,
         "speedup_vs_fp32_at_largest_batch": {v: round(fp32 / r["batches"][largest]["latency_ms_p50"], 2)
                                              for v, r in results.items()},
+        # each round's FP32 p50 over the engine's, same round: the spread the machine gives
+        "speedup_range_over_rounds": {v: [round(min(f / r["latency_ms_p50"] for f, r in zip(per_round, rs)), 2),
+                                          round(max(f / r["latency_ms_p50"] for f, r in zip(per_round, rs)), 2)]
+                                      for v, per_batch in rounds.items() for rs in [per_batch[largest]]},
     }
     (args.run / "bench_engines.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{report['machine']}; models of {sources['qat'].parents[2]}\n")
     header = " | ".join(f"p50 / p99 ms @{b}" for b in args.batch_sizes)
-    print(f"| variant | engine | {header} | img/s @{largest} | speed-up @{largest} | integer convs | engine MB | "
-          "mAP@0.5 |")
+    print(f"| variant | engine | {header} | img/s @{largest} | speed-up @{largest} (range over rounds) | "
+          "integer convs | engine MB | mAP@0.5 |")
     print("|---|" + "---|" * (len(args.batch_sizes) + 6))
     for variant, r in results.items():
         cells = " | ".join(f"{r['batches'][b]['latency_ms_p50']:.1f} / {r['batches'][b]['latency_ms_p99']:.1f}"
                            if b in r["batches"] else "n/a" for b in args.batch_sizes)
         print(f"| {variant} | {r['label']} | {cells} | {r['batches'][largest]['throughput']:.1f} | "
-              f"{report['speedup_vs_fp32_at_largest_batch'][variant]:.2f}x | {r.get('fused_ops', 'n/a')} | "
+              f"{report['speedup_vs_fp32_at_largest_batch'][variant]:.2f}x{_range(report, variant)} | "
+              f"{r.get('fused_ops', 'n/a')} | "
               f"{_fmt(r.get('engine_size_mb'), '{:.2f}')} | {_fmt(r.get('map50'), '{:.4f}')} |")
     if args.profile:
         results = {variant: r for variant, r in results.items() if "profile" in r}
@@ -143,6 +164,19 @@ def _rebuild_without(source: Path, engine_dir: Path, rewrite: str) -> None:
     metadata = EngineMetadata.read(engine_dir)
     metadata.extra = counts
     metadata.write(engine_dir)
+
+
+def _median_round(timings: list[dict]) -> dict:
+    """One engine's figures at one batch size over the rounds: each latency the median of the rounds'."""
+    merged = {key: round(float(np.median([t[key] for t in timings])), 3)
+              for key in timings[0] if key.startswith("latency_ms_")}
+    return {**merged, "batch_size": timings[0]["batch_size"], "iterations": sum(t["iterations"] for t in timings),
+            "throughput": round(timings[0]["batch_size"] * 1000.0 / merged["latency_ms_p50"], 2)}
+
+
+def _range(report: dict, variant: str) -> str:
+    low_high = report["speedup_range_over_rounds"].get(variant)
+    return f" ({low_high[0]:.2f}-{low_high[1]:.2f})" if low_high else ""
 
 
 def _fmt(value, fmt: str) -> str:
