@@ -22,9 +22,10 @@ log = logging.getLogger("bench")
 
 
 def bench_run(run: Path, work: Path, method: str) -> dict:
-    from runs import paired_differences, stage_folder
+    from runs import stage_folder
 
     from qatpipe.spec import load_spec
+    from qatpipe.stages.compare import uncertainty
     from qatpipe.stages.export import export
     from qatpipe.stages.validate import DLA_EMULATED_FOLDER, dla_emulated_map50, exact_form_map50
 
@@ -37,8 +38,8 @@ def bench_run(run: Path, work: Path, method: str) -> dict:
     report = export(spec, spec_path.with_name("model.keras"), folder / "model.onnx")["dla"]
     qdq = exact_form_map50(spec, folder / "model.onnx", folder / "qdq", "qdq")
     dla, _ = dla_emulated_map50(spec, folder / "model.onnx", folder)
-    pair = paired_differences({"qdq": folder / "qdq", "dla": folder / DLA_EMULATED_FOLDER},
-                              [("dla", "qdq")])["dla-qdq"]["map50"]
+    pair = uncertainty({"qdq": folder / "qdq", "dla": folder / DLA_EMULATED_FOLDER},
+                       pairs=[("dla", "qdq")])["pairs"]["dla-qdq"]["map50"]
     row = {"run": str(run), "backbone": spec.model.backbone.name, "method": method, "map50_qdq": qdq,
            "map50_dla_emulated": dla,
            "diff": pair["diff"], "ci95": pair["ci95"],

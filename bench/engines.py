@@ -113,17 +113,14 @@ def main() -> None:
     if args.openvino:
         results.update(_openvino(sources, size, largest, args.min_seconds, rng))
     fp32 = results["fp32"]["batches"][largest]["latency_ms_p50"]
-    per_round = [r["latency_ms_p50"] for r in rounds["fp32"][largest]]
     report = {
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}, "
                    f"onnxruntime {ort.__version__}",
         "models": {name: str(path) for name, path in sources.items()}, "rounds": args.rounds, "results": results,
         "speedup_vs_fp32_at_largest_batch": {v: round(fp32 / r["batches"][largest]["latency_ms_p50"], 2)
                                              for v, r in results.items()},
-        # each round's FP32 p50 over the engine's, same round: the spread the machine gives
-        "speedup_range_over_rounds": {v: [round(min(f / r["latency_ms_p50"] for f, r in zip(per_round, rs)), 2),
-                                          round(max(f / r["latency_ms_p50"] for f, r in zip(per_round, rs)), 2)]
-                                      for v, per_batch in rounds.items() for rs in [per_batch[largest]]},
+        "speedup_range_over_rounds": {v: _speedup_range(rounds["fp32"][largest], per_batch[largest])
+                                      for v, per_batch in rounds.items()},
     }
     (args.run / "bench_engines.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{report['machine']}; models of {sources['qat'].parents[2]}\n")
@@ -172,6 +169,13 @@ def _median_round(timings: list[dict]) -> dict:
               for key in timings[0] if key.startswith("latency_ms_")}
     return {**merged, "batch_size": timings[0]["batch_size"], "iterations": sum(t["iterations"] for t in timings),
             "throughput": round(timings[0]["batch_size"] * 1000.0 / merged["latency_ms_p50"], 2)}
+
+
+def _speedup_range(fp32_rounds: list[dict], engine_rounds: list[dict]) -> list[float]:
+    """[lowest, highest] over the rounds of that round's FP32 p50 over the engine's: the spread the machine
+    gives a speed-up."""
+    ratios = [f["latency_ms_p50"] / e["latency_ms_p50"] for f, e in zip(fp32_rounds, engine_rounds)]
+    return [round(min(ratios), 2), round(max(ratios), 2)]
 
 
 def _range(report: dict, variant: str) -> str:

@@ -37,9 +37,9 @@ def _ptq_task(run: Path) -> tuple[Path, Path]:
 
 def bench_run(run: Path, work: Path, images: int) -> list[dict]:
     import onnx
-    from runs import paired_differences
 
     from qatpipe.spec import load_spec
+    from qatpipe.stages.compare import uncertainty
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.ptq import ptq
     from qatpipe.stages.validate import exact_form_map50
@@ -71,8 +71,8 @@ def bench_run(run: Path, work: Path, images: int) -> list[dict]:
     folders = {"fp32": root / "fp32", **{f"{r['tool']}_{r['method']}": root / f"{r['tool']}_{r['method']}"
                                          for r in rows}}
     names = [name for name in folders if name != "fp32"]
-    pairs = paired_differences(folders, [(name, "fp32") for name in names]
-                               + [(name, BASELINE) for name in names if name != BASELINE])
+    pairs = uncertainty(folders, pairs=[(name, "fp32") for name in names]
+                        + [(name, BASELINE) for name in names if name != BASELINE])["pairs"]
     for row in rows:
         name = f"{row['tool']}_{row['method']}"
         row["fp32_map50"] = scores["fp32"]

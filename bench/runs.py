@@ -35,15 +35,3 @@ def stage_folder(run: Path, *stages: str) -> Path:
         raise SystemExit(f"{run}: no finished {' or '.join(stages)}")
     return found[0]
 
-
-def paired_differences(folders: dict[str, Path], pairs: list[tuple[str, str]]) -> dict:
-    """The paired bootstrap (metrics.bootstrap) of `pairs` over evaluation `folders` (name -> a folder with
-    detections.json and ground_truth.json): {"a-b": {metric: {"diff", "ci95"}}}."""
-    from qatpipe.fileio import read_json
-    from qatpipe.metrics.bootstrap import match_detections, paired_bootstrap
-    from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE
-
-    matched = {name: match_detections(read_json(folder / GROUND_TRUTH_FILE, "ground truth"),
-                                      read_json(folder / DETECTIONS_FILE, "detections"))
-               for name, folder in folders.items()}
-    return paired_bootstrap(matched, pairs)["pairs"]

@@ -10,7 +10,7 @@ import onnx
 import pytest
 import tf_keras as keras
 
-from conftest import masked_copy
+from conftest import masked_copy, read_add_past_its_qdq
 from qatpipe.errors import SpecError
 from qatpipe.models import get_architecture
 from qatpipe.models.backbones import BACKBONES
@@ -300,11 +300,7 @@ def test_each_backbone_exports_a_qat_onnx_that_tensorrt_accepts_and_agrees_with_
     assert layer_differences(qat, broken, images)["failed"] == [middle.name]
     # a residual Add whose quantised input lost its Q/DQ in ONNX (read straight from its float tensor) is named too
     unquantised = onnx.load(path)
-    producers = {out: node for node in unquantised.graph.node for out in node.output}
-    add = next(n for n in unquantised.graph.node if n.op_type == "Add" and any(
-        i in producers and producers[i].op_type == "DequantizeLinear" for i in n.input))
-    index = next(k for k, i in enumerate(add.input) if i in producers and producers[i].op_type == "DequantizeLinear")
-    add.input[index] = producers[producers[add.input[index]].input[0]].input[0]  # DQ <- Q <- the float tensor
+    add = read_add_past_its_qdq(unquantised)
     result = layer_differences(qat, unquantised, images)
     [failed] = result["failed"]
     assert f"/{failed}/" in add.name and "1 quantised input(s) in TensorFlow, 0 QuantizeLinear in ONNX" in \

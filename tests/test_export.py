@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import one_conv_onnx
+from conftest import one_conv_onnx, read_add_past_its_qdq
 
 from qatpipe.cli import main
 from qatpipe.errors import ModelFileError, QatpipeError
@@ -309,12 +309,7 @@ def test_the_export_checks_every_layer_and_refuses_one_that_differs(qat_export, 
 
     def fold_and_unquantise_a_residual(model):  # an Add reads its residual input past the Q/DQ TF has there
         folded = fold(model)
-        producers = {out: node for node in model.graph.node for out in node.output}
-        add = next(n for n in model.graph.node if n.op_type == "Add" and any(
-            i in producers and producers[i].op_type == "DequantizeLinear" for i in n.input))
-        index = next(k for k, i in enumerate(add.input)
-                     if i in producers and producers[i].op_type == "DequantizeLinear")
-        add.input[index] = producers[producers[add.input[index]].input[0]].input[0]
+        read_add_past_its_qdq(model)
         return folded
 
     monkeypatch.setattr(qdq, "fold_weight_quantizers", fold_and_unquantise_a_residual)

@@ -149,6 +149,7 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
     reach quantize_static as its calibration cache."""
     import tempfile
 
+    import onnxruntime
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.calibrate import save_tensors_data
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -183,7 +184,5 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
         prepared.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
     log.info("PTQ (%s) calibrated on %d images: %s", method, images, output)
-    import onnxruntime
-
     return {"tool": "onnxruntime", "method": method, "calibration_images": images, "onnx": str(output),
             "size_mb": round(output.stat().st_size / 2**20, 3), "versions": {"onnxruntime": onnxruntime.__version__}}

@@ -97,9 +97,10 @@ def pruning_block(prune_report: dict, unpruned_evaluation: str | Path | None, fp
 
 
 def uncertainty(evaluations: dict[str, str | Path], resamples: int = DEFAULT_RESAMPLES,
-                seed: int = DEFAULT_SEED) -> dict | None:
+                seed: int = DEFAULT_SEED, pairs=PAIRS) -> dict | None:
     """The paired bootstrap (metrics.bootstrap.paired_bootstrap) over the variants whose folders hold
-    detections.json and ground_truth.json, for the PAIRS among them; None when no folder holds them."""
+    detections.json and ground_truth.json, for the `pairs` (a, b) among them (a - b; the pipeline's PAIRS by
+    default); None when no folder holds them."""
     folders = {name: Path(folder) for name, folder in evaluations.items()
                if (Path(folder) / DETECTIONS_FILE).is_file() and (Path(folder) / GROUND_TRUTH_FILE).is_file()}
     if not folders:
@@ -112,7 +113,7 @@ def uncertainty(evaluations: dict[str, str | Path], resamples: int = DEFAULT_RES
                            f"{first}: their mAP cannot be compared image by image")
     matched = {name: match_detections(truths[first], read_json(folder / DETECTIONS_FILE, "detections"))
                for name, folder in folders.items()}
-    return paired_bootstrap(matched, [(a, b) for a, b in PAIRS if a in matched and b in matched], resamples, seed)
+    return paired_bootstrap(matched, [(a, b) for a, b in pairs if a in matched and b in matched], resamples, seed)
 
 
 def tensorrt_emulated_folders(evaluations: dict[str, str | Path]) -> dict[str, Path] | None:
