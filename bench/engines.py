@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--openvino", action="store_true",
                         help="also time the ONNX models in OpenVINO (a candidate CPU runtime; pip install openvino)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds: at least 1, got {args.rounds}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     import onnxruntime as ort

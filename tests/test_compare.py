@@ -136,6 +136,21 @@ def test_variants_scored_on_other_images_are_refused(tmp_path):
         compare_variants({"fp32": fp32, "qat": qat}, tmp_path / "out")
 
 
+def test_the_bootstrap_takes_other_pairs_for_the_benches(tmp_path):
+    """bench/dla.py and ptq_tools.py pair their own variants through compare.uncertainty, same checks."""
+    from qatpipe.stages.compare import uncertainty
+
+    truth, detections = random_evaluation(12, images=10)
+    qdq, _ = _evaluation(tmp_path / "qdq", truth, detections)
+    dla, _ = _evaluation(tmp_path / "dla", truth, _worse(detections))
+    pairs = uncertainty({"qdq": qdq, "dla": dla}, pairs=[("dla", "qdq")])["pairs"]
+    assert list(pairs) == ["dla-qdq"] and pairs["dla-qdq"]["map50"]["ci95"][1] < 0  # worse on every image
+    assert uncertainty({"qdq": qdq, "dla": dla})["pairs"] == {}  # the pipeline's pairs: none of these names
+    moved, _ = _evaluation(tmp_path / "moved", [GroundTruth(gt.boxes + 1, gt.classes) for gt in truth], detections)
+    with pytest.raises(QatpipeError, match="moved were evaluated on other val images"):
+        uncertainty({"qdq": qdq, "moved": moved}, pairs=[("moved", "qdq")])
+
+
 def test_flat_metrics_round_trip_and_verdicts():
     comparisons = {"qat-fp32": {"map50": {"diff": -0.01, "ci95": [-0.03, 0.01]},
                                 "map": {"diff": 0.02, "ci95": [0.005, 0.04]}}}
