@@ -70,6 +70,33 @@ def test_weighted_kinds_get_input_and_weight_quantisers_from_the_table():
     assert {p.rule for p in placements.values()} == {"weighted_inputs_and_weights"}
 
 
+def test_every_onnx_op_list_is_the_weighted_kind_tables():
+    """The Keras weights and axes are the rows' own, and the ONNX-side lists (the Q/DQ check, the layer count,
+    ORT's PTQ op types, the DLA rules for weighted layers) are the ops the rows name: one table, no copies."""
+    from qatpipe.export.dla import DLA_RULES
+    from qatpipe.export.precision import COMPUTE_OPS
+    from qatpipe.export.qdq import QUANTIZED_OPS
+    from qatpipe.quantization import kinds
+    from qatpipe.quantization.layers import WEIGHTED_KINDS
+    from qatpipe.quantization.ptq import OP_TYPES
+
+    # each kind built on 4 input channels: its weight's output channels along the row's axis
+    built = {"Conv2D": (L.Conv2D(5, 3), (None, 8, 8, 4), 5),
+             "DepthwiseConv2D": (L.DepthwiseConv2D(3), (None, 8, 8, 4), 4), "Dense": (L.Dense(5), (None, 4), 5)}
+    assert set(built) == set(kinds.WEIGHTED_KINDS)
+    for name, (layer, shape, channels) in built.items():
+        layer.build(shape)
+        row = kinds.WEIGHTED_KINDS[name]
+        assert getattr(layer, row.weight).shape[row.axis] == channels and WEIGHTED_KINDS[type(layer)] is row
+    ops = {op for row in kinds.WEIGHTED_KINDS.values() for op in row.onnx_ops}
+    assert set(QUANTIZED_OPS) == set(COMPUTE_OPS) == set(kinds.WEIGHTED_ONNX_OPS) == ops == {"Conv", "MatMul", "Gemm"}
+    assert OP_TYPES == [*kinds.WEIGHTED_ONNX_OPS, kinds.RESIDUAL_ADD_ONNX_OP]
+    weighted_rules = {rule.name: set(rule.ops) for rule in DLA_RULES if set(rule.ops) & ops}
+    assert weighted_rules == {"convolution": {"Conv"}, "fully-connected": {"MatMul", "Gemm"}}
+    assert kinds.onnx_weight_axis("Conv") == 0 and kinds.onnx_weight_axis("MatMul") == 1
+    assert kinds.onnx_weight_axis("Gemm") == 1 and kinds.onnx_weight_axis("Gemm", trans_b=1) == 0
+
+
 def test_residual_rule_quantises_the_identity_shortcut():
     placements = plan(identity_block(), [ResidualAddInput()])
     assert placements["add"].wrapper is QDQAdd

@@ -31,6 +31,7 @@ import numpy as np
 
 from qatpipe.errors import QatpipeError
 from qatpipe.export.onnx_graph import attribute
+from qatpipe.quantization.kinds import onnx_ops_of
 
 log = logging.getLogger(__name__)
 
@@ -227,15 +228,19 @@ def _unsupported(node, shapes) -> str | None:
     return f"{node.op_type} has no DLA layer"
 
 
-# TensorRT 10.3 on Orin: the DLA layer restrictions page, and NvInfer.h's DLA notes where the page is silent
+# element-wise ops whose INT8 inputs DLA wants in one range (equal_ranges); Mul is element-wise without that need
+EQUAL_RANGE_OPS = ("Add", "Sub", "Max", "Min")
+
+# TensorRT 10.3 on Orin: the DLA layer restrictions page, and NvInfer.h's DLA notes where the page is silent. The
+# weighted layers' ops come from the weighted-kind table (quantization/kinds.py)
 DLA_RULES: tuple[DlaRule, ...] = (
-    DlaRule("convolution", ("Conv",), _convolution),
-    DlaRule("fully-connected", ("Gemm", "MatMul"), lambda node, shapes: None),
+    DlaRule("convolution", onnx_ops_of("Conv2D", "DepthwiseConv2D"), _convolution),
+    DlaRule("fully-connected", onnx_ops_of("Dense"), lambda node, shapes: None),
     DlaRule("activation", ("Relu", "Sigmoid", "Tanh", "Clip", "LeakyRelu"), _activation),
     DlaRule("scale", ("BatchNormalization",), lambda node, shapes: None),
     DlaRule("pooling", ("MaxPool", "AveragePool"), _pooling),
     DlaRule("reduce-average", ("GlobalAveragePool", "ReduceMean"), _reduce_average),
-    DlaRule("element-wise", ("Add", "Sub", "Mul", "Max", "Min"), _elementwise),
+    DlaRule("element-wise", (*EQUAL_RANGE_OPS, "Mul"), _elementwise),
     DlaRule("concatenation", ("Concat",), _concat),
     DlaRule("shuffle", ("Transpose",), _transpose),
     DlaRule("identity", ("Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze"), lambda node, shapes: None),
@@ -285,14 +290,15 @@ def equal_ranges(model, placements: list[Placement], scales: dict[str, float]) -
     """DLA's INT8 element-wise layers take inputs of one range, and its pooling keeps its input's range
     (NvInfer.h's DLA notes): each such group of tensors gets the largest scale among them, in place. Returns
     how many scales were raised."""
-    on_dla = {p.node for p in placements if p.device == "DLA"}
+    rule_on_dla = {p.node: p.rule for p in placements if p.device == "DLA"}
     raised = 0
     for node in model.graph.node:
-        if (node.name or node.output[0]) not in on_dla:
+        rule = rule_on_dla.get(node.name or node.output[0])
+        if rule is None:
             continue
-        if node.op_type in ("Add", "Sub", "Max", "Min"):
+        if node.op_type in EQUAL_RANGE_OPS:
             group = [name for name in node.input if name in scales]
-        elif node.op_type in ("MaxPool", "AveragePool"):
+        elif rule == "pooling":
             group = [name for name in (node.input[0], node.output[0]) if name in scales]
         else:
             continue

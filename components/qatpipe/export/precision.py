@@ -23,6 +23,7 @@ import numpy as np
 
 from qatpipe.errors import QatpipeError
 from qatpipe.onnx_model import load_onnx_proto
+from qatpipe.quantization.kinds import WEIGHTED_ONNX_OPS
 
 log = logging.getLogger(__name__)
 
@@ -213,11 +214,11 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-COMPUTE_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+COMPUTE_OPS = WEIGHTED_ONNX_OPS  # the ops a weighted kind (quantization/kinds.py) becomes
 
 
 def layer_precision(onnx_path: str | Path) -> dict[str, int]:
-    """How many compute layers (Conv, Gemm, MatMul) the ONNX runs in each precision, as a strongly typed
+    """How many compute layers (COMPUTE_OPS: Conv, MatMul, Gemm) the ONNX runs in each precision, as a strongly typed
     TensorRT engine reads it: int8 where both the data and the weight come through DequantizeLinear, fp16
     where the data is float16 (an explicit cast), fp32 elsewhere."""
     import onnx

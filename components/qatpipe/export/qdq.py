@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from qatpipe.export.onnx_graph import RANGE_KEEPING_OPS, attribute, drop_unused_initializers, graph_maps
+from qatpipe.quantization.kinds import RESIDUAL_ADD_ONNX_OP, WEIGHTED_ONNX_OPS, onnx_weight_axis
 
-QUANTIZED_OPS = ("Conv", "Gemm", "MatMul")
+QUANTIZED_OPS = WEIGHTED_ONNX_OPS  # the ops TensorRT runs in int8 given both inputs through DequantizeLinear
 
 
 def _initializers(graph) -> dict:
@@ -169,7 +170,7 @@ def check_explicit_quantization(model) -> QdqCheck:
             zero_point = inits.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
             if zero_point is None or zero_point.dtype != np.int8 or np.any(zero_point != 0):
                 result.problems.append(f"{node.name or node.output[0]}: zero point must be int8 0")
-        if node.op_type == "Add" and any(dq_of(name) for name in node.input):
+        if node.op_type == RESIDUAL_ADD_ONNX_OP and any(dq_of(name) for name in node.input):
             result.residual_adds.append(node.name or node.output[0])
         if node.op_type not in QUANTIZED_OPS:
             continue
@@ -187,9 +188,7 @@ def check_explicit_quantization(model) -> QdqCheck:
         if weights is None or weights.dtype != np.int8:
             result.problems.append(f"{label}: weights are not an int8 initializer")
         else:
-            # the output-channel axis: O of OIHW (Conv), N of a (K, N) MatMul / Gemm weight, K x N transposed
-            transposed = node.op_type == "Gemm" and attribute(node, "transB", 0)
-            axis = 0 if node.op_type == "Conv" or transposed else weights.ndim - 1
+            axis = onnx_weight_axis(node.op_type, attribute(node, "transB", 0))
             if scale is None or scale.shape != (weights.shape[axis],) or attribute(weight_dq, "axis", 1) != axis:
                 result.problems.append(f"{label}: weight scales are not per output channel (axis {axis})")
         activation_scale = inits.get(input_dq.input[1])

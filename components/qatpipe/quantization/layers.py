@@ -1,9 +1,9 @@
 """Quantised twins of the Keras layers TensorRT runs in INT8: each is a subclass of the float layer with the
 same weights, plus fake quant on the inputs a placement rule (rules.py) chose. Three families:
 
-- weighted layers, one table row each (`WEIGHTED_KINDS`: the attribute holding the weight and its
+- weighted layers, one row each of kinds.py's `WEIGHTED_KINDS` (the attribute holding the weight and its
   output-channel axis): per-tensor Q/DQ on the input and per-channel Q/DQ on the weight, then the float
-  layer's own call (bias, activation). A new weighted kind (Conv2DTranspose, ...) is one row;
+  layer's own call (bias, activation). A new weighted kind (Conv2DTranspose, ...) is one row there;
 - merges (Add, Multiply): Q/DQ on the inputs at chosen indices (the residual input of a skip connection, both
   operands of a squeeze-excitation scale);
 - pooling and model outputs: Q/DQ on the input (pooling) or the output (an activation named in
@@ -15,32 +15,19 @@ imported.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import tf_keras as keras
 
+from qatpipe.quantization import kinds
+from qatpipe.quantization.kinds import WeightedKind
 from qatpipe.quantization.quantizers import ActivationRange, fake_quant_per_channel
 from qatpipe.spec import QatSpec, field_default
 
 PACKAGE = "qatpipe"
 DEFAULT_EMA_DECAY = field_default(QatSpec, "ema_decay")
 
-
-@dataclass(frozen=True)
-class WeightedKind:
-    """How TensorRT quantises one weighted layer kind: per output channel of the weight in `weight`."""
-
-    weight: str  # the layer attribute holding the weight
-    axis: int  # that weight's output-channel axis
-
-
-# the table: which weighted layer kinds are quantised, and how
-WEIGHTED_KINDS: dict[type, WeightedKind] = {
-    keras.layers.Conv2D: WeightedKind("kernel", 3),  # HWIO
-    # HWCM: with depth_multiplier 1 each input channel is one output channel (rules.py requires 1)
-    keras.layers.DepthwiseConv2D: WeightedKind("depthwise_kernel", 2),
-    keras.layers.Dense: WeightedKind("kernel", 1),  # (in, out)
-}
+# kinds.py's table by tf_keras class: which weighted layer kinds are quantized, and how
+WEIGHTED_KINDS: dict[type, WeightedKind] = {getattr(keras.layers, name): row
+                                            for name, row in kinds.WEIGHTED_KINDS.items()}
 
 
 class _Quantized:

@@ -14,12 +14,14 @@ import numpy as np
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import temp_path
 from qatpipe.onnx_model import load_onnx_proto
+from qatpipe.quantization.kinds import RESIDUAL_ADD_ONNX_OP, WEIGHTED_ONNX_OPS
 from qatpipe.spec import PtqSpec, field_default
 
 log = logging.getLogger(__name__)
 
 METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
-OP_TYPES = ["Conv", "Gemm", "MatMul", "Add"]
+# what ORT quantizes: the weighted kinds' ops and the residual Add, as the QAT rules place Q/DQ
+OP_TYPES = [*WEIGHTED_ONNX_OPS, RESIDUAL_ADD_ONNX_OP]
 HISTOGRAM_BINS = 2048  # TensorRT's entropy calibrator's histogram
 # Levels of the quantised distribution the entropy search compares with: ORT's default, TensorRT's 128. On ORT's
 # histogram, symmetric about zero, 255 (all of int8's) made every window under 510 bins an exact copy of the

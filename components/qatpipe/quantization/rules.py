@@ -57,7 +57,7 @@ class Exclusions(PlacementRule):
 
 
 class WeightedInputsAndWeights(PlacementRule):
-    """Every layer of a kind in layers.WEIGHTED_KINDS (Conv2D, DepthwiseConv2D, Dense): per-tensor Q/DQ on the
+    """Every layer of a kind in kinds.WEIGHTED_KINDS (Conv2D, DepthwiseConv2D, Dense): per-tensor Q/DQ on the
     input and per-channel Q/DQ on the weight.
 
     TensorRT's explicit quantisation runs a convolution or GEMM in int8 only when both its input and its
