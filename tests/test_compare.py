@@ -115,6 +115,37 @@ def test_compare_reports_differences_with_their_confidence_intervals(tmp_path, c
     assert other["comparisons"]["qat-fp32"]["map50"]["ci95"] != diff["ci95"]
 
 
+@pytest.mark.parametrize("spread", [0.0, 0.003, 0.01])
+def test_tradeoff_labels_of_close_points_do_not_overlap(spread):
+    """The default run's qat and fp32 sit at nearly one mAP, qat's long label reaching over fp32's point (and
+    ptq near them): each label is placed clear of the others, measured as the saved figure lays them out, where
+    one fixed offset printed them over each other."""
+    import matplotlib.pyplot as plt
+
+    from qatpipe.stages.compare import label_extent, tradeoff_figure
+
+    points = {"fp32": (2.0, 0.62, "fp32"), "ptq": (1.25, 0.61 - spread, "int8"), "qat": (1.2, 0.62 - spread, "int8")}
+    variants = {name: {"latency_ms_p50": latency, "map50": map50, "engine": f"onnxruntime cpu {precision}",
+                       "map50_ci95_lo": map50 - 0.03, "map50_ci95_hi": map50 + 0.03}
+                for name, (latency, map50, precision) in points.items()}
+    label = {name: f"{name} ({row['engine']})" for name, row in variants.items()}
+    fig = tradeoff_figure(variants)
+    fig.tight_layout()  # as _save does before writing the PNG
+    ax, renderer = fig.axes[0], fig.canvas.get_renderer()
+    boxes = {text.get_text(): label_extent(text, renderer) for text in ax.texts}
+    assert set(boxes) == set(label.values())
+    clashes = [(a, b) for a in boxes for b in boxes if a < b and boxes[a].overlaps(boxes[b])]
+    assert not clashes
+    assert all(fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1
+               for box in boxes.values())
+    if spread == 0:  # what one fixed offset (6, 6) did with the same points: qat's label over fp32's
+        naive = [label_extent(ax.annotate(label[name], (variants[name]["latency_ms_p50"], variants[name]["map50"]),
+                                          textcoords="offset points", xytext=(6, 6), fontsize=8), renderer)
+                 for name in ("qat", "fp32")]
+        assert naive[0].overlaps(naive[1])
+    plt.close(fig)
+
+
 def test_without_detections_there_is_no_interval(tmp_path):
     truth, detections = random_evaluation(11, images=10)
     fp32, _ = _evaluation(tmp_path / "fp32", truth, detections)

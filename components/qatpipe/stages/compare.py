@@ -342,8 +342,14 @@ def plot_variants(variants: dict[str, dict[str, Any]], path: str | Path) -> Path
 
 
 def plot_tradeoff(variants: dict[str, dict[str, Any]], path: str | Path) -> Path | None:
-    """Accuracy against latency: mAP@0.5 (95% CI bars where known) over p50 latency at batch 1, a labelled
-    point per benchmarked variant; None when no variant was benchmarked."""
+    """Accuracy against latency (tradeoff_figure) as a PNG; None when no variant was benchmarked."""
+    fig = tradeoff_figure(variants)
+    return None if fig is None else _save(fig, path)
+
+
+def tradeoff_figure(variants: dict[str, dict[str, Any]]):
+    """mAP@0.5 (95% CI bars where known) over p50 latency at batch 1, a labelled point per benchmarked variant,
+    the labels placed so that none overlaps another (place_labels); None when no variant was benchmarked."""
     timed = {name: row for name, row in variants.items() if row.get("latency_ms_p50") is not None}
     if not timed:
         return None
@@ -351,14 +357,83 @@ def plot_tradeoff(variants: dict[str, dict[str, Any]], path: str | Path) -> Path
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for name, row in timed.items():
         ax.errorbar(row["latency_ms_p50"], row["map50"], yerr=_error_bars([row], "map50"), fmt="o", capsize=4)
-        ax.annotate(f"{name} ({row['engine']})" if row.get("engine") else name, (row["latency_ms_p50"], row["map50"]),
-                    textcoords="offset points", xytext=(6, 6), fontsize=8)
     with_ci = any(row.get("map50_ci95_lo") is not None for row in timed.values())
     ax.set(xlabel=VARIANT_COLUMNS["latency_ms_p50"][0] + ", batch 1",
            ylabel="mAP@0.5 (val)" + (", 95% CI" if with_ci else ""), title="Accuracy vs latency")
     ax.set_xlim(0, 1.6 * max(row["latency_ms_p50"] for row in timed.values()))  # room for the labels
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    fig.tight_layout()  # the axes' final place first: the labels are placed in display space
+    place_labels(ax, [(f"{name} ({row['engine']})" if row.get("engine") else name, row["latency_ms_p50"],
+                       row["map50"]) for name, row in timed.items()])
+    return fig
+
+
+LABEL_GAP = 6  # points between a point and its label, and between stacked labels
+
+
+def place_labels(ax, points: list[tuple[str, float, float]], fontsize: float = 8) -> list:
+    """Annotate each (label, x, y) beside its point where it overlaps no label placed before it: the corners
+    around the point first, then ever farther above or below it with a leader line. Among those, one clear of
+    every marker, inside the axes and nearest its point wins, crossing the fewest error bars. Measured in display
+    space (the renderer's extents), so the axes must have their final size and limits; the labels take no part
+    in the layout, so a later tight_layout keeps them apart. Returns the annotations, top to bottom."""
+    renderer = ax.figure.canvas.get_renderer()
+    inside = ax.get_window_extent(renderer)
+    markers, bars = _obstacles(ax)
+    corners = [(LABEL_GAP, LABEL_GAP, "left", "bottom"), (LABEL_GAP, -LABEL_GAP, "left", "top"),
+               (-LABEL_GAP, LABEL_GAP, "right", "bottom"), (-LABEL_GAP, -LABEL_GAP, "right", "top")]
+    step = fontsize + LABEL_GAP  # one stacked line, in points
+    placed, boxes = [], []
+    for label, x, y in sorted(points, key=lambda point: -point[2]):  # top to bottom: stacks keep the order
+        best = None  # (score, annotation, box)
+        for ring in range(len(points) + 2):
+            for dx, dy, ha, va in corners:
+                offset = (dx, dy + ring * step * (1 if dy > 0 else -1))
+                text = ax.annotate(label, (x, y), textcoords="offset points", xytext=offset, fontsize=fontsize,
+                                   ha=ha, va=va, annotation_clip=False,
+                                   arrowprops=dict(arrowstyle="-", lw=0.6, color="0.5") if ring else None)
+                text.set_in_layout(False)
+                box = label_extent(text, renderer)
+                clear = box.padded(1)
+                outside = not (inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1))
+                score = (sum(clear.overlaps(other) for other in boxes), sum(clear.overlaps(m) for m in markers),
+                         outside, ring, sum(clear.overlaps(bar) for bar in bars))
+                if best is None or score < best[0]:
+                    if best is not None:
+                        best[1].remove()
+                    best = (score, text, box)
+                else:
+                    text.remove()
+            if best[0][:3] == (0, 0, False):
+                break
+        placed.append(best[1])
+        boxes.append(best[2])
+    return placed
+
+
+def _obstacles(ax) -> tuple[list, list]:
+    """Display boxes a label should not cover: (every marker, error bar caps included; every error bar)."""
+    from matplotlib.transforms import Bbox
+
+    scale = ax.figure.dpi / 72  # points to pixels
+    markers = []
+    for line in ax.lines:
+        if line.get_marker() in (None, "", " ", "None", "none"):
+            continue
+        half = line.get_markersize() * scale / 2
+        markers += [Bbox.from_extents(x - half, y - half, x + half, y + half)
+                    for x, y in line.get_transform().transform(line.get_xydata())]
+    bars = [path.get_extents(collection.get_transform()) for collection in ax.collections
+            for path in collection.get_paths()]
+    return markers, bars
+
+
+def label_extent(annotation, renderer):
+    """The display-space box of an annotation's text alone (Annotation.get_window_extent adds its leader line)."""
+    from matplotlib.text import Text
+
+    annotation.update_positions(renderer)
+    return Text.get_window_extent(annotation, renderer)
 
 
 def _error_bars(rows: list[dict[str, Any]], key: str):
