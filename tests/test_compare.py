@@ -115,16 +115,17 @@ def test_compare_reports_differences_with_their_confidence_intervals(tmp_path, c
     assert other["comparisons"]["qat-fp32"]["map50"]["ci95"] != diff["ci95"]
 
 
-@pytest.mark.parametrize("spread", [0.0, 0.003, 0.01])
+@pytest.mark.parametrize("spread", [0.0, 0.003, 0.01, None])
 def test_tradeoff_labels_of_close_points_do_not_overlap(spread):
     """The default run's qat and fp32 sit at nearly one mAP, qat's long label reaching over fp32's point (and
-    ptq near them): each label is placed clear of the others, measured as the saved figure lays them out, where
-    one fixed offset printed them over each other."""
+    ptq near them; None: all four variants on one point): each label is placed clear of the others, measured as
+    the saved figure lays them out, where one fixed offset printed them over each other."""
     import matplotlib.pyplot as plt
 
     from qatpipe.stages.compare import label_extent, tradeoff_figure
 
-    points = {"fp32": (2.0, 0.62, "fp32"), "ptq": (1.25, 0.61 - spread, "int8"), "qat": (1.2, 0.62 - spread, "int8")}
+    points = ({"fp32": (2.0, 0.62, "fp32"), "ptq": (1.25, 0.61 - spread, "int8"), "qat": (1.2, 0.62 - spread, "int8")}
+              if spread is not None else dict.fromkeys(("unpruned", "fp32", "ptq", "qat"), (1.0, 0.5, "int8")))
     variants = {name: {"latency_ms_p50": latency, "map50": map50, "engine": f"onnxruntime cpu {precision}",
                        "map50_ci95_lo": map50 - 0.03, "map50_ci95_hi": map50 + 0.03}
                 for name, (latency, map50, precision) in points.items()}
