@@ -42,8 +42,8 @@ def test_box_within_tolerance_is_clipped(tmp_path):
     [
         ("car 0 0 0 10 20 50", "expected 15 KITTI fields, found 7"),
         (kitti_line("car") + " 0.9", "expected 15 KITTI fields, found 16"),
-        ("car 0.00 0 0.00 10 20 fifty 60 0 0 0 0 0 0 0", "non-numeric field 'fifty'"),
-        ("car 0.00 0 0.00 10 20 nan 60 0 0 0 0 0 0 0", "non-finite"),
+        ("car 0.00 0 0.00 10 20 fifty 60 0 0 0 0 0 0 0", "field 7 is not a number: 'fifty'"),
+        ("car 0.00 0 0.00 10 20 nan 60 0 0 0 0 0 0 0", "field 7 is not a finite number: 'nan'"),
         (kitti_line("car", 50, 20, 10, 60), "degenerate box"),
         (kitti_line("car", 10, 60, 50, 60), "degenerate box"),
         (kitti_line("car", 10, 20, 170, 60), "outside the 160x96 image"),

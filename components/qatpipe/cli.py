@@ -14,13 +14,14 @@ from qatpipe.errors import QatpipeError
 log = logging.getLogger("qatpipe")
 
 
-def _load(args, with_data: bool = True):
-    """The spec of -e/--set; a spec naming no data set gets its synthetic one (made once, then cached)."""
+def _load(args):
+    """The spec of -e/--set; a spec naming no data set gets its synthetic one (made once, then cached). Every verb
+    that runs a stage resolves it the same way, whether or not it reads images (export's FP16 guard and DLA
+    calibration read training images), so `-e default` means the same data set to all of them."""
     from qatpipe.data.prepare import with_default_dataset
     from qatpipe.spec_sources import load_spec_uri
 
-    spec = load_spec_uri(args.experiment_spec, args.overrides)
-    return with_default_dataset(spec) if with_data else spec
+    return with_default_dataset(load_spec_uri(args.experiment_spec, args.overrides))
 
 
 def _add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -122,6 +123,11 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def _evaluation_folder(args) -> Path:
+    """Where `evaluate` writes (the stage's default: beside the model, or inside an engine folder)."""
+    return args.output_dir or (args.model if args.model.is_dir() else args.model.parent) / "evaluate"
+
+
 def cmd_prune(args) -> int:
     from qatpipe.models import get_architecture
     from qatpipe.spec import PruneSpec
@@ -166,7 +172,7 @@ def cmd_retrain(args) -> int:
 def cmd_export(args) -> int:
     from qatpipe.stages.export import export
 
-    report = export(_load(args, with_data=False), args.model, args.output)
+    report = export(_load(args), args.model, args.output)
     worst = max(d["max_abs"] for d in report["difference_vs_tensorflow"].values())
     print(f"{report['onnx']}  opset {report['opset']}  {report['quantization']}  {report['size_mb']:.2f} MB  "
           f"max |TF - ORT| {worst:.1e}")
@@ -185,7 +191,7 @@ def cmd_ptq(args) -> int:
 def cmd_build_engine(args) -> int:
     from qatpipe.stages.build_engine import build_engine
 
-    info = build_engine(_load(args, with_data=False), args.model, args.output, backend=args.backend)
+    info = build_engine(_load(args), args.model, args.output, backend=args.backend)
     print(f"{args.output}  {info['backend']} {info['runtime_version']}  {info['precision']}  {info['device']}  "
           f"{info['engine_size_mb']:.2f} MB")
     return 0
@@ -194,7 +200,7 @@ def cmd_build_engine(args) -> int:
 def cmd_bench_engine(args) -> int:
     from qatpipe.stages.bench_engine import bench_engine
 
-    report = bench_engine(_load(args, with_data=False), args.model, args.output)
+    report = bench_engine(_load(args), args.model, args.output)
     print(f"{args.model}: {report['backend']}, {report['precision']}, {report['device']}")
     print("batch  p50 ms   p95 ms   p99 ms   img/s")
     for row in report["batches"]:
@@ -281,9 +287,12 @@ def cmd_compare(args) -> int:
 
 
 def cmd_spec_show(args) -> int:
+    """The spec as written, with every default: it runs no stage, so it does not make the synthetic data set."""
     import yaml
 
-    sys.stdout.write(yaml.safe_dump(_load(args, with_data=False).to_dict(), sort_keys=False))
+    from qatpipe.spec_sources import load_spec_uri
+
+    sys.stdout.write(yaml.safe_dump(load_spec_uri(args.experiment_spec, args.overrides).to_dict(), sort_keys=False))
     return 0
 
 
@@ -317,7 +326,7 @@ def _add_data_commands(sub) -> None:
     synth.add_argument("--object-height", type=float, nargs=2, metavar=("MIN", "MAX"),
                        help="object box sizes in px at a 192-px-high image (default: the kind's)")
     synth.add_argument("--overwrite", action="store_true", help="replace existing train/val folders")
-    synth.set_defaults(func=cmd_data_synth)
+    synth.set_defaults(func=cmd_data_synth, writes=lambda a: a.out)
 
     upload = data.add_parser("upload", help="upload a local data set (DIR/train, DIR/val) to S3 for the cluster")
     upload.add_argument("--src", required=True, type=Path, help="the data set folder")
@@ -332,13 +341,13 @@ def _add_training_commands(sub) -> None:
     train = sub.add_parser("train", help="train the spec's detector (FP32; resumes from checkpoints)")
     _add_spec_args(train)
     _add_training_args(train)
-    train.set_defaults(func=cmd_train)
+    train.set_defaults(func=cmd_train, writes=lambda a: a.results_dir)
 
     evaluate = sub.add_parser("evaluate", help="mAP of a model (.keras in TensorFlow, .onnx in ONNX Runtime)")
     _add_spec_args(evaluate)
     evaluate.add_argument("-m", "--model", required=True, type=Path)
     evaluate.add_argument("-o", "--output-dir", type=Path, help="default: MODEL_DIR/evaluate")
-    evaluate.set_defaults(func=cmd_evaluate)
+    evaluate.set_defaults(func=cmd_evaluate, writes=_evaluation_folder)
 
     retrain = sub.add_parser("retrain", help="retrain a pruned model, FP32 or QAT (resumes from checkpoints)",
                              description="Epochs: retrain.epochs (default train.epochs); QAT: the qat section.")
@@ -347,7 +356,7 @@ def _add_training_commands(sub) -> None:
     _add_training_args(retrain)
     retrain.add_argument("--qat", action="store_true",
                          help="quantisation-aware training for TensorRT INT8 (sets qat.enabled)")
-    retrain.set_defaults(func=cmd_retrain)
+    retrain.set_defaults(func=cmd_retrain, writes=lambda a: a.results_dir)
 
 
 def _add_prune_command(sub) -> None:
@@ -371,7 +380,7 @@ def _add_prune_command(sub) -> None:
                        choices=field_choices(PruneSpec, "equalization"),
                        help="how convs joined by a residual add agree on their channels")
     prune.add_argument("-el", "--excluded-layers", nargs="+", metavar="LAYER", help="layers never pruned")
-    prune.set_defaults(func=cmd_prune)
+    prune.set_defaults(func=cmd_prune, writes=lambda a: a.output.parent if a.output.suffix == ".keras" else a.output)
 
 
 def _add_deployment_commands(sub) -> None:
@@ -380,26 +389,26 @@ def _add_deployment_commands(sub) -> None:
 
     export = sub.add_parser("export", help="export a model to ONNX (tf2onnx), checked in ONNX Runtime")
     _add_model_conversion_args(export, "model (.keras)", "the .onnx file to write")
-    export.set_defaults(func=cmd_export)
+    export.set_defaults(func=cmd_export, writes=lambda a: a.output.parent)
 
     ptq = sub.add_parser("ptq", help="post-training INT8 quantisation of an FP32 ONNX (the PTQ baseline)",
                          description="Settings: the spec's `ptq` section (--set ptq.method=percentile ...).")
     _add_model_conversion_args(ptq, "FP32 model (.onnx, from `qatpipe export`)", "the INT8 Q/DQ .onnx to write")
-    ptq.set_defaults(func=cmd_ptq)
+    ptq.set_defaults(func=cmd_ptq, writes=lambda a: a.output.parent)
 
     engine = sub.add_parser("build-engine", help="build an inference engine from an ONNX model",
                             description="Settings: the spec's `engine` section (batch profile, workspace, fp16).")
     _add_model_conversion_args(engine, "the ONNX model", "the engine folder to write")
     engine.add_argument("--backend", choices=field_choices(EngineSpec, "backend"),
                         help="default: engine.backend (auto: TensorRT with a GPU, else ONNX Runtime)")
-    engine.set_defaults(func=cmd_build_engine)
+    engine.set_defaults(func=cmd_build_engine, writes=lambda a: a.output)
 
     bench = sub.add_parser("bench-engine", help="latency, throughput, size and memory of an engine",
                            description="Settings: engine.bench (batch sizes, warm-up, iterations).")
     _add_spec_args(bench)
     bench.add_argument("-m", "--model", required=True, type=Path, help="the engine folder")
     bench.add_argument("-o", "--output", type=Path, help="report JSON (default ENGINE/bench.json)")
-    bench.set_defaults(func=cmd_bench_engine)
+    bench.set_defaults(func=cmd_bench_engine, writes=lambda a: a.output.parent if a.output else a.model)
 
     validate = sub.add_parser("validate", help="mAP of an engine vs the FP32 baseline, and the gate",
                               description="Exits 1 when mAP@0.5 (and, for an INT8 engine, the TensorRT-emulated "
@@ -411,7 +420,7 @@ def _add_deployment_commands(sub) -> None:
     validate.add_argument("--variant", default="int8", help="name in the report (e.g. qat, ptq)")
     validate.add_argument("--onnx", type=Path, help="the ONNX the engine was built from, for the TensorRT-emulated "
                           "mAP (default: the path in engine.json)")
-    validate.set_defaults(func=cmd_validate)
+    validate.set_defaults(func=cmd_validate, writes=lambda a: a.output or a.model / "validate")
 
 
 def _add_pipeline_commands(sub) -> None:
@@ -466,6 +475,21 @@ def _add_spec_commands(sub) -> None:
     show.set_defaults(func=cmd_spec_show)
 
 
+def _holding(args):
+    """The lock on the folder this command writes (`writes` of its parser; `run` locks its own in run_local):
+    two commands writing one results folder at once would clobber each other. A process that horovodrun or
+    mpirun started is one of N: its launcher holds the lock."""
+    import contextlib
+
+    from qatpipe.fileio import folder_lock
+    from qatpipe.training.distributed import launched_by_horovod
+
+    writes = getattr(args, "writes", None)
+    if writes is None or launched_by_horovod():
+        return contextlib.nullcontext()
+    return folder_lock(writes(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -477,9 +501,16 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("botocore", "urllib3", "matplotlib", "PIL", "h5py", "absl", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        return args.func(args)
+        with _holding(args):
+            return args.func(args)
     except QatpipeError as exc:
         log.error("%s", exc)
+        return 2
+    except OSError as exc:  # one a writer did not name: its file, else the folder this command writes
+        from qatpipe.fileio import os_error_line
+
+        writes = getattr(args, "writes", None)
+        log.error("%s", os_error_line(exc, writes(args) if writes else None))
         return 2
     except KeyboardInterrupt:
         log.error("interrupted; re-run the same command to resume from the last checkpoint")

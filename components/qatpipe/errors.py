@@ -5,6 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def shown(text: str | Path) -> str:
+    """A path or name as it may go into a log line: escaped repr-style when it holds a newline or another
+    control character, so a file name cannot forge a log line."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 class QatpipeError(Exception):
     """Base class: a problem the user can fix (bad input, bad spec, unreachable service)."""
 
@@ -20,7 +27,7 @@ class DataError(QatpipeError):
         self.path = str(path)
         self.line = line
         self.reason = message
-        where = f"{self.path}:{line}" if line is not None else self.path
+        where = f"{shown(self.path)}:{line}" if line is not None else shown(self.path)
         super().__init__(f"{where}: {message}")
 
 

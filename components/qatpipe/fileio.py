@@ -1,12 +1,67 @@
-"""Small file helpers: atomic writes so an interrupted stage never leaves a half-written result."""
+"""Small file helpers: atomic writes so an interrupted stage never leaves a half-written result, write errors
+that name the file, and the lock that keeps two runs out of one results folder."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+from qatpipe.errors import QatpipeError, shown
+
+LOCK_FILE = ".qatpipe.lock"
+
+
+class FolderInUse(QatpipeError):
+    """Another process holds the results folder's lock."""
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | Path) -> Iterator[Path]:
+    """Hold `folder` exclusively for the block: a second qatpipe process writing there fails at once, naming the
+    folder and the holder's pid. An flock on FOLDER/.qatpipe.lock: it dies with its process, so a killed run
+    leaves no stale lock (the file stays; it is the lock's name, not the lock)."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise QatpipeError(f"{folder}: cannot create the results folder's lock: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "unknown"
+            raise FolderInUse(f"{folder}: in use by another qatpipe run (pid {holder}); wait for it to finish "
+                              f"or write to another folder") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} ({' '.join(sys.argv[:3])})\n".encode(), 0)
+        yield folder
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def write_error(path: str | Path, exc: OSError) -> QatpipeError:
+    """An OSError met while writing `path` as one line naming the file (a full disk's ENOSPC carries no path)."""
+    return QatpipeError(f"{shown(path)}: cannot write: {_reason(exc)}")
+
+
+def os_error_line(exc: OSError, folder: str | Path | None = None) -> str:
+    """An OSError no writer named, as one line: its file when it has one, else the folder being written."""
+    if exc.filename is not None:
+        return f"{shown(exc.filename)}: {_reason(exc)}"
+    return f"{shown(folder)}: {_reason(exc)} (while writing in this folder)" if folder else _reason(exc)
+
+
+def _reason(exc: OSError) -> str:
+    hint = " (the disk is full)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return f"{exc.strerror or exc}{hint}"
 
 
 def temp_path(path: Path) -> Path:
@@ -18,24 +73,35 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f"{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
 
 
+@contextlib.contextmanager
+def replacing(path: str | Path, tmp: Path | None = None) -> Iterator[Path]:
+    """Write `path` through a temp name beside it (`temp_path`, or `tmp`): the block writes the yielded name,
+    which becomes `path` only when the block succeeds and is removed when not, so a re-run never finds, or
+    trusts, a half-written file; an OSError (a full disk) becomes an error naming `path`."""
+    path = Path(path)
+    tmp = tmp or temp_path(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise write_error(path, exc) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # a plain open() (not mkstemp, which forces mode 0600) so results stay readable under the usual umask
-    tmp = temp_path(path)
-    try:
+    with replacing(path) as tmp:
         tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return path
 
 
 def read_json(path: str | Path, what: str) -> Any:
     """A JSON file's content; a QatpipeError naming the file and what it should hold when it cannot be read."""
-    from qatpipe.errors import QatpipeError
-
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -50,7 +116,6 @@ def save_keras_model(model, path: str | Path) -> Path:
     """Save a tf_keras model atomically; the temp name keeps the suffix Keras uses to pick the format."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    model.save(tmp)
-    os.replace(tmp, path)
+    with replacing(path, path.with_name(f".{path.stem}.tmp{path.suffix}")) as tmp:
+        model.save(tmp)
     return path

@@ -34,7 +34,7 @@ class SyntheticDataSpec(_Section):
 
     kind: Literal["shapes", "glyphs", "photos"] = Field(
         "shapes", description="shapes: car/pedestrian/cyclist told apart by outline; glyphs: ten digits on tiles "
-        "of one outline; photos: ten textures on real photographs (data/synth_detail.py); dataset.classes must "
+        "of one outline; photos: ten textures on real photographs (data/synth/detail.py); dataset.classes must "
         "name the kind's classes")
     train_images: int = Field(2000, ge=1)
     val_images: int = Field(300, ge=1)
@@ -59,6 +59,10 @@ class DatasetSpec(_Section):
     box_tolerance_px: float = Field(2.0, ge=0, description="how far a box may stick out of its image")
     cache_dir: str = Field(".qatpipe-cache", description="local cache for s3:// datasets")
     max_boxes_per_image: int = Field(64, ge=1)
+    follow_symlinks: bool = Field(
+        False, description="read images and labels that are links leading outside their data set folder "
+        "(refused by default)"
+    )
 
     @model_validator(mode="after")
     def _check_classes(self) -> "DatasetSpec":
@@ -578,7 +582,9 @@ def load_spec_text(text: str, overrides: list[str] | None = None, source: str = 
 
 
 def dump_spec(spec: ExperimentSpec, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
+    from qatpipe.fileio import atomic_write_text
+
+    atomic_write_text(path, spec_to_yaml(spec))
 
 
 def spec_to_yaml(spec: ExperimentSpec) -> str:

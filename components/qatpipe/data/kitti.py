@@ -15,7 +15,7 @@ from typing import Iterable, Mapping
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from qatpipe.errors import DataError
+from qatpipe.errors import DataError, shown
 
 log = logging.getLogger(__name__)
 
@@ -84,20 +84,21 @@ def parse_label_file(
         if not fields:
             continue  # blank lines (trailing newline) carry no object
         if len(fields) != KITTI_FIELDS:
-            raise DataError(path, f"expected {KITTI_FIELDS} KITTI fields, found {len(fields)}: {line!r}", line_no)
+            raise DataError(path, f"expected {KITTI_FIELDS} KITTI fields, found {len(fields)}", line_no)
         try:
             numbers = [float(v) for v in fields[1:]]
         except ValueError:
             bad = next(v for v in fields[1:] if not _is_float(v))
-            raise DataError(path, f"non-numeric field {bad!r}: {line!r}", line_no) from None
+            raise DataError(path, f"field {fields.index(bad, 1) + 1} is not a number: {_field(bad)}", line_no) from None
         if not all(math.isfinite(v) for v in numbers):
-            raise DataError(path, f"non-finite number: {line!r}", line_no)
+            bad = next(i for i, v in enumerate(numbers) if not math.isfinite(v))
+            raise DataError(path, f"field {bad + 2} is not a finite number: {_field(fields[bad + 1])}", line_no)
         try:
             class_id = class_map.class_id(fields[0])
         except KeyError:
             raise DataError(
                 path,
-                f"unknown class {fields[0]!r} (classes: {', '.join(class_map.classes)}; "
+                f"unknown class {_field(fields[0])} (classes: {', '.join(class_map.classes)}; "
                 "add it to dataset.classes, dataset.class_mapping or dataset.ignore_classes)",
                 line_no,
             ) from None
@@ -122,6 +123,11 @@ def parse_label_file(
         boxes.append(clipped)
         class_ids.append(class_id)
     return np.asarray(boxes, np.float32).reshape(-1, 4), np.asarray(class_ids, np.int32)
+
+
+def _field(value: str) -> str:
+    """One field of a data file as an error shows it: quoted, escaped, at most 40 characters."""
+    return repr(value if len(value) <= 40 else value[:37] + "...")
 
 
 def _is_float(value: str) -> bool:
@@ -154,8 +160,10 @@ def read_kitti_dataset(
     tolerance: float = 2.0,
     verify_images: bool = True,
     key: str = "dataset",
+    follow_symlinks: bool = False,
 ) -> list[KittiSample]:
-    """Read and validate a KITTI folder. `key` names the spec entry in errors (e.g. dataset.train)."""
+    """Read and validate a KITTI folder. `key` names the spec entry in errors (e.g. dataset.train). An image or
+    label that resolves outside `folder` (a link) is refused unless `follow_symlinks`."""
     folder = Path(folder)
     images_dir, labels_dir = folder / "images", folder / "labels"
     if not folder.is_dir():
@@ -170,17 +178,21 @@ def read_kitti_dataset(
     stems: dict[str, Path] = {}
     for image in images:
         if image.stem in stems:
-            raise DataError(image, f"{key}: {stems[image.stem].name} has the same name; each image needs its own label")
+            raise DataError(image, f"{key}: {shown(stems[image.stem].name)} has the same name; each image needs its "
+                                   "own label")
         stems[image.stem] = image
     orphans = sorted(p.name for p in labels_dir.glob("*.txt") if p.stem not in stems)
     if orphans:
         raise DataError(labels_dir / orphans[0], f"label file has no image ({len(orphans)} such files)")
 
+    root = folder.resolve()
     samples = []
     for index, image_path in enumerate(images):
         label_path = labels_dir / f"{image_path.stem}.txt"
         if not label_path.is_file():
-            raise DataError(label_path, f"label file not found for image {image_path.name}")
+            raise DataError(label_path, f"label file not found for image {shown(image_path.name)}")
+        if not follow_symlinks:
+            _check_inside(root, (image_path, label_path), key)
         width, height = read_image_size(image_path, verify=verify_images)
         boxes, classes = parse_label_file(label_path, class_map, width, height, tolerance)
         samples.append(KittiSample(image_path, label_path, height, width, boxes, classes))
@@ -191,6 +203,15 @@ def read_kitti_dataset(
         ", ".join(f"{n}={c}" for n, c in zip(class_map.classes, class_counts(samples, len(class_map.classes)))),
     )
     return samples
+
+
+def _check_inside(root: Path, paths: tuple[Path, ...], key: str) -> None:
+    """Refuse a file that resolves outside the data set folder `root` (resolved): a link must not make the
+    pipeline read, and echo, files elsewhere on the machine."""
+    for path in paths:
+        if not path.resolve().is_relative_to(root):
+            raise DataError(path, f"{key}: a link leading outside the data set folder {shown(root)}; copy the file in, "
+                                  "or set dataset.follow_symlinks: true to read it")
 
 
 def class_counts(samples: list[KittiSample], num_classes: int) -> list[int]:

@@ -25,7 +25,8 @@ def load_split(spec: ExperimentSpec, split: Split) -> list[KittiSample]:
             f"generate synthetic data (`qatpipe run --local`), or write it with `qatpipe data synth --out DIR`"
         )
     folder = resolve_dataset_dir(uri, spec.dataset.cache_dir)  # a local path comes back as it is
-    return read_kitti_dataset(folder, class_map_from_spec(spec), spec.dataset.box_tolerance_px, key=f"dataset.{split}")
+    return read_kitti_dataset(folder, class_map_from_spec(spec), spec.dataset.box_tolerance_px, key=f"dataset.{split}",
+                              follow_symlinks=spec.dataset.follow_symlinks)
 
 
 def sample_split(spec: ExperimentSpec, split: Split, count: int, seed: int) -> list[KittiSample]:

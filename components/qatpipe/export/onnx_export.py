@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 
 from qatpipe.errors import QatpipeError
-from qatpipe.fileio import temp_path
+from qatpipe.fileio import replacing
 from qatpipe.models.base import INPUT_NAME
 
 log = logging.getLogger(__name__)
@@ -44,9 +43,8 @@ def _name_batch_dimension(proto) -> None:
 
 def save_onnx(proto, path: str | Path) -> Path:
     path = Path(path)
-    tmp = temp_path(path)
-    tmp.write_bytes(proto.SerializeToString())
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        tmp.write_bytes(proto.SerializeToString())
     return path
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import tensorflow as tf
 import tf_keras as keras
 
+from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text
 
 log = logging.getLogger("qatpipe.train")
@@ -91,5 +92,9 @@ class CheckpointEveryN(keras.callbacks.Callback):
         done = epoch + 1
         if done % self.interval == 0 or done == self.epochs:
             self.epoch_var.assign(done)
-            path = self.manager.save(checkpoint_number=done)
+            try:
+                path = self.manager.save(checkpoint_number=done)
+            except (tf.errors.OpError, OSError) as exc:  # e.g. a full disk: name the folder, not TF's traceback
+                raise QatpipeError(f"{self.manager.directory}: cannot write the epoch {done} checkpoint: "
+                                   f"{getattr(exc, 'message', None) or exc}") from None
             log.info("checkpoint: %s (epoch %d)", path, done)
