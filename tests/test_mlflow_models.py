@@ -33,11 +33,21 @@ def _validation(folder: Path, passed: bool, map50: float) -> Path:
     return folder
 
 
-def _register(tracker, spec, onnx_path, evaluation, tmp_path, passed: bool, run: str) -> dict:
+def _register(tracker, spec, onnx_path, evaluation, tmp_path, passed: bool, run: str,
+              same_file: bool = False) -> dict:
+    """One pipeline run's register stage; each run's model is a file of its own (a model of other bytes: the
+    registry keys versions on the file's digest) unless `same_file`."""
     import shutil
+
+    import onnx
 
     from qatpipe.stages.register import VariantFiles, register_models
 
+    if not same_file:
+        proto = onnx.load(onnx_path)
+        onnx.helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, "test.run": run})
+        onnx_path = tmp_path / f"model-{run}.onnx"
+        onnx.save(proto, onnx_path)
     folder = tmp_path / f"validate-{run}"
     shutil.copytree(evaluation, folder)
     metrics = json.loads((folder / "metrics.json").read_text())
@@ -149,7 +159,10 @@ def test_the_alias_moves_on_a_pass_and_stays_on_a_failure(mlflow_server, evaluat
     second = _register(tracker, spec, onnx_path, evaluation, tmp_path, passed=True, run="2")["registered"]
     assert client.get_registered_model("test-aliases").aliases == {"champion": second["version"],
                                                                    "previous-champion": first["version"]}
-    assert client.get_model_version("test-aliases", first["version"]).current_stage is not None  # not deleted
+    # the replaced champion is kept, not deleted: both versions are in the registry, each with its own verdict
+    kept = {v.version: v for v in client.search_model_versions("name='test-aliases'")}
+    assert set(kept) == {first["version"], second["version"]}
+    assert kept[first["version"]].tags["qatpipe.gate"] == "passed" and kept[first["version"]].status == "READY"
     # a retried register task makes no second version and keeps the true previous champion
     from qatpipe.tracking.registry import LoggedVariant, register_variant
 
@@ -159,6 +172,12 @@ def test_the_alias_moves_on_a_pass_and_stays_on_a_failure(mlflow_server, evaluat
     assert again.version == second["version"]
     assert client.get_registered_model("test-aliases").aliases == {"champion": second["version"],
                                                                    "previous-champion": first["version"]}
+
+    # a re-run of the pipeline that registers the very same model file again: its version, not a new one
+    rerun = _register(tracker, spec, tmp_path / "model-2.onnx", evaluation, tmp_path, passed=True, run="2-again",
+                      same_file=True)["registered"]
+    assert rerun["version"] == second["version"]
+    assert len(client.search_model_versions("name='test-aliases'")) == 2
 
     failed = _register(tracker, spec, onnx_path, evaluation, tmp_path, passed=False, run="3")["registered"]
     assert failed["alias"] == "challenger" and not failed["passed"]

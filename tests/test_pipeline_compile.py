@@ -109,10 +109,10 @@ def test_dag_shape(compiled):
     assert upstream("compare") == {"start-tracking", "prune", "evaluate-unpruned",
                                    *(f"validate-{v}" for v in VARIANTS)}
     # register logs every variant's model and registers the QAT one (the gate decides its alias, so it runs
-    # whether the gate passed or not)
+    # whether the gate passed or not), once compare has succeeded
     assert "triggerPolicy" not in tasks["register"]
     assert upstream("register") == {"start-tracking", "prepare-data", "export-fp32", "ptq", "export-qat",
-                                    "build-engine-qat", *(f"validate-{v}" for v in VARIANTS)}
+                                    "build-engine-qat", "compare", *(f"validate-{v}" for v in VARIANTS)}
     for stage in STAGES:
         assert upstream(f"log-{stage}") == {stage, "start-tracking"}, stage
     # every stage receives only its spec view; the QAT retrain gets the view with the qat section
@@ -301,6 +301,7 @@ def test_every_task_has_cpu_and_memory_requests_and_limits(compiled):
     executors = spec["deploymentSpec"]["executors"]
     params = spec["root"]["inputDefinitions"]["parameters"]
     k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    with_shm = set()
     for name, task in _all_tasks(spec).items():
         executor = spec["components"][task["componentRef"]["name"]].get("executorLabel")
         if executor is None:
@@ -318,15 +319,17 @@ def test_every_task_has_cpu_and_memory_requests_and_limits(compiled):
                 source = f"gpu-placement-{kind}_{what}" if kind == "training" else f"{kind}_{what}"
                 assert resources[key] == f"{{{{$.inputs.parameters['pipelinechannel--{source}']}}}}", (name, key)
             assert params[f"{kind}_{what}"]["defaultValue"] == TASK_SIZES[kind][what == "memory"]
+        shm = k8s.get(executor, {}).get("emptyDirMounts", [])  # the only emptyDir a task has: /dev/shm
+        if name in TRAINING_TASKS:
+            assert shm == [{"medium": "Memory", "mountPath": "/dev/shm", "sizeLimit": "8Gi", "volumeName": "shm"}], name
+            with_shm.add(name)
+        else:
+            assert shm == [], name
+    assert with_shm == TRAINING_TASKS  # every training task was seen, and had it
     placement = _all_tasks(spec)["gpu-placement"]["inputs"]["parameters"]
     for key in ("gpus", "workers", "training_cpu", "training_memory", "light_cpu", "light_memory", "gpu_type",
                 "node_selector"):
         assert placement[key] == {"componentInputParameter": f"pipelinechannel--{key}"}, key
-        shm = k8s[executor].get("emptyDirMounts", [])
-        if name in TRAINING_TASKS:
-            assert shm == [{"medium": "Memory", "mountPath": "/dev/shm", "sizeLimit": "8Gi", "volumeName": "shm"}]
-        else:
-            assert shm == [], name
 
 
 def test_shm_size_option_and_the_mpijob_followers(tmp_path):

@@ -36,8 +36,11 @@ def stage(name: str):
     except Exception as exc:
         from qatpipe.errors import QatpipeError
 
-        reason = str(exc) if isinstance(exc, QatpipeError) else f"{type(exc).__name__}: {exc}"
-        if not isinstance(exc, QatpipeError):
+        from qatpipe.fileio import os_error_line
+
+        reason = str(exc) if isinstance(exc, QatpipeError) else \
+            os_error_line(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, (QatpipeError, OSError)):
             log.error("stage %s: unexpected error\n%s", name, traceback.format_exc())
         log.error("stage %s failed: %s. Fix the cause and re-run the pipeline: finished stages are reused "
                   "(KFP caching).", name, reason)
@@ -55,8 +58,17 @@ def _record(name: str, status: str, seconds: float, reason: str | None = None) -
     entry = {"stage": name, "status": status, "seconds": round(seconds, 2)}
     if reason:
         entry["reason"] = reason
-    with open(path, "a", encoding="utf-8") as handle:  # one short line per write: appends do not interleave
-        handle.write(json.dumps(entry) + "\n")
+    # the whole line in one write() to a file opened for appending: concurrent stages' lines never interleave
+    # (a full disk may still cut one short: the reader skips it, naming it)
+    line = (json.dumps(entry) + "\n").encode("utf-8")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError as exc:  # the stage's own outcome stands; only its line in the run's summary is missing
+        log.warning("%r: cannot record stage %s as %s: %s", path, name, status, exc.strerror or exc)
 
 
 def load_stage_spec(text: str):

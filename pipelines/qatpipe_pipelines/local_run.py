@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 
 from qatpipe.errors import QatpipeError
-from qatpipe.fileio import write_json
+from qatpipe.fileio import folder_lock, write_json
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +29,21 @@ class PipelineFailed(QatpipeError):
 
 def run_local(output_dir: str | Path, spec_uri: str = "default", overrides: list[str] | None = None,
               run_name: str = "") -> dict:
-    """Run the pipeline locally into `output_dir`; returns (and writes) its summary.json."""
+    """Run the pipeline locally into `output_dir`; returns (and writes) its summary.json. One run at a time
+    per folder: a second one fails at once, naming the folder and the first one's pid."""
+    out = Path(output_dir).resolve()
+    with folder_lock(out):
+        return _run_locked(out, spec_uri, list(overrides or []), run_name)
+
+
+def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str) -> dict:
     import kfp.local
 
     from qatpipe.spec_sources import load_spec_uri
-    from qatpipe.tracking.mlflow_runs import TRACKING_URI_ENV, MlflowTracker
+    from qatpipe.tracking.mlflow_runs import RUN_FOLDER_ENV, TRACKING_URI_ENV, MlflowTracker
     from qatpipe_kfp.runtime import STAGE_LOG_ENV
     from qatpipe_pipelines.qat_pipeline import build_pipeline
 
-    overrides = list(overrides or [])
-    out = Path(output_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     spec_uri = _absolute_if_local(spec_uri)
     spec = load_spec_uri(spec_uri, overrides)  # a bad spec fails here, before any subprocess starts
 
@@ -47,8 +51,11 @@ def run_local(output_dir: str | Path, spec_uri: str = "default", overrides: list
     tracking_uri = os.environ.get(TRACKING_URI_ENV) or local_store
     tracker = MlflowTracker(tracking_uri)
     tracker.check()
-    if tracking_uri == local_store:  # its artifacts go beside it, not into the current directory
-        tracker.experiment_id(spec.tracking.experiment, artifact_location=(out / "mlartifacts").as_uri())
+    # its artifacts go beside a local store, not into the current directory
+    experiment = tracker.experiment_id(spec.tracking.experiment, artifact_location=(out / "mlartifacts").as_uri()
+                                       if tracking_uri == local_store else None)
+    # an earlier run of this folder that could not close its MLflow run (killed, or MLflow was down then)
+    _close_stale_runs(tracker, experiment, out, "superseded by a re-run of its output folder")
 
     stage_log = out / STAGE_LOG_FILE
     stage_log.unlink(missing_ok=True)
@@ -58,7 +65,8 @@ def run_local(output_dir: str | Path, spec_uri: str = "default", overrides: list
     started = time.time()
     log.info("running the pipeline locally into %s (spec %s)", out, spec_uri)
     # the stage subprocesses inherit these
-    with _environment({TRACKING_URI_ENV: tracking_uri, STAGE_LOG_ENV: str(stage_log)}), warnings.catch_warnings():
+    with _environment({TRACKING_URI_ENV: tracking_uri, STAGE_LOG_ENV: str(stage_log), RUN_FOLDER_ENV: str(out)}), \
+            warnings.catch_warnings():
         # kfp.local warns, per task, that the image parameter is not a Python image: locally it runs no image
         warnings.filterwarnings("ignore", message="You may be attemping to run a task that uses custom",
                                 category=RuntimeWarning)
@@ -67,8 +75,12 @@ def run_local(output_dir: str | Path, spec_uri: str = "default", overrides: list
                                 category=UserWarning)
         try:
             qat_pipeline(spec_uri=spec_uri, spec_overrides=overrides, run_name=run_name or out.name)
-        except RuntimeError as exc:
-            raise PipelineFailed(_failure_message(stage_log, exc, out, spec_uri, overrides)) from None
+        except BaseException as exc:
+            # the exit handler closes the run as FAILED; where it could not (MLflow down, interrupted), do it here
+            _close_stale_runs(tracker, experiment, out, "the pipeline failed")
+            if isinstance(exc, RuntimeError):
+                raise PipelineFailed(_failure_message(stage_log, exc, out, spec_uri, overrides)) from None
+            raise
 
     summary = _collect_summary(out / "kfp", started)
     summary["stages"] = _stage_outcomes(stage_log)
@@ -127,14 +139,32 @@ def code_version() -> str:
     return digest.hexdigest()[:16]
 
 
+def _close_stale_runs(tracker, experiment: str, out: Path, reason: str) -> None:
+    """Close this folder's MLflow pipeline runs still marked RUNNING as FAILED; best effort when MLflow is down
+    (the next run of the folder closes them)."""
+    try:
+        closed = tracker.close_running_pipeline_runs(experiment, str(out), "FAILED", reason)
+    except QatpipeError as exc:
+        log.warning("MLflow: could not close this folder's earlier runs (%s); the next run of %r closes them",
+                    exc, str(out))
+        return
+    for run_id in closed:
+        log.info("MLflow run %s of %r was left RUNNING: closed as FAILED (%s)", run_id, str(out), reason)
+
+
 def _stage_outcomes(stage_log: Path) -> dict:
     """stage -> {"status": done|failed, "seconds"} for the stages this run executed; a stage that kfp.local
-    served from its cache does not appear."""
+    served from its cache does not appear. A line a full disk or a kill cut short is skipped, and named."""
     outcomes: dict[str, dict] = {}
     if stage_log.is_file():
-        for line in stage_log.read_text().splitlines():
-            entry = json.loads(line)
-            stage = entry.pop("stage")
+        for number, line in enumerate(stage_log.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            try:
+                entry = json.loads(line)
+                stage = entry.pop("stage")
+            except (ValueError, KeyError, AttributeError):
+                log.warning("%r:%d: not a whole stage record (a write cut short?), skipped: %r", str(stage_log),
+                            number, line[:200])
+                continue
             outcomes[stage] = entry
     return outcomes
 

@@ -165,7 +165,7 @@ class _Stages:
 
     def retrained(self, pruned) -> dict[str, dsl.PipelineTask]:
         """{"fp32": the FP32 baseline, "qat": the QAT model}. The FP32 retrain of the pruned model comes first;
-        after it, as `qat.start` says (stages/retrain.py, plan_retrain), the QAT retrain of the pruned model or
+        after it, as `qat.start` says (stages/retrain_plan.py, plan_retrain), the QAT retrain of the pruned model or
         QAT fine-tuning of the FP32 retrain's model, and the baseline: the FP32 retrain's model handed on, or
         fine-tuned as long as QAT in FP32. The spec is read at run time and KFP's DAG is fixed, so both orders
         share this shape: under TAO's order the QAT retrain waits for the FP32 one it does not use."""
@@ -354,19 +354,22 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             evaluations = {name: dag.evaluated(name, model) for name, model in onnx_models.items()}
             engines, validations = dag.deployed(onnx_models, evaluations["fp32"].outputs["results"], gpu_type)
 
-            run.cpu(compare(parent_run_id=dag.parent_run_id, fp32=validations["fp32"].outputs["results"],
-                            ptq=validations["ptq"].outputs["results"], qat=validations["qat"].outputs["results"],
-                            unpruned=unpruned_eval.outputs["results"], pruned=pruned.outputs["pruned"]),
-                    network=True, per_run=True)
+            compared = run.cpu(compare(parent_run_id=dag.parent_run_id, fp32=validations["fp32"].outputs["results"],
+                                       ptq=validations["ptq"].outputs["results"],
+                                       qat=validations["qat"].outputs["results"],
+                                       unpruned=unpruned_eval.outputs["results"], pruned=pruned.outputs["pruned"]),
+                               network=True, per_run=True)
 
-            # every variant as an MLflow model; the QAT one registered, as champion only when it passed the gate
-            run.cpu(register(parent_run_id=dag.parent_run_id, spec=specs.outputs["spec"],
-                             kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_ui_url=kfp_ui_url,
-                             dataset=dag.dataset, fp32_onnx=onnx_models["fp32"],
-                             ptq_onnx=onnx_models["ptq"], qat_onnx=onnx_models["qat"],
-                             qat_engine=engines["qat"].outputs["engine"],
-                             **{f"{name}_validation": validations[name].outputs["results"]
-                                for name in ("fp32", "ptq", "qat")}), network=True, per_run=True)
+            # every variant as an MLflow model; the QAT one registered, as champion only when it passed the gate;
+            # only after compare succeeded, so a run that could not compare its variants registers nothing
+            registered = run.cpu(register(parent_run_id=dag.parent_run_id, spec=specs.outputs["spec"],
+                                          kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_ui_url=kfp_ui_url,
+                                          dataset=dag.dataset, fp32_onnx=onnx_models["fp32"],
+                                          ptq_onnx=onnx_models["ptq"], qat_onnx=onnx_models["qat"],
+                                          qat_engine=engines["qat"].outputs["engine"],
+                                          **{f"{name}_validation": validations[name].outputs["results"]
+                                             for name in ("fp32", "ptq", "qat")}), network=True, per_run=True)
+            registered.after(compared)
 
     return qat_pipeline
 

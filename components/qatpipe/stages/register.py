@@ -18,7 +18,8 @@ from qatpipe.stages.compare import variant_row
 from qatpipe.stages.validate import DEEPSTREAM_FOLDER, MARKDOWN_FILE, REPORT_FILE as VALIDATION_FILE, gate_message
 from qatpipe.tracking.mlflow_runs import KFP_RUN_TAG, KFP_RUN_URL_TAG, MlflowTracker
 from qatpipe.tracking.records import RECORD_FILE
-from qatpipe.tracking.registry import loading_snippet, log_variant_model, register_variant, spec_digest
+from qatpipe.tracking.registry import (MODEL_DIGEST_TAG, file_digest, loading_snippet, log_variant_model,
+                                      register_variant, spec_digest)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ def register_models(tracker: MlflowTracker, parent_run_id: str, spec: Experiment
     tags = {**run_tags, "qatpipe.engine": str(report.get("engine_label", "")),
             **{f"qatpipe.{key}": f"{value:.6g}" for key, value in figures[REGISTERED_VARIANT].items()
                if isinstance(value, float)},
-            "qatpipe.baseline_map50": f"{report['baseline_map50']:.6g}", "qatpipe.map50_drop": str(report["map50_drop"])}
+            "qatpipe.baseline_map50": f"{report['baseline_map50']:.6g}", "qatpipe.map50_drop": str(report["map50_drop"]),
+            MODEL_DIGEST_TAG: file_digest(variants[REGISTERED_VARIANT].onnx)}
     alias = spec.tracking.champion_alias
     version = register_variant(tracker, spec.tracking.registered_model, logged[REGISTERED_VARIANT], passed, reason,
                                champion_alias=alias, tags=tags)

@@ -37,6 +37,11 @@ VARIANT_PREFIX = "variant."  # parent-run metrics: variant.<name>.<metric>
 COMPARISON_PREFIX = "comparison."  # parent-run metrics: comparison.<a-b>.<metric>, differences between variants
 TENSORRT_COMPARISON_PREFIX = "comparison_tensorrt."  # the same differences in TensorRT's numbers
 ENGINE_TAG_PREFIX = "qatpipe.engine."  # parent-run tags: qatpipe.engine.<name> = "onnxruntime cpu int8"
+# `qatpipe run --local` names its output folder here; the parent run is tagged with it, so a re-run of the
+# folder finds an earlier run that was left RUNNING
+RUN_FOLDER_ENV = "QATPIPE_RUN_FOLDER"
+RUN_FOLDER_TAG = "qatpipe.run_folder"
+PIPELINE_STATE_TAG = "qatpipe.pipeline_state"
 
 # MLflow's own HTTP retries default to 7 with exponential backoff (minutes of silence against a dead
 # server); ours are few and logged. Users who set these variables keep their values.
@@ -139,6 +144,8 @@ class MlflowTracker:
         - else a new run in `experiment`.
         """
         tags = {KIND_TAG: "pipeline", **source_tags("qatpipe pipeline"), **(tags or {})}
+        if os.environ.get(RUN_FOLDER_ENV):
+            tags[RUN_FOLDER_TAG] = os.environ[RUN_FOLDER_ENV]
         injected = os.environ.get(INJECTED_RUN_ENV, "").strip()
         if injected:
             task_run = self.call(f"reading the injected run {injected}", lambda: self.client.get_run(injected))
@@ -288,16 +295,34 @@ class MlflowTracker:
         closed = None
         for run in runs:  # normally one
             run_id = run.info.run_id
-            self.set_tags(run_id, {"qatpipe.pipeline_state": pipeline_state})
-            for live in self.find_runs([run.info.experiment_id], f"tags.`{PARENT_TAG}` = '{run_id}' and "
-                                       f"tags.`{LIVE_TAG}` = 'true' and attributes.status = 'RUNNING'"):
-                self.finish(live.info.run_id, status)  # a training that never reached its log task
+            self.set_tags(run_id, {PIPELINE_STATE_TAG: pipeline_state})
+            self._finish_running_children(run, status)  # a training that never reached its log task
             if run.data.tags.get(JOINED_TAG) == "true":
                 log.info("the KFP backend owns MLflow run %s; leaving it open", run_id)
                 continue
             self.finish(run_id, status)
             closed = run_id
         return closed
+
+    def close_running_pipeline_runs(self, experiment_id: str, run_folder: str, status: str, reason: str) -> list[str]:
+        """Close the pipeline runs of `run_folder` (RUN_FOLDER_TAG) still RUNNING, and their stage runs left
+        RUNNING, as `status`; returns the closed parents' ids. For `qatpipe run --local`, which holds the
+        folder's lock: any such run is one that ended without closing its run (killed, or MLflow was down)."""
+        running = self.find_runs([experiment_id], f"tags.`{KIND_TAG}` = 'pipeline' and attributes.status = 'RUNNING'")
+        closed = []
+        for run in running:  # the folder is compared here: a path may hold quotes a filter string cannot
+            if run.data.tags.get(RUN_FOLDER_TAG) != run_folder or run.data.tags.get(JOINED_TAG) == "true":
+                continue
+            self.set_tags(run.info.run_id, {PIPELINE_STATE_TAG: reason})
+            self._finish_running_children(run, status)
+            self.finish(run.info.run_id, status)
+            closed.append(run.info.run_id)
+        return closed
+
+    def _finish_running_children(self, run, status: str) -> None:
+        for child in self.find_runs([run.info.experiment_id], f"tags.`{PARENT_TAG}` = '{run.info.run_id}' and "
+                                    "attributes.status = 'RUNNING'"):
+            self.finish(child.info.run_id, status)
 
     def pipeline_runs_tagged(self, tag: str, value: str) -> list:
         """Pipeline (parent) runs with tag=value in any active experiment (the exit handler does not know the
@@ -420,5 +445,7 @@ def _finite(value: Any) -> bool:
 
 def _one_line(exc: BaseException) -> str:
     """The exception as one short line, with any credentials in URLs removed."""
-    text = redact_uri(" ".join(str(exc).split())) or type(exc).__name__
+    # a database store's error carries its SQL statement and a link: neither says what went wrong
+    text = str(exc).split("[SQL:")[0].split("(Background on this error")[0]
+    text = redact_uri(" ".join(text.split())) or type(exc).__name__
     return text if len(text) <= 400 else text[:397] + "..."

@@ -29,6 +29,7 @@ CHALLENGER_ALIAS = "challenger"
 MODEL_STAGE_PREFIX = "model-"
 MODEL_ID_TAG = "qatpipe.model_id"
 GATE_TAG, GATE_REASON_TAG = "qatpipe.gate", "qatpipe.gate_reason"
+MODEL_DIGEST_TAG = "qatpipe.model_digest"  # on a registered version: its ONNX file's SHA-256
 
 
 @dataclass
@@ -41,6 +42,15 @@ class LoggedVariant:
 
 def previous_alias(champion_alias: str) -> str:
     return f"previous-{champion_alias}"
+
+
+def file_digest(path: str | Path) -> str:
+    """The SHA-256 of a model file: the same model registered twice is one version."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def spec_digest(spec_text: str) -> str:
@@ -105,10 +115,15 @@ def register_variant(tracker: MlflowTracker, name: str, logged: LoggedVariant, p
                                                              "gate (alias champion) and those that did not")
         except Exception:  # exists already
             pass
-        # a retried task (or a retried call whose answer was lost) finds the version it made
+        # a retried task (or a retried call whose answer was lost) finds the version it made; a re-run of the
+        # pipeline that registers the same model file again finds its version by the file's digest
         made = client.search_model_versions(f"name = '{name}' and run_id = '{logged.run_id}'")
+        if not made and tags.get(MODEL_DIGEST_TAG):
+            made = client.search_model_versions(f"name = '{name}' and tags.`{MODEL_DIGEST_TAG}` = "
+                                                f"'{tags[MODEL_DIGEST_TAG]}'")
         if made:
-            log.info("%s version %s is already registered from run %s", name, made[0].version, logged.run_id)
+            log.info("%s version %s is already registered from this model (run %s)", name, made[0].version,
+                     made[0].run_id)
             return made[0]
         return client.create_model_version(name, logged.model_uri, run_id=logged.run_id, tags=tags,
                                            description=reason or None, model_id=logged.model_id)
@@ -172,5 +187,5 @@ def _version_with_alias(tracker: MlflowTracker, name: str, alias: str) -> str | 
                              lambda: tracker.client.get_model_version_by_alias(name, alias).version)
 
 
-__all__ = ["LoggedVariant", "loading_snippet", "log_variant_model", "pipeline_models", "previous_alias",
+__all__ = ["LoggedVariant", "MODEL_DIGEST_TAG", "file_digest", "loading_snippet", "log_variant_model", "pipeline_models", "previous_alias",
            "register_variant", "spec_digest"]
