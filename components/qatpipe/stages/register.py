@@ -68,8 +68,8 @@ def register_models(tracker: MlflowTracker, parent_run_id: str, spec: Experiment
     tags = {**run_tags, "qatpipe.engine": str(report.get("engine_label", "")),
             **{f"qatpipe.{key}": f"{value:.6g}" for key, value in figures[REGISTERED_VARIANT].items()
                if isinstance(value, float)},
-            "qatpipe.baseline_map50": f"{report['baseline_map50']:.6g}", "qatpipe.map50_drop": str(report["map50_drop"]),
-            MODEL_DIGEST_TAG: file_digest(variants[REGISTERED_VARIANT].onnx)}
+            "qatpipe.baseline_map50": f"{report['baseline_map50']:.6g}",
+            "qatpipe.map50_drop": str(report["map50_drop"]), MODEL_DIGEST_TAG: file_digest(variants[REGISTERED_VARIANT].onnx)}
     alias = spec.tracking.champion_alias
     version = register_variant(tracker, spec.tracking.registered_model, logged[REGISTERED_VARIANT], passed, reason,
                                champion_alias=alias, tags=tags)

@@ -187,5 +187,5 @@ def _version_with_alias(tracker: MlflowTracker, name: str, alias: str) -> str | 
                              lambda: tracker.client.get_model_version_by_alias(name, alias).version)
 
 
-__all__ = ["LoggedVariant", "MODEL_DIGEST_TAG", "file_digest", "loading_snippet", "log_variant_model", "pipeline_models", "previous_alias",
-           "register_variant", "spec_digest"]
+__all__ = ["LoggedVariant", "MODEL_DIGEST_TAG", "file_digest", "loading_snippet", "log_variant_model",
+           "pipeline_models", "previous_alias", "register_variant", "spec_digest"]
