@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import time
+import types
 
 import pytest
 
 from qatpipe.errors import TrackingError
+from qatpipe.tracking import mlflow_runs
 from qatpipe.tracking.mlflow_runs import INJECTED_RUN_ENV, KFP_RUN_TAG, PARENT_TAG, MlflowTracker, redact_uri
 from qatpipe.tracking.records import StageRecord, history_from_csv
 
@@ -90,27 +92,53 @@ def test_retried_tasks_do_not_duplicate_runs(mlflow_server, tmp_path, monkeypatc
     assert tracker.client.get_run(half_logged).info.lifecycle_stage == "deleted"
 
 
-def test_a_permanent_error_is_not_retried_nor_blamed_on_the_network(mlflow_server):
+class _CountingClient:
+    """The tracker's MlflowClient, counting the calls made through it: one per attempt of `MlflowTracker.call`."""
+
+    def __init__(self, client):
+        self._client, self.calls = client, []
+
+    def __getattr__(self, name):
+        method = getattr(self._client, name)
+
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def _counted(tracker: MlflowTracker, monkeypatch) -> tuple[_CountingClient, list]:
+    """Count the tracker's client calls and its backoff sleeps (recorded, not slept)."""
+    client = _CountingClient(tracker.client)
+    tracker.client = client
+    sleeps = []  # the tracker module's own clock only: MLflow's and urllib3's sleeps are theirs
+    monkeypatch.setattr(mlflow_runs, "time", types.SimpleNamespace(sleep=sleeps.append, time=time.time))
+    return client, sleeps
+
+
+def test_a_permanent_error_is_not_retried_nor_blamed_on_the_network(mlflow_server, monkeypatch):
     tracker = MlflowTracker(mlflow_server, attempts=3, backoff_s=5.0)
-    started = time.monotonic()
+    client, sleeps = _counted(tracker, monkeypatch)
     with pytest.raises(TrackingError) as caught:
         tracker.read_variants("f" * 32)
-    assert time.monotonic() - started < 4  # no backoff sleeps
+    assert client.calls == ["get_run"] and sleeps == []  # one attempt, no backoff
     assert "attempt" not in str(caught.value) and "server is up" not in str(caught.value)
 
 
-def test_unreachable_server_fails_clearly_and_keeps_results(closed_port_uri, tmp_path):
+def test_unreachable_server_fails_clearly_and_keeps_results(closed_port_uri, tmp_path, monkeypatch):
     record = _record(tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     uri = closed_port_uri.replace("http://", "http://alice:s3cret@")
     tracker = MlflowTracker(uri, attempts=2, backoff_s=0.1)
-    started = time.monotonic()
+    client, sleeps = _counted(tracker, monkeypatch)
     with pytest.raises(TrackingError) as caught:
         tracker.log_stage("0" * 32, record, tmp_path)
     message = str(caught.value)
     assert "failed after 2 attempt(s)" in message and closed_port_uri.split("//")[1] in message
     assert "s3cret" not in message and "local results are kept" in message
-    assert time.monotonic() - started < 60
+    # exactly `attempts` tries of the first call, one backoff between them, then it gave up
+    assert len(client.calls) == 2 and len(set(client.calls)) == 1 and sleeps == [0.1]
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing written is lost
 
 

@@ -65,10 +65,12 @@ def _env_endpoint() -> str | None:
 
 
 def s3_client(max_attempts: int = 5):
-    """A boto3 S3 client configured from the environment (endpoint, region, credentials)."""
+    """A boto3 S3 client configured from the environment (endpoint, region, credentials); each request is tried
+    at most `max_attempts` times, the first included."""
     region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
     config = Config(
-        retries={"max_attempts": max_attempts, "mode": "standard"},
+        # botocore's own `max_attempts` counts the retries only (2 would be 3 tries); total_max_attempts does not
+        retries={"total_max_attempts": max_attempts, "mode": "standard"},
         connect_timeout=5,
         read_timeout=30,
         s3={"addressing_style": "path"},  # MinIO does not serve virtual-host buckets by default
