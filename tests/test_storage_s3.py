@@ -414,3 +414,34 @@ def test_the_data_fingerprint_follows_the_s3_listing(seeded, tiny_spec, tmp_path
     replaced = data_fingerprint(spec)
     seeded.put_object(Bucket=BUCKET, Key=f"{PREFIX}/labels/000002.txt", Body=old)
     assert len({first, replaced, data_fingerprint(spec)}) == 3
+
+
+def test_a_spec_loads_from_s3_and_a_missing_one_is_named(raw, capsys, caplog):
+    """`-e s3://bucket/key` (spec_sources.load_spec_uri): the object's YAML, overridden and validated as a local
+    spec file is; a missing key or bucket and an invalid spec are one clear error naming the URI."""
+    from qatpipe.cli import main
+    from qatpipe.errors import SpecError
+    from qatpipe.spec import bundled_spec_path, load_spec
+    from qatpipe.spec_sources import load_spec_uri
+
+    raw.create_bucket(Bucket=BUCKET)
+    raw.put_object(Bucket=BUCKET, Key="specs/tiny.yaml", Body=bundled_spec_path("tiny").read_bytes())
+    uri = f"s3://{BUCKET}/specs/tiny.yaml"
+    spec = load_spec_uri(uri, ["train.epochs=2"])
+    assert spec.to_dict() == load_spec(bundled_spec_path("tiny"), ["train.epochs=2"]).to_dict()
+    assert main(["spec", "show", "-e", uri, "--set", "train.epochs=7"]) == 0
+    assert "epochs: 7" in capsys.readouterr().out
+
+    missing = f"s3://{BUCKET}/specs/nope.yaml"
+    with pytest.raises(StorageError, match=rf"^S3 error NoSuchKey for {re.escape(missing)} \(endpoint: .*not exist"):
+        load_spec_uri(missing)
+    with pytest.raises(StorageError, match="^bucket not found: s3://no-such-bucket/spec.yaml"):
+        load_spec_uri("s3://no-such-bucket/spec.yaml")
+    with caplog.at_level(logging.ERROR):  # the command line: that one line, exit code 2
+        assert main(["spec", "show", "-e", missing]) == 2
+    assert f"S3 error NoSuchKey for {missing}" in caplog.text and "Traceback" not in caplog.text
+
+    bad = f"s3://{BUCKET}/specs/bad.yaml"
+    raw.put_object(Bucket=BUCKET, Key="specs/bad.yaml", Body=b"dataset: {classes: [car]}\ntrain: {epochz: 3}\n")
+    with pytest.raises(SpecError, match=f"^{re.escape(bad)}: invalid spec\n  train.epochz: unknown key"):
+        load_spec_uri(bad)
