@@ -50,13 +50,14 @@ def _finished_run(backbone: str, work: Path) -> dict:
     and the retrain specs by qat.enabled (False: the FP32 retrain's, True: the QAT retrain's)."""
     from runs import evaluation_folders
 
+    from qatpipe.export.bundle import REPORT_SUFFIX, ExportBundle
     from qatpipe.spec import load_spec
 
     kfp_root = work / backbone / "kfp"
     return {
         "fp32_eval": evaluation_folders(kfp_root)["fp32"],
-        "fp32_onnx": next(p for p in kfp_root.rglob("model_export.json")
-                          if "QAT" not in p.read_text()).with_name("model.onnx"),
+        "fp32_onnx": ExportBundle.of_report(next(p for p in kfp_root.rglob(f"*{REPORT_SUFFIX}")
+                                                 if "QAT" not in p.read_text())).onnx,
         # the retrains of the pruned model, by their tracking records (a run in the fine-tuning order, qat.start
         # fp32, also has finetune_fp32, whose spec would collide with the FP32 retrain's)
         "specs": {load_spec(p).qat.enabled: p for p in kfp_root.rglob("spec.yaml")

@@ -221,14 +221,16 @@ def _openvino(sources: dict[str, Path], size, batch_size: int, min_seconds: floa
 def _onnx_models(run_dir: Path) -> dict[str, Path]:
     """The FP32, PTQ and QAT ONNX of the newest pipeline run in `run_dir` (kfp.local names task folders by
     task id, so the exports are told apart by their reports)."""
+    from qatpipe.export.bundle import REPORT_SUFFIX, ExportBundle
+
     runs = sorted((run_dir / "kfp").glob("*/ptq/int8_onnx/model.onnx"), key=lambda p: p.stat().st_mtime)
     if not runs:
         raise SystemExit(f"{run_dir}: no pipeline run with a PTQ model found")
     run = runs[-1].parents[2]
     found = {"ptq": runs[-1]}
-    for report in run.glob("export*/onnx_model/model_export.json"):
+    for report in run.glob(f"export*/onnx_model/*{REPORT_SUFFIX}"):
         kind = "qat" if "QAT" in json.loads(report.read_text())["quantization"] else "fp32"
-        found[kind] = report.with_name("model.onnx")
+        found[kind] = ExportBundle.of_report(report).onnx
     return found
 
 

@@ -13,9 +13,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qatpipe.errors import QatpipeError
+from qatpipe.export.bundle import ExportBundle
+from qatpipe.export.dla import (DLA_RULES, dla_form, dla_placement, full_tensor_scales, fused_interiors, input_layout,
+                                tensors_needing_scales)
 from qatpipe.export.qdq import read_calibration_cache
-from qatpipe.export.dla import (DLA_RULES, REPORT_JSON, dla_form, dla_paths, dla_placement, full_tensor_scales,
-                                fused_interiors, input_layout, tensors_needing_scales)
 
 
 def _model(nodes, inputs, outputs, initializers=()):
@@ -140,7 +141,8 @@ def dla_export(qat_export, tmp_path_factory):
 @pytest.mark.slow
 def test_the_qat_export_for_dla_writes_a_full_tensor_cache_and_the_report(dla_export):
     spec, tmp_path, report = dla_export
-    form_path, cache_path = dla_paths(tmp_path / "qat.onnx")
+    bundle = ExportBundle(tmp_path / "qat.onnx")
+    form_path, cache_path = bundle.dla, bundle.dla_cache
     assert report["dla"]["onnx"] == str(form_path) and report["dla"]["batch"] == 2
     header, cached = read_calibration_cache(cache_path.read_text())
     assert header == f"TRT-{spec.export.calibration_cache_trt_version}-EntropyCalibration2"
@@ -149,16 +151,16 @@ def test_the_qat_export_for_dla_writes_a_full_tensor_cache_and_the_report(dla_ex
     needed = tensors_needing_scales(form, placements)
     assert needed and needed <= set(cached)  # every tensor a DLA layer reads or writes has its scale
     assert all(scale > 0 for scale in cached.values())
-    kept = set(read_calibration_cache((tmp_path / "qat.cache").read_text())[1]) & set(cached)
+    kept = set(read_calibration_cache(bundle.cache.read_text())[1]) & set(cached)
     assert kept and report["dla"]["qat_scales"] == len(kept)  # the QAT model's own scales, where the form has them
     assert report["dla"]["calibrated_scales"] == len(cached) - len(kept) > 0
     # the detector runs on DLA but for the output transposes (NHWC for qatpipe's decoder)
     on_gpu = [p for p in placements if p.device == "GPU"]
     assert {p.op for p in on_gpu} == {"Transpose"} and report["dla"]["on_gpu"] == len(on_gpu)
-    assert (tmp_path / REPORT_JSON).is_file() and "Layers TensorRT runs on the GPU" in (
-        tmp_path / "dla_report.md").read_text()
+    assert bundle.dla_report.is_file() and "Layers TensorRT runs on the GPU" in bundle.dla_report_markdown.read_text()
     record = json.loads((tmp_path / "tracking.json").read_text())
-    assert {form_path.name, cache_path.name, "dla_report.md"} <= set(record["artifacts"])
+    assert {form_path.name, cache_path.name, bundle.dla_report.name, bundle.dla_report_markdown.name} <= set(
+        record["artifacts"])
 
 
 @pytest.mark.slow
@@ -175,13 +177,14 @@ def test_validate_scores_int8_on_every_tensor_and_writes_the_dla_deepstream_conf
     # INT8 on every tensor (the heads too) against the QAT model's own Q/DQ: close, and scored, not assumed
     assert 0 < report["map50_dla_emulated"] and abs(report["map50_dla_emulated"] - report["map50"]) < 0.1
     assert report["map50_dla_emulated_drop"] == pytest.approx(-report["map50_dla_emulated"], abs=1e-6)
-    assert "qat_dla.cache" in report["dla_emulation"]
+    dla_cache = ExportBundle(folder / "qat.onnx").dla_cache.name
+    assert dla_cache in report["dla_emulation"]
     assert (tmp_path / "out" / "dla_emulated" / "detections.json").is_file()
     assert "| qat, Orin DLA's INT8 (emulated) |" in (tmp_path / "out" / "validation.md").read_text()
     dla_config = tmp_path / "out" / "deepstream" / "config_infer_primary_qat_dla.txt"
     keys = dict(line.split("=", 1) for line in dla_config.read_text().splitlines() if "=" in line)
     assert keys["enable-dla"] == "1" and keys["use-dla-core"] == str(spec.engine.dla_core)
-    assert keys["int8-calib-file"] == "qat_dla.cache" and keys["batch-size"] == "2"
+    assert keys["int8-calib-file"] == dla_cache and keys["batch-size"] == "2"
     assert (tmp_path / "out" / "deepstream" / "config_infer_primary_qat.txt").is_file()  # the GPU one stays
 
 
@@ -206,10 +209,10 @@ def test_the_deepstream_dla_config_names_the_core_the_cache_and_the_fixed_batch(
     scales = strip_qdq(implicit)
     size = spec.dataset.image_size
     images = [np.random.default_rng(0).uniform(size=(4, size.height, size.width, 3)).astype(np.float32)]
-    onnx.save(implicit, tmp_path / "qat_implicit.onnx")
-    write_dla_export(tmp_path / "qat.onnx", tmp_path / "qat_implicit.onnx", scales, images, batch=4,
-                     trt_version=100300, images=4)
-    form, cache = dla_paths(tmp_path / "qat.onnx")
+    bundle = ExportBundle(tmp_path / "qat.onnx")
+    onnx.save(implicit, bundle.implicit)
+    write_dla_export(bundle.onnx, bundle.implicit, scales, images, batch=4, trt_version=100300, images=4)
+    form, cache = bundle.dla, bundle.dla_cache
     config = write_nvinfer_config(spec, form, tmp_path / "ds", "qat_dla", "int8", calibration_cache=cache, dla_core=1)
     keys = dict(line.split("=", 1) for line in config.read_text().splitlines() if "=" in line)
     assert keys["enable-dla"] == "1" and keys["use-dla-core"] == "1" and keys["network-mode"] == "1"
@@ -225,7 +228,8 @@ def test_tensorrt_10_builds_the_dla_form_on_the_core_with_its_cache_and_11_refus
     from qatpipe.spec import EngineSpec
 
     form = dla_form(_nhwc_conv_model(), batch=2)
-    path, cache = dla_paths(tmp_path / "model.onnx")
+    bundle = ExportBundle(tmp_path / "model.onnx")
+    path, cache = bundle.dla, bundle.dla_cache
     onnx.save(form, path)
     settings = EngineSpec(dla_core=1, gpu_fallback=False)
     assert dla_build(tmp_path / "model.onnx", settings, 10) is None  # not a DLA form: the GPU build
@@ -245,7 +249,21 @@ def test_without_a_dla_here_the_engine_comes_from_the_usual_form(tmp_path):
 
     spec = load_spec(bundled_spec_path("tiny"))
     export_path = tmp_path / "model.onnx"
-    for path in (export_path, *dla_paths(export_path), tmp_path / "model_fp16.onnx"):
+    bundle = ExportBundle(export_path)
+    for path in (export_path, bundle.dla, bundle.dla_cache, bundle.fp16):
         Path(path).write_bytes(b"")
-    assert engine_source(spec, "tensorrt", export_path) == tmp_path / "model_fp16.onnx"  # no DLA core here
+    assert engine_source(spec, "tensorrt", export_path) == bundle.fp16  # no DLA core here
     assert engine_source(spec, "onnxruntime", export_path) == export_path
+
+
+def test_the_export_bundle_names_each_file_after_the_onnx(tmp_path):
+    """One type names every file an export writes; the DLA form and the report lead back to their bundle."""
+    bundle = ExportBundle(tmp_path / "qat.onnx")
+    assert {name: getattr(bundle, name).name for name in ("report", "fp16", "implicit", "cache", "scales", "dla",
+                                                          "dla_cache", "dla_report", "dla_report_markdown")} == {
+        "report": "qat_export.json", "fp16": "qat_fp16.onnx", "implicit": "qat_implicit.onnx", "cache": "qat.cache",
+        "scales": "qat_scales.json", "dla": "qat_dla.onnx", "dla_cache": "qat_dla.cache",
+        "dla_report": "dla_report.json", "dla_report_markdown": "dla_report.md"}
+    assert all(getattr(bundle, name).parent == tmp_path for name in ("fp16", "dla_cache", "dla_report"))
+    assert ExportBundle.of_dla_form(bundle.dla) == bundle and ExportBundle.of_dla_form(bundle.onnx) is None
+    assert ExportBundle.of_report(bundle.report) == bundle

@@ -19,6 +19,7 @@ from qatpipe.cli import main
 from qatpipe.engines import load_engine, select_backend
 from qatpipe.engines.tensorrt_backend import TensorRTBackend
 from qatpipe.errors import ModelFileError, QatpipeError
+from qatpipe.export.bundle import ExportBundle
 from qatpipe.stages.build_engine import build_engine
 
 TENSORRT_MISSING = TensorRTBackend.unavailable_reason()
@@ -287,7 +288,7 @@ def _planted_fp16_overflow(fp32_onnx, folder):
                                                   name="planted_attenuate"))
     folder.mkdir(parents=True, exist_ok=True)
     planted = save_onnx(model, folder / "model.onnx")
-    save_onnx(fp16.convert(model, {})[0], folder / "model_fp16.onnx")
+    save_onnx(fp16.convert(model, {})[0], ExportBundle(planted).fp16)
     return planted
 
 
@@ -302,11 +303,12 @@ def test_tensorrt_numbers_are_the_fp16_forms_and_a_broken_fp16_form_fails_with_i
     from qatpipe.stages.validate import validate
 
     spec, built = engines
-    assert spec.engine.fp16 and (built["fp32"][0].with_name("fp32_fp16.onnx")).is_file()
+    fp16_form = ExportBundle(built["fp32"][0]).fp16
+    assert spec.engine.fp16 and fp16_form.is_file()
     low = tmp_path / "low.json"
     low.write_text(json.dumps({"map50": 0.0, "map": 0.0}))
     good = validate(spec, built["fp32"][1], low, tmp_path / "fp32", variant="fp32")
-    assert good["passed"] and good["fp16_form"] and "FP16 form fp32_fp16.onnx" in good["tensorrt_emulation"]
+    assert good["passed"] and good["fp16_form"] and f"FP16 form {fp16_form.name}" in good["tensorrt_emulation"]
     assert (tmp_path / "fp32" / "tensorrt_emulated" / "fp16_rounded.onnx").is_file()
     assert abs(good["map50_tensorrt_emulated"] - good["map50"]) < 0.02  # the guarded FP16 form loses ~nothing
     assert (tmp_path / "fp32" / "fp16_precision_report.md").read_text() == \

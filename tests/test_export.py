@@ -12,6 +12,7 @@ from conftest import one_conv_onnx, read_add_past_its_qdq
 
 from qatpipe.cli import main
 from qatpipe.errors import ModelFileError, QatpipeError
+from qatpipe.export.bundle import ExportBundle
 from qatpipe.export.qdq import read_calibration_cache
 from qatpipe.onnx_model import OnnxModel
 from qatpipe.stages.export import export
@@ -211,7 +212,8 @@ def test_calibration_cache_is_tao_format_and_pairs_with_the_implicit_onnx(qat_ex
     from qatpipe.quantization.transform import activation_ranges
 
     spec, model_path, path, report = qat_export
-    text = (path.parent / "qat.cache").read_text()
+    bundle = ExportBundle(path)
+    text = bundle.cache.read_text()
     lines = text.splitlines()
     assert lines[0] == f"TRT-{spec.export.calibration_cache_trt_version}-EntropyCalibration2" == "TRT-100300-EntropyCalibration2"
     assert all(re.fullmatch(r"[^\s].*: [0-9a-f]{8}", line) for line in lines[1:]), lines[:5]
@@ -221,7 +223,7 @@ def test_calibration_cache_is_tao_format_and_pairs_with_the_implicit_onnx(qat_ex
     amax = activation_ranges(load_keras_model(model_path))["conv1/input_amax"]
     assert scales["input_1"] == pytest.approx(amax / 127, rel=1e-6)
     assert f"input_1: {np.array(amax / 127, '>f4').tobytes().hex()}" in lines
-    implicit = onnx.load(path.parent / "qat_implicit.onnx").graph
+    implicit = onnx.load(bundle.implicit).graph
     assert not [n for n in implicit.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
     tensors = {i.name for i in implicit.input} | {o for n in implicit.node for o in n.output}
     assert set(scales) <= tensors  # every cache entry names a tensor of the FP32 graph it goes with
@@ -229,9 +231,9 @@ def test_calibration_cache_is_tao_format_and_pairs_with_the_implicit_onnx(qat_ex
     # conv1 behind the input's transpose and the block after max pooling
     convs = [n for n in implicit.node if n.op_type == "Conv"]
     assert len(convs) == 15 and all(conv.input[0] in scales for conv in convs)
-    as_json = json.loads((path.parent / "qat_scales.json").read_text())
+    as_json = json.loads(bundle.scales.read_text())
     assert as_json["input_1"]["scale"] == pytest.approx(scales["input_1"])
-    out = OnnxModel(path.parent / "qat_implicit.onnx").run(np.zeros((1, 192, 320, 3), np.float32))
+    out = OnnxModel(bundle.implicit).run(np.zeros((1, 192, 320, 3), np.float32))
     assert out["output_bbox"].shape == (1, 12, 20, 12)
 
 

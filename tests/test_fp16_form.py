@@ -171,14 +171,16 @@ def test_the_export_writes_the_qat_models_fp16_form(qat_export):
 def test_tensorrt_builds_from_the_fp16_form_and_onnx_runtime_from_the_float32_model(tmp_path):
     """The engine's source (stages/build_engine.engine_source): TensorRT with engine.fp16 takes the FP16 form beside
     the export when there is one; ONNX Runtime, engine.fp16 off, or no FP16 form: the model given."""
+    from qatpipe.export.bundle import ExportBundle
     from qatpipe.spec import bundled_spec_path, load_spec
     from qatpipe.stages.build_engine import engine_source
 
     spec = load_spec(bundled_spec_path("tiny"))
     model = tmp_path / "model.onnx"
     assert engine_source(spec, "tensorrt", model) == model  # no FP16 form written
-    (tmp_path / "model_fp16.onnx").write_bytes(b"")
-    assert engine_source(spec, "tensorrt", model) == tmp_path / "model_fp16.onnx"
+    fp16_form = ExportBundle(model).fp16
+    fp16_form.write_bytes(b"")
+    assert engine_source(spec, "tensorrt", model) == fp16_form
     assert engine_source(spec, "onnxruntime", model) == model
     spec.engine.fp16 = False
     assert engine_source(spec, "tensorrt", model) == model

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
 from qatpipe.cli import main
 from qatpipe.errors import TrackingError
+from qatpipe.export.bundle import ExportBundle
 from qatpipe.tracking.mlflow_runs import PARENT_TAG, STAGE_TAG
 from qatpipe_pipelines.local_run import PipelineFailed, run_local
 
@@ -123,7 +125,8 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert children["finetune_fp32"].data.params["qat.start"] == "fp32"
     assert children["finetune_fp32"].data.params["qat.enabled"] == "False"
     qat_files = {a.path for a in client.list_artifacts(children["export_qat"].info.run_id)}
-    assert {"model.onnx", "model.cache", "model_implicit.onnx", "model_scales.json"} <= qat_files
+    exported = ExportBundle(Path("model.onnx"))  # the export component's file
+    assert {exported.onnx.name, exported.cache.name, exported.implicit.name, exported.scales.name} <= qat_files
     assert children["validate_qat"].data.metrics["passed"] == 1.0
     assert children["validate_qat"].data.metrics["map50_tensorrt_emulated"] == pytest.approx(
         summary["variants"]["qat"]["map50_tensorrt_emulated"])
@@ -162,8 +165,9 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert len(found) > 0 and set(found["class_name"]) <= {"car", "pedestrian", "cyclist"}
     folder = mlflow.artifacts.download_artifacts("models:/qatpipe-detectnet-v2@champion", dst_path=str(tmp_path / "m"))
     carried = {path.name for path in (tmp_path / "m" / "artifacts").iterdir()}
-    assert {"model.onnx", "spec.yaml", "model.cache", "model_implicit.onnx", "engine.json", "validation.json",
-            "deepstream"} <= carried, folder
+    exported = ExportBundle(Path("model.onnx"))
+    assert {exported.onnx.name, "spec.yaml", exported.cache.name, exported.implicit.name, "engine.json",
+            "validation.json", "deepstream"} <= carried, folder
 
     # `qatpipe compare` reads the same table back from MLflow
     assert main(["compare", "--tracking-uri", mlflow_server, "--experiment", "pipeline-test",

@@ -63,15 +63,16 @@ class DlaBuild:
 def dla_build(onnx_path: Path, settings, trt_major: int) -> DlaBuild | None:
     """The DLA build of `onnx_path` when it is a DLA form (None otherwise); refused on TensorRT 11 and without
     its calibration cache."""
-    from qatpipe.export.dla import form_cache, is_dla_form
+    from qatpipe.export.bundle import ExportBundle
     from qatpipe.onnx_model import load_onnx_proto
 
-    if not is_dla_form(onnx_path):
+    bundle = ExportBundle.of_dla_form(onnx_path)
+    if bundle is None:
         return None
     if trt_major >= 11:
         raise QatpipeError(f"{onnx_path}: a DLA form for TensorRT 10's implicit INT8 (a calibration cache); TensorRT "
                            f"11 builds DLA only strongly typed (11.4.1+, JetPack 7.2.2): use JetPack 6's TensorRT 10")
-    cache = form_cache(onnx_path)
+    cache = bundle.dla_cache
     if not cache.is_file():
         raise QatpipeError(f"{onnx_path}: its calibration cache {cache.name} is not beside it")
     batch = load_onnx_proto(onnx_path).graph.input[0].type.tensor_type.shape.dim[0].dim_value

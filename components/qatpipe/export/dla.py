@@ -35,26 +35,7 @@ from qatpipe.quantization.kinds import onnx_ops_of
 
 log = logging.getLogger(__name__)
 
-DLA_SUFFIX = "_dla"  # <stem>_dla.onnx and <stem>_dla.cache beside the export
-REPORT_JSON, REPORT_MARKDOWN = "dla_report.json", "dla_report.md"
 INT8_MAX = 127.0
-
-
-def dla_paths(onnx_path: str | Path) -> tuple[Path, Path]:
-    """(the DLA form, its calibration cache) of the export at `onnx_path`."""
-    onnx_path = Path(onnx_path)
-    form = onnx_path.with_name(f"{onnx_path.stem}{DLA_SUFFIX}.onnx")
-    return form, form_cache(form)
-
-
-def form_cache(dla_onnx: str | Path) -> Path:
-    """The calibration cache beside a DLA form: <stem>_dla.cache."""
-    return Path(dla_onnx).with_suffix(".cache")
-
-
-def is_dla_form(onnx_path: str | Path) -> bool:
-    return Path(onnx_path).stem.endswith(DLA_SUFFIX)
-
 
 # ------------------------------------------------------------------------------------------------ the DLA form
 
@@ -381,15 +362,17 @@ def write_dla_export(export_onnx: str | Path, implicit_onnx: str | Path, qat_sca
                      batches: Iterable[np.ndarray], batch: int, trt_version: int, images: int,
                      method: str = "percentile") -> dict:
     """Write the DLA form of the implicit graph at `implicit_onnx`, its full-tensor calibration cache
-    (calibrated on `batches`, NHWC images, by `method`) and dla_report.json/.md beside `export_onnx`; returns
-    the report. Fails when a tensor a DLA layer reads or writes is left without a scale."""
+    (calibrated on `batches`, NHWC images, by `method`) and dla_report.json/.md beside `export_onnx` (their names:
+    ExportBundle); returns the report. Fails when a tensor a DLA layer reads or writes is left without a scale."""
+    from qatpipe.export.bundle import ExportBundle
     from qatpipe.export.onnx_export import save_onnx
     from qatpipe.export.qdq import calibration_cache_text
     from qatpipe.fileio import atomic_write_text, write_json
     from qatpipe.onnx_model import load_onnx_proto
     from qatpipe.quantization.ptq import tensor_amax
 
-    onnx_path, cache_path = dla_paths(export_onnx)
+    bundle = ExportBundle(export_onnx)
+    onnx_path, cache_path = bundle.dla, bundle.dla_cache
     model = dla_form(load_onnx_proto(implicit_onnx), batch)
     save_onnx(model, onnx_path)
     # the implicit graph computes every tensor of the DLA form under the same name (BN folded onto its output)
@@ -414,14 +397,12 @@ def write_dla_export(export_onnx: str | Path, implicit_onnx: str | Path, qat_sca
               "on_dla": sum(p.device == "DLA" for p in placements),
               "on_gpu": sum(p.device == "GPU" for p in placements),
               "placement": [asdict(p) for p in placements]}
-    folder = Path(export_onnx).parent
-    write_json(folder / REPORT_JSON, report)
-    atomic_write_text(folder / REPORT_MARKDOWN, report_markdown(report))
+    write_json(bundle.dla_report, report)
+    atomic_write_text(bundle.dla_report_markdown, report_markdown(report))
     log.info("DLA form %s (batch %d): %d layers on DLA, %d on the GPU; cache %s with %d scales", onnx_path.name,
              batch, report["on_dla"], report["on_gpu"], cache_path.name, len(scales))
     return report
 
 
-__all__ = ["DLA_RULES", "DlaRule", "Placement", "dla_form", "dla_paths", "dla_placement", "equal_ranges",
-           "fake_quantized", "form_cache", "full_tensor_scales", "fused_interiors", "input_layout", "is_dla_form",
-           "tensors_needing_scales", "write_dla_export"]
+__all__ = ["DLA_RULES", "DlaRule", "Placement", "dla_form", "dla_placement", "equal_ranges", "fake_quantized",
+           "full_tensor_scales", "fused_interiors", "input_layout", "tensors_needing_scales", "write_dla_export"]

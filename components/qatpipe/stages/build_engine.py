@@ -48,9 +48,10 @@ def engine_source(spec: ExperimentSpec, backend: str, onnx_path: Path) -> Path:
     there is one; else `onnx_path`. ONNX Runtime's CPU engines stay float32: CPUs without FP16 arithmetic
     would only emulate it."""
     from qatpipe.engines.tensorrt_backend import dla_cores
-    from qatpipe.export.dla import dla_paths
+    from qatpipe.export.bundle import ExportBundle
 
-    dla_form = dla_paths(onnx_path)[0]
+    bundle = ExportBundle(onnx_path)
+    dla_form = bundle.dla
     if backend == "tensorrt" and dla_form.is_file():
         if dla_cores() > spec.engine.dla_core:
             log.info("engine from the DLA form %s on DLA core %d (export.target dla)", dla_form.name,
@@ -59,7 +60,7 @@ def engine_source(spec: ExperimentSpec, backend: str, onnx_path: Path) -> Path:
         log.info("the export has a DLA form, but no DLA core %d here: building for the GPU; on the Jetson, "
                  "DeepStream builds the DLA engine from the validated model's *_dla nvinfer config",
                  spec.engine.dla_core)
-    fp16_form = onnx_path.with_name(f"{onnx_path.stem}_fp16.onnx")
+    fp16_form = bundle.fp16
     if backend == "tensorrt" and spec.engine.fp16 and fp16_form.is_file():
         log.info("engine from the FP16 form %s (engine.fp16)", fp16_form.name)
         return fp16_form

@@ -3,7 +3,7 @@
 An FP32 model becomes a plain ONNX. A QAT model becomes an explicit-quantisation ONNX (int8 weights, Q/DQ
 checked against TensorRT's rules) plus, for TensorRT <= 10 / DeepStream, its implicit-INT8 pair: the FP32
 graph `<stem>_implicit.onnx` with the QAT weights, and the activation scales as a TAO calibration cache
-`<stem>.cache` and as `<stem>_scales.json`.
+`<stem>.cache` and as `<stem>_scales.json` (the names: export/bundle.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from qatpipe.errors import QatpipeError
+from qatpipe.export.bundle import ExportBundle
 from qatpipe.fileio import atomic_write_text, write_json
 from qatpipe.spec import ExperimentSpec
 from qatpipe.tracking.records import StageRecord
@@ -62,6 +63,7 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
     from qatpipe.quantization.layers import is_quantized_model
 
     output_path = Path(output_path)
+    bundle = ExportBundle(output_path)
     if output_path.suffix.lower() != ".onnx":
         raise QatpipeError(f"{output_path}: the export target must end in .onnx")
     model = load_keras_model(model_path, get_architecture(spec))
@@ -86,7 +88,7 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
         limits = report["difference_limits"] = qat_limits(report["tensorflow_rounding_sensitivity"])
         report["layer_check"] = _layer_check(model, output_path, sample)
         layers_decide = not report["layer_check"]["unchecked"]
-    report_path = write_json(output_path.with_name(f"{output_path.stem}_export.json"), report)
+    report_path = write_json(bundle.report, report)
     if qat and report["layer_check"]["failed"]:
         failed = report["layer_check"]["failed"]
         raise QatpipeError(
@@ -94,7 +96,7 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
             + "; ".join(f"{name} ({f['kind']}: {f['problem']})" if "problem" in f else
                         f"{name} ({f['kind']}: max {f['max_steps']:.2f}, 90th percentile {f['p90_steps']:.2f} int8 "
                         f"steps of its output)" for name, f in list(failed.items())[:5])
-            + f"; the export is wrong there, see {output_path.stem}_export.json")
+            + f"; the export is wrong there, see {bundle.report.name}")
     for name, d in differences.items():
         too_far = (any(d[key] > limit for key, limit in limits[name].items()) if qat
                    else d["max_abs"] > FP32_TOLERANCE)
@@ -108,16 +110,14 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
                 f"{output_path}: ONNX Runtime differs from TensorFlow on {name} (max {d['max_abs']:.2e}; 90th / "
                 f"99th percentile {d['p90_steps']:.2f} / {d['p99_steps']:.2f} int8 steps, limits "
                 f"{limits[name]['p90_steps']:.2f} / {limits[name]['p99_steps']:.2f}); the export is wrong, "
-                f"see {output_path.stem}_export.json")
-    files = [output_path, report_path] + [Path(report[key]) for key in ("implicit_onnx", "calibration_cache")
-                                          if key in report]
-    if "dla" in report:
-        from qatpipe.export.dla import REPORT_JSON, REPORT_MARKDOWN
-
-        files += [Path(report["dla"]["onnx"]), Path(report["dla"]["cache"]), output_path.with_name(REPORT_JSON),
-                  output_path.with_name(REPORT_MARKDOWN)]
+                f"see {bundle.report.name}")
+    files = [output_path, report_path]
     if qat:
-        files.append(output_path.with_name(f"{output_path.stem}_scales.json"))
+        files += [bundle.implicit, bundle.cache]
+    if "dla" in report:
+        files += [bundle.dla, bundle.dla_cache, bundle.dla_report, bundle.dla_report_markdown]
+    if qat:
+        files.append(bundle.scales)
     fp16_metrics = {}
     if spec.export.fp16_onnx:
         report["fp16"] = write_fp16_form(spec, output_path, qat)
@@ -162,7 +162,7 @@ def _layer_check(model, onnx_path: Path, sample: np.ndarray) -> dict:
 
 
 def write_fp16_form(spec: ExperimentSpec, output_path: Path, qat: bool) -> dict:
-    """`<stem>_fp16.onnx` beside the export: its float regions in FP16 (export/fp16.py), the tensors the FP16
+    """The export's FP16 form (ExportBundle.fp16): its float regions in FP16 (export/fp16.py), the tensors the FP16
     guard flags on `export.fp16_images` training images kept FP32; precision_report.json/.md beside it (the
     guard's ranges and flags, the FP16 form against the float32 one layer by layer). A Q/DQ model's FP16 form
     must still pass TensorRT's rule check."""
@@ -185,7 +185,7 @@ def write_fp16_form(spec: ExperimentSpec, output_path: Path, qat: bool) -> dict:
         if check.problems:
             raise QatpipeError(f"{output_path}: its FP16 form breaks TensorRT's Q/DQ rules: "
                                f"{'; '.join(check.problems[:5])}")
-    fp16_path = save_onnx(model16, output_path.with_name(f"{output_path.stem}_fp16.onnx"))
+    fp16_path = save_onnx(model16, ExportBundle(output_path).fp16)
     with tempfile.TemporaryDirectory() as scratch:  # scored as fp16.rounded_form: FP16 values as FP16 holds them
         rounded = save_onnx(fp16.rounded_form(onnx.load(output_path), model16), Path(scratch) / "rounded.onnx")
         report["layers"] = compare_layers(output_path, rounded, batches)
@@ -215,11 +215,11 @@ def _finish_qat_export(spec: ExperimentSpec, output_path: Path) -> dict:
         raise QatpipeError(f"{output_path}: the Q/DQ graph breaks TensorRT's rules: {'; '.join(check.problems)}")
     save_onnx(model, output_path)
     scales = strip_qdq(model)
-    stem = output_path.stem
-    implicit = save_onnx(model, output_path.with_name(f"{stem}_implicit.onnx"))
-    cache = output_path.with_name(f"{stem}.cache")
+    bundle = ExportBundle(output_path)
+    implicit = save_onnx(model, bundle.implicit)
+    cache = bundle.cache
     atomic_write_text(cache, calibration_cache_text(scales, spec.export.calibration_cache_trt_version))
-    write_scales_json(output_path.with_name(f"{stem}_scales.json"), scales)
+    write_scales_json(bundle.scales, scales)
     dla = _write_dla_form(spec, output_path, implicit, scales) if spec.export.target == "dla" else None
     log.info("QAT ONNX: %d int8 weights, %d quantised Conv/Gemm, %d float, %d Add nodes with a quantised input; "
              "calibration cache %s (%d tensors)", folded, len(check.quantized), len(check.float_),

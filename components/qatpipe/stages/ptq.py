@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 from qatpipe.errors import QatpipeError
+from qatpipe.export.bundle import ExportBundle
 from qatpipe.export.precision import JSON_FILE, MARKDOWN_FILE
 from qatpipe.fileio import write_json
 from qatpipe.onnx_model import QUANTIZED_BY_KEY
@@ -37,7 +38,7 @@ def ptq(spec: ExperimentSpec, fp32_onnx: str | Path, output: str | Path) -> dict
         report.update(_precision(spec, Path(fp32_onnx), output, samples[:settings.report_images]))
         metrics.update(fp16_flags=report["fp16_flags"], layer_max_error=report["layer_max_error"])
         artifacts += [JSON_FILE, MARKDOWN_FILE]
-    report_path = write_json(output.with_name(f"{output.stem}_ptq.json"), report)
+    report_path = write_json(ExportBundle(output).ptq_report, report)
     params = {f"ptq.{key}": value for key, value in settings.model_dump().items()}
     params["ptq.method"] = report["method"]  # the tool's default where the spec leaves it unset
     StageRecord(

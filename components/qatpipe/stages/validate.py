@@ -125,12 +125,13 @@ def dla_emulated_map50(spec: ExperimentSpec, source: Path, output_dir: Path) -> 
     CPU form, scores what the Orin DLA engine will, up to the layers TensorRT leaves to the GPU or FP16."""
     import onnx
 
-    from qatpipe.export.dla import dla_paths, fake_quantized
+    from qatpipe.export.bundle import ExportBundle
+    from qatpipe.export.dla import fake_quantized
     from qatpipe.export.onnx_export import save_onnx
     from qatpipe.export.qdq import read_calibration_cache
 
-    dla_onnx, cache = dla_paths(source)
-    implicit = source.with_name(f"{source.stem}_implicit.onnx")
+    bundle = ExportBundle(source)
+    dla_onnx, cache, implicit = bundle.dla, bundle.dla_cache, bundle.implicit
     if not (dla_onnx.is_file() and cache.is_file()):
         return None, "no DLA form beside the ONNX (export.target: gpu)"
     if not implicit.is_file():
@@ -267,7 +268,7 @@ def _deepstream_config(spec: ExperimentSpec, metadata, source: Path, output_dir:
     """The nvinfer config of a passing model, in the network mode of what the engine is (engine.json's
     precision, not the variant's name); False, with a warning, when its ONNX is not here."""
     from qatpipe.deploy.deepstream import write_nvinfer_config
-    from qatpipe.export.dla import dla_paths
+    from qatpipe.export.bundle import ExportBundle
 
     if not source.is_file():
         log.warning("no DeepStream config for %s: its ONNX %s is not here (pass the model the engine was built "
@@ -275,7 +276,8 @@ def _deepstream_config(spec: ExperimentSpec, metadata, source: Path, output_dir:
         return False
     network_mode = "int8" if metadata.precision.startswith("int8") else "fp16"
     write_nvinfer_config(spec, source, output_dir / DEEPSTREAM_FOLDER, variant, network_mode)
-    dla_onnx, dla_cache = dla_paths(source)
+    bundle = ExportBundle(source)
+    dla_onnx, dla_cache = bundle.dla, bundle.dla_cache
     if dla_onnx.is_file() and dla_cache.is_file():  # export.target dla: a second config, for Orin's DLA
         write_nvinfer_config(spec, dla_onnx, output_dir / DEEPSTREAM_FOLDER, f"{variant}_dla", "int8",
                              calibration_cache=dla_cache, dla_core=spec.engine.dla_core)
