@@ -70,8 +70,10 @@ def test_export_and_onnx_errors(trained_tiny, tmp_path, caplog):
     export_onnx(get_architecture(other).build_model(), tmp_path / "small.onnx", 17)
     with pytest.raises(ModelFileError, match="input is 96x320, the spec's dataset.image_size is 192x320"):
         evaluate(spec, tmp_path / "small.onnx", tmp_path / "eval")
-    # the command line: one clear line, exit code 2
-    assert main(["export", "-e", "tiny", "-m", str(tmp_path / "missing.keras"), "-o", str(tmp_path / "x.onnx")]) == 2
+    # the command line: one clear line, exit code 2 (the data named, so the tiny synthetic set is not made here)
+    data = ["--set", f"dataset.train={spec.dataset.train}", "--set", f"dataset.val={spec.dataset.val}"]
+    assert main(["export", "-e", "tiny", *data, "-m", str(tmp_path / "missing.keras"),
+                 "-o", str(tmp_path / "x.onnx")]) == 2
     assert "missing.keras: model file not found" in caplog.text
 
 
@@ -106,7 +108,9 @@ def test_ptq_gives_symmetric_int8_qdq_that_still_detects(trained_tiny, tmp_path,
             assert inits[weight.input[1]].size == inits[weight.input[0]].shape[0]
     fp32 = evaluate(spec, tmp_path / "fp32.onnx", tmp_path / "e_fp32")["map50"]
     int8 = evaluate(spec, tmp_path / "ptq.onnx", tmp_path / "e_ptq")["map50"]
-    assert int8 > 0.5 * fp32  # a sane INT8 model; the real comparison is bench/'s job
+    # measured on this fixture (6 epochs, 48 val images, one detection ~0.6 points): FP32 0.219, minmax 0.199,
+    # entropy 0.239, percentile 0.201, i.e. -1.9 to +2.0 points; a sane INT8 model stays within 5 points of it
+    assert fp32 - int8 <= 0.05, (method, fp32, int8)
 
 
 @pytest.mark.parametrize("bins, levels, tail", [(512, 255, "lognormal"), (1000, 255, "outlier"), (300, 64, "relu"),

@@ -78,7 +78,9 @@ def test_modelopt_ptq_gives_a_qdq_onnx_that_passes_the_tensorrt_rule_check_and_d
     assert not [node for node in quantized.graph.node if node.op_type == "Cast"]
     fp32 = evaluate(spec, tmp_path / "fp32.onnx", tmp_path / "e_fp32")["map50"]
     int8 = evaluate(spec, tmp_path / "ptq" / "model.onnx", tmp_path / "e_ptq")["map50"]
-    assert int8 > 0.5 * fp32  # a sane INT8 model; the comparison with ONNX Runtime's PTQ is bench/ptq_tools.py's
+    # measured on this fixture (48 val images, one detection ~0.6 points): FP32 0.219, Model Optimizer's entropy
+    # PTQ 0.230 (+1.1 points); within 5 points of FP32 (the comparison with ONNX Runtime's PTQ: bench/ptq_tools.py)
+    assert fp32 - int8 <= 0.05, (fp32, int8)
     assert (tmp_path / "ptq" / "model_ptq.json").is_file() and (tmp_path / "ptq" / "precision_report.json").is_file()
 
 
