@@ -244,16 +244,16 @@ def test_tensorrt_10_builds_the_dla_form_on_the_core_with_its_cache_and_11_refus
 
 
 def test_without_a_dla_here_the_engine_comes_from_the_usual_form(tmp_path):
+    from qatpipe.engines.onnxruntime_backend import OnnxRuntimeBackend
+    from qatpipe.engines.tensorrt_backend import TensorRTBackend
     from qatpipe.spec import bundled_spec_path, load_spec
-    from qatpipe.stages.build_engine import engine_source
 
     spec = load_spec(bundled_spec_path("tiny"))
-    export_path = tmp_path / "model.onnx"
-    bundle = ExportBundle(export_path)
-    for path in (export_path, bundle.dla, bundle.dla_cache, bundle.fp16):
+    bundle = ExportBundle(tmp_path / "model.onnx")
+    for path in (bundle.onnx, bundle.dla, bundle.dla_cache, bundle.fp16):
         Path(path).write_bytes(b"")
-    assert engine_source(spec, "tensorrt", export_path) == bundle.fp16  # no DLA core here
-    assert engine_source(spec, "onnxruntime", export_path) == export_path
+    assert TensorRTBackend.source(bundle, spec.engine) == bundle.fp16  # no DLA core here
+    assert OnnxRuntimeBackend.source(bundle, spec.engine) == bundle.onnx
 
 
 def test_the_export_bundle_names_each_file_after_the_onnx(tmp_path):

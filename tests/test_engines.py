@@ -44,6 +44,21 @@ def engines(trained_tiny, qat_export, tmp_path_factory):
                   "qat_exact": (qat_onnx, folder / "qat_exact")}
 
 
+def test_engine_json_written_before_the_typed_fields_reads_them_from_its_precision(tmp_path):
+    """An engine.json from before compute_precision and cpu_form (a KFP cache, a registered model) still reads:
+    the fields come from its precision string, once, where it is read."""
+    from qatpipe.engines.base import EngineMetadata
+
+    old = {"backend": "onnxruntime", "engine_file": "model.onnx", "source_onnx": "model.onnx", "source_sha256": "0",
+           "precision": "int8 (explicit Q/DQ, CPU form fast)", "runtime_version": "1", "device": "cpu",
+           "input_name": "input_1", "batch_profile": {"min": 1, "opt": 1, "max": 1}}
+    (tmp_path / "engine.json").write_text(json.dumps(old))
+    metadata = EngineMetadata.read(tmp_path)
+    assert (metadata.compute_precision, metadata.cpu_form, metadata.label) == ("int8", "fast", "onnxruntime int8")
+    (tmp_path / "engine.json").write_text(json.dumps({**old, "backend": "tensorrt", "precision": "fp16"}))
+    assert (EngineMetadata.read(tmp_path).compute_precision, EngineMetadata.read(tmp_path).cpu_form) == ("fp16", None)
+
+
 def test_auto_picks_onnx_runtime_where_tensorrt_cannot_run(caplog):
     if TENSORRT_MISSING is None:
         assert select_backend("auto").name == "tensorrt"
@@ -94,9 +109,13 @@ def test_default_cpu_engine_of_a_qdq_model_is_the_fast_form_with_integer_kernels
     _, built = engines
     qat_onnx, engine_dir = built["qat"]
     metadata = json.loads((engine_dir / "engine.json").read_text())
-    assert metadata["precision"] == "int8 (explicit Q/DQ, CPU form fast)"
+    assert metadata["precision"] == "int8 (explicit Q/DQ, CPU form fast)"  # for people
+    assert (metadata["compute_precision"], metadata["cpu_form"]) == ("int8", "fast")  # for code (validate)
     assert metadata["label"] == "onnxruntime cpu int8"
-    assert json.loads((built["fp32"][1] / "engine.json").read_text())["label"] == "onnxruntime cpu fp32"
+    fp32_metadata = json.loads((built["fp32"][1] / "engine.json").read_text())
+    assert (fp32_metadata["label"], fp32_metadata["compute_precision"], fp32_metadata["cpu_form"]) == (
+        "onnxruntime cpu fp32", "fp32", None)
+    assert json.loads((built["qat_exact"][1] / "engine.json").read_text())["cpu_form"] == "exact"
     # the compute layers per precision, read from the source ONNX: every conv of the QAT model is INT8
     fp32_layers = json.loads((built["fp32"][1] / "engine.json").read_text())["layer_precision"]
     assert metadata["layer_precision"] == {"int8": fp32_layers["fp32"], "fp16": 0, "fp32": 0}

@@ -169,18 +169,18 @@ def test_the_export_writes_the_qat_models_fp16_form(qat_export):
 
 
 def test_tensorrt_builds_from_the_fp16_form_and_onnx_runtime_from_the_float32_model(tmp_path):
-    """The engine's source (stages/build_engine.engine_source): TensorRT with engine.fp16 takes the FP16 form beside
-    the export when there is one; ONNX Runtime, engine.fp16 off, or no FP16 form: the model given."""
+    """The engine's source is the backend's choice (EngineBackend.source): TensorRT with engine.fp16 takes the FP16
+    form beside the export when there is one; ONNX Runtime, engine.fp16 off, or no FP16 form: the model given."""
+    from qatpipe.engines.onnxruntime_backend import OnnxRuntimeBackend
+    from qatpipe.engines.tensorrt_backend import TensorRTBackend
     from qatpipe.export.bundle import ExportBundle
     from qatpipe.spec import bundled_spec_path, load_spec
-    from qatpipe.stages.build_engine import engine_source
 
     spec = load_spec(bundled_spec_path("tiny"))
-    model = tmp_path / "model.onnx"
-    assert engine_source(spec, "tensorrt", model) == model  # no FP16 form written
-    fp16_form = ExportBundle(model).fp16
-    fp16_form.write_bytes(b"")
-    assert engine_source(spec, "tensorrt", model) == fp16_form
-    assert engine_source(spec, "onnxruntime", model) == model
+    bundle = ExportBundle(tmp_path / "model.onnx")
+    assert TensorRTBackend.source(bundle, spec.engine) == bundle.onnx  # no FP16 form written
+    bundle.fp16.write_bytes(b"")
+    assert TensorRTBackend.source(bundle, spec.engine) == bundle.fp16
+    assert OnnxRuntimeBackend.source(bundle, spec.engine) == bundle.onnx
     spec.engine.fp16 = False
-    assert engine_source(spec, "tensorrt", model) == model
+    assert TensorRTBackend.source(bundle, spec.engine) == bundle.onnx

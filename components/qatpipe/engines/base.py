@@ -1,7 +1,8 @@
 """The engine interface every backend implements: build an engine from an ONNX model, load it, run it.
 
 An engine is a folder: the backend's file (`model.engine` for TensorRT, `model.onnx` for ONNX Runtime) and
-`engine.json`, the metadata that says what it was built from, with what and for which device.
+`engine.json`, the metadata that says what it was built from, with what and for which device. Each backend also
+says which of an export's files it builds from (`EngineBackend.source`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from qatpipe.errors import ModelFileError
 METADATA_FILE = "engine.json"
 
 
+PRECISIONS = ("int8", "fp16", "tf32", "fp32")  # what an engine computes its layers in (compute_precision)
+
+
 @dataclass
 class EngineMetadata:
     backend: str
     engine_file: str  # relative to the engine folder
     source_onnx: str
     source_sha256: str
-    precision: str  # "int8 (explicit Q/DQ)", "fp16", "tf32", "fp32"
+    precision: str  # for people: "int8 (explicit Q/DQ, CPU form fast)", "fp16 (explicit casts, ...)", "tf32"
     runtime_version: str  # TensorRT or ONNX Runtime version that built it
     device: str  # GPU name, or the CPU
     input_name: str
@@ -35,10 +39,17 @@ class EngineMetadata:
     extra: dict = field(default_factory=dict)
     label: str = ""  # what the engine is, for tables: "onnxruntime cpu int8", "tensorrt fp16"
     layer_precision: dict = field(default_factory=dict)  # compute layers per precision: {"int8": n, ...}
+    compute_precision: str = ""  # for code: one of PRECISIONS
+    cpu_form: str | None = None  # an ONNX Runtime CPU engine of a Q/DQ model: its form ("exact", "fast"); else None
 
     def __post_init__(self):
-        if not self.label:  # engine.json written before labels: the backend and the precision's first word
-            self.label = engine_label(self.backend, "", self.precision)
+        # engine.json written before these fields: they are what its precision string said
+        if not self.compute_precision:
+            self.compute_precision = self.precision.split()[0] if self.precision else ""
+        if self.cpu_form is None and "CPU form " in self.precision:
+            self.cpu_form = self.precision.split("CPU form ", 1)[1].split(")")[0].split(",")[0].strip()
+        if not self.label:  # engine.json written before labels: the backend and its compute precision
+            self.label = engine_label(self.backend, "", self.compute_precision)
 
     def write(self, folder: Path) -> Path:
         path = Path(folder) / METADATA_FILE
@@ -76,6 +87,12 @@ class EngineBackend(abc.ABC):
     def unavailable_reason(cls) -> str | None:
         """None when this backend can build and run engines here, else why not."""
 
+    @classmethod
+    def source(cls, bundle, settings) -> Path:
+        """The file of the export `bundle` (export/bundle.ExportBundle) this backend builds an engine from, under
+        `settings` (the spec's EngineSpec): the export's ONNX unless a backend says otherwise."""
+        return bundle.onnx
+
     @abc.abstractmethod
     def build(self, onnx_path: Path, folder: Path, settings) -> EngineMetadata:
         """Build an engine for `onnx_path` into `folder` (settings: the spec's EngineSpec)."""
@@ -84,9 +101,9 @@ class EngineBackend(abc.ABC):
     def load(self, folder: Path, metadata: EngineMetadata) -> EngineRunner: ...
 
 
-def engine_label(backend: str, device_kind: str, precision: str) -> str:
-    """`backend [device kind] precision` with the precision's first word: "onnxruntime cpu int8", "tensorrt fp16"."""
-    return " ".join(part for part in (backend, device_kind, precision.split()[0] if precision else "") if part)
+def engine_label(backend: str, device_kind: str, compute_precision: str) -> str:
+    """`backend [device kind] compute precision`: "onnxruntime cpu int8", "tensorrt fp16"."""
+    return " ".join(part for part in (backend, device_kind, compute_precision) if part)
 
 
 def file_sha256(path: Path) -> str:

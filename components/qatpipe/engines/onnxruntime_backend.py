@@ -3,7 +3,9 @@
 Building writes the ONNX the runtime executes: for a Q/DQ model, the CPU form `engine.cpu_form` of
 cpu_qdq.py (`exact`: the same numbers with uint8 activations; `fast`: BatchNormalization folded and ReLU
 absorbed, for integer kernels), so that the CPU provider runs integer kernels where it can; the TensorRT
-artifact itself stays symmetric int8.
+artifact itself stays symmetric int8. engine.json's `cpu_form` says which form the engine runs.
+
+It builds from the export's ONNX itself, never its FP16 form: CPUs without FP16 arithmetic would only emulate it.
 """
 
 from __future__ import annotations
@@ -67,13 +69,15 @@ class OnnxRuntimeBackend(EngineBackend):
                     else dict.fromkeys(CPU_FORM_REWRITES, 0))
         folder.mkdir(parents=True, exist_ok=True)
         save_onnx(model, folder / ENGINE_FILE)
-        precision = (f"int8 (explicit Q/DQ, CPU form {settings.cpu_form})" if explicit and on_cpu else
+        cpu_form = settings.cpu_form if explicit and on_cpu else None
+        compute = "int8" if explicit else "fp32"
+        precision = (f"int8 (explicit Q/DQ, CPU form {cpu_form})" if cpu_form else
                      "int8 (explicit Q/DQ)" if explicit else "fp32")
         metadata = EngineMetadata(
             backend=self.name, engine_file=ENGINE_FILE, source_onnx=str(onnx_path),
-            source_sha256=file_sha256(onnx_path), precision=precision,
+            source_sha256=file_sha256(onnx_path), precision=precision, compute_precision=compute, cpu_form=cpu_form,
             label=engine_label(self.name, "cpu" if on_cpu else providers[0].removesuffix("ExecutionProvider").lower(),
-                               precision),
+                               compute),
             runtime_version=ort.__version__, device=_cpu_name() if on_cpu else providers[0],
             input_name=model.graph.input[0].name,
             batch_profile={"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch},

@@ -89,7 +89,7 @@ def dla_cores() -> int:
 
 
 def _configure_dla(trt, builder, config, dla: DlaBuild) -> str:
-    """TensorRT 10's DLA build settings on `config`; returns the precision label."""
+    """TensorRT 10's DLA build settings on `config`; returns the precision, for people."""
     if builder.num_DLA_cores <= dla.core:
         raise QatpipeError(f"no DLA core {dla.core} here ({gpu_name()} has {builder.num_DLA_cores}): DLA engines "
                            f"build on Jetson Orin")
@@ -153,6 +153,24 @@ class TensorRTBackend(EngineBackend):
     name = "tensorrt"
 
     @classmethod
+    def source(cls, bundle, settings) -> Path:
+        """On a DLA core (Jetson Orin) the export's DLA form when it has one (export.target dla); else under
+        `engine.fp16` its FP16 form when there is one (float regions FP16 through casts, strongly typed: the same
+        on TensorRT 10 and 11); else the export itself."""
+        if bundle.dla.is_file():
+            if dla_cores() > settings.dla_core:
+                log.info("engine from the DLA form %s on DLA core %d (export.target dla)", bundle.dla.name,
+                         settings.dla_core)
+                return bundle.dla
+            log.info("the export has a DLA form, but no DLA core %d here: building for the GPU; on the Jetson, "
+                     "DeepStream builds the DLA engine from the validated model's *_dla nvinfer config",
+                     settings.dla_core)
+        if settings.fp16 and bundle.fp16.is_file():
+            log.info("engine from the FP16 form %s (engine.fp16)", bundle.fp16.name)
+            return bundle.fp16
+        return bundle.onnx
+
+    @classmethod
     def unavailable_reason(cls) -> str | None:
         try:
             import tensorrt  # noqa: F401
@@ -185,17 +203,18 @@ class TensorRTBackend(EngineBackend):
         config = builder.create_builder_config()
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, settings.workspace_mb << 20)
         if dla is not None:
-            precision = _configure_dla(trt, builder, config, dla)
+            precision, compute = _configure_dla(trt, builder, config, dla), "int8"
         elif strongly_typed:
             precision = ("int8 (explicit Q/DQ, strongly typed)" if quantized else
                          "fp16 (explicit casts, strongly typed)" if fp16_casts else "tf32 (strongly typed)")
             if quantized and fp16_casts:
                 precision = "int8 + fp16 float regions (explicit Q/DQ and casts, strongly typed)"
+            compute = "int8" if quantized else "fp16" if fp16_casts else "tf32"
         elif settings.fp16 and hasattr(trt.BuilderFlag, "FP16"):  # TensorRT 10
             config.set_flag(trt.BuilderFlag.FP16)
-            precision = "fp16"
+            precision = compute = "fp16"
         else:
-            precision = "tf32"
+            precision = compute = "tf32"
         input_tensor = network.get_input(0)
         _, *chw = input_tensor.shape
         if dla is None:  # the DLA form's batch is fixed: no profile
@@ -215,7 +234,8 @@ class TensorRTBackend(EngineBackend):
         cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
         metadata = EngineMetadata(
             backend=self.name, engine_file=ENGINE_FILE, source_onnx=str(onnx_path),
-            source_sha256=file_sha256(onnx_path), precision=precision, label=engine_label(self.name, "", precision),
+            source_sha256=file_sha256(onnx_path), precision=precision, compute_precision=compute,
+            label=engine_label(self.name, "", compute),
             runtime_version=trt.__version__,
             device=gpu_name() or "unknown GPU", input_name=input_tensor.name,
             batch_profile=({"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch}

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from qatpipe.errors import QatpipeError
+from qatpipe.export.bundle import ExportBundle
 from qatpipe.export.precision import MARKDOWN_FILE as PRECISION_MARKDOWN
 from qatpipe.fileio import atomic_write_text, write_json
 from qatpipe.spec import ExperimentSpec
@@ -53,25 +54,24 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
                             onnx_model: str | Path | None = None) -> tuple[float | None, str]:
     """(mAP@0.5 of TensorRT's numbers, how it was had), or (None, why there is nothing to emulate).
 
-    TensorRT builds what `build_engine.engine_source` gives it: under `engine.fp16` the export's FP16 form
-    (float regions FP16 through casts), else the ONNX itself. A TensorRT engine gives its own mAP. An ONNX
+    TensorRT builds what its backend's `source` picks (tensorrt_source): under `engine.fp16` the export's FP16
+    form (float regions FP16 through casts), else the ONNX itself. A TensorRT engine gives its own mAP. An ONNX
     Runtime engine computes TensorRT's numbers itself only when it runs the same graph the same way: a float
-    engine without an FP16 form, or a Q/DQ engine in the `exact` CPU form (or on a GPU provider) without one.
+    engine without an FP16 form, or a Q/DQ engine not in the `fast` CPU form (engine.json's `cpu_form`) without
+    one.
     Otherwise the source ONNX (`onnx_model`, else the one engine.json names, checked by its SHA-256) is scored
     as TensorRT would run it, into output_dir/tensorrt_emulated: its FP16 form with every FP16 value rounded
     as FP16 holds it (export/fp16.py `rounded_form`), in ONNX Runtime's exact CPU form."""
     from qatpipe.engines.base import EngineMetadata, file_sha256
-    from qatpipe.stages.build_engine import engine_source
 
     metadata = EngineMetadata.read(engine_dir)
     if metadata.backend == "tensorrt":
         return None, "the engine computes TensorRT's numbers itself"
     source = Path(onnx_model) if onnx_model else Path(metadata.source_onnx)
-    fp16_form = engine_source(spec, "tensorrt", source)
-    fast_int8 = metadata.precision.startswith("int8") and "CPU form fast" in metadata.precision
-    if fp16_form == source and not fast_int8:
-        return None, ("the engine computes TensorRT's numbers itself" if metadata.precision.startswith("int8")
-                      else f"a {metadata.precision.split()[0]} engine without an FP16 form (engine.fp16: "
+    fp16_form = ExportBundle(source).fp16 if tensorrt_builds_fp16_form(spec, source) else source
+    if fp16_form == source and metadata.cpu_form != "fast":
+        return None, ("the engine computes TensorRT's numbers itself" if metadata.compute_precision == "int8"
+                      else f"a {metadata.compute_precision} engine without an FP16 form (engine.fp16: "
                            f"{spec.engine.fp16}): no quantisation to emulate")
     if not source.is_file():
         raise QatpipeError(f"{engine_dir}: its source ONNX {source} is not here, and the TensorRT-emulated mAP "
@@ -92,6 +92,15 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
         how = (f"its FP16 form {fp16_form.name} (engine.fp16: what TensorRT builds), FP16 values rounded as FP16 "
                "holds them, in ONNX Runtime's exact CPU form")
     return exact_form_map50(spec, scored, folder, "tensorrt_emulated"), f"{how} ({EMULATED_FOLDER}/)"
+
+
+def tensorrt_builds_fp16_form(spec: ExperimentSpec, source: Path) -> bool:
+    """Whether TensorRT builds the FP16 form of the export `source` (its backend's `source` choice), so that
+    TensorRT's numbers are that form's."""
+    from qatpipe.engines.tensorrt_backend import TensorRTBackend
+
+    bundle = ExportBundle(source)
+    return TensorRTBackend.source(bundle, spec.engine) == bundle.fp16
 
 
 def exact_form_map50(spec: ExperimentSpec, onnx_model: Path, folder: Path, name: str) -> float:
@@ -125,7 +134,6 @@ def dla_emulated_map50(spec: ExperimentSpec, source: Path, output_dir: Path) -> 
     CPU form, scores what the Orin DLA engine will, up to the layers TensorRT leaves to the GPU or FP16."""
     import onnx
 
-    from qatpipe.export.bundle import ExportBundle
     from qatpipe.export.dla import fake_quantized
     from qatpipe.export.onnx_export import save_onnx
     from qatpipe.export.qdq import read_calibration_cache
@@ -158,7 +166,6 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
     caller decides, the CLI exits non-zero)."""
     from qatpipe.engines.base import EngineMetadata
     from qatpipe.stages.bench_engine import BENCH_FILE
-    from qatpipe.stages.build_engine import engine_source
     from qatpipe.stages.evaluate import evaluate
 
     engine_dir = Path(engine_dir)
@@ -185,7 +192,7 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
         emulated_passed, emulated_drop = gate(emulated, baseline["map50"], max_drop)
         report.update(map50_tensorrt_emulated=emulated, map50_tensorrt_emulated_drop=emulated_drop)
         passed = passed and emulated_passed
-        if engine_source(spec, "tensorrt", source) != source:
+        if tensorrt_builds_fp16_form(spec, source):
             report["fp16_form"] = True  # TensorRT's numbers are the FP16 form's
             fp16_report = _fp16_precision_report(source, output_dir)
     if dla is not None:  # export.target dla: the Orin DLA engine's numbers gate too
@@ -266,15 +273,14 @@ def _fp16_section(report: dict, fp16_report: str | None) -> list[str]:
 
 def _deepstream_config(spec: ExperimentSpec, metadata, source: Path, output_dir: Path, variant: str) -> bool:
     """The nvinfer config of a passing model, in the network mode of what the engine is (engine.json's
-    precision, not the variant's name); False, with a warning, when its ONNX is not here."""
+    compute_precision, not the variant's name); False, with a warning, when its ONNX is not here."""
     from qatpipe.deploy.deepstream import write_nvinfer_config
-    from qatpipe.export.bundle import ExportBundle
 
     if not source.is_file():
         log.warning("no DeepStream config for %s: its ONNX %s is not here (pass the model the engine was built "
                     "from)", variant, source)
         return False
-    network_mode = "int8" if metadata.precision.startswith("int8") else "fp16"
+    network_mode = "int8" if metadata.compute_precision == "int8" else "fp16"
     write_nvinfer_config(spec, source, output_dir / DEEPSTREAM_FOLDER, variant, network_mode)
     bundle = ExportBundle(source)
     dla_onnx, dla_cache = bundle.dla, bundle.dla_cache
