@@ -7,9 +7,10 @@ import pytest
 import tensorflow as tf
 import tf_keras as keras
 
+from qatpipe.boxes import dbscan_cluster, iou_matrix, nms
 from qatpipe.errors import ModelFileError
 from qatpipe.models import get_architecture
-from qatpipe.models.detectnet_v2 import dbscan_cluster, decode_detectnet, iou_matrix, nms
+from qatpipe.models.detectnet_v2 import decode_detectnet
 from qatpipe.models.io import load_keras_model
 from qatpipe.spec import parse_spec
 

@@ -421,8 +421,9 @@ def test_deepstream_model_decodes_to_the_same_boxes_with_nvinfers_parser(engines
     ONNX gives the boxes qatpipe's decoder reads from the exported model, for every cell and class."""
     import onnxruntime as ort
 
+    from qatpipe.boxes import cell_boxes
     from qatpipe.deploy.deepstream import nvinfer_boxes, write_nvinfer_config
-    from qatpipe.models.detectnet_v2 import OUTPUT_STRIDE, cell_boxes
+    from qatpipe.models.detectnet_v2 import OUTPUT_STRIDE
 
     spec, built = engines
     write_nvinfer_config(spec, built["qat"][0], tmp_path / "ds", "qat")

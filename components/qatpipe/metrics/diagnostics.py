@@ -20,6 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
+from qatpipe.boxes import iou_matrix, nms
 from qatpipe.metrics.coco import GroundTruth, evaluate_detections
 from qatpipe.models.base import Detections
 
@@ -87,8 +88,6 @@ class LearningCheck:
 def merge_classes(detections: Detections, nms_iou: float) -> Detections:
     """One image's detections as one class: overlapping boxes of different classes (one object named twice)
     merged by NMS, so a model unsure of the class is not charged a false positive for each guess."""
-    from qatpipe.models.detectnet_v2 import nms
-
     boxes, scores = nms(np.asarray(detections.boxes, np.float32), np.asarray(detections.scores, np.float32),
                         nms_iou)
     return Detections(boxes, scores, np.zeros(len(scores), np.int32))
@@ -106,8 +105,6 @@ def class_confusion(ground_truth: Sequence[GroundTruth], detections: Sequence[De
                     num_classes: int) -> np.ndarray:
     """(K, K+1) counts: row = an object's class, column = the class of the highest-scoring detection of any
     class overlapping it with IoU >= MATCH_IOU, or K ("missed") when none does."""
-    from qatpipe.models.detectnet_v2 import iou_matrix
-
     matrix = np.zeros((num_classes, num_classes + 1), np.int64)
     for gt, det in zip(ground_truth, detections, strict=True):
         if not len(gt.classes):

@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
+from qatpipe.boxes import cell_boxes, dbscan_cluster, nms
 from qatpipe.errors import ModelFileError
 from qatpipe.models.base import INPUT_NAME, Detections, DetectorArchitecture
 from qatpipe.models.backbones import backbone_module
@@ -188,15 +189,6 @@ def _class_cross_entropy(y_true, y_pred, object_mask):
 # ------------------------------------------------------------------------------------ NumPy decoding
 
 
-def cell_boxes(bbox: np.ndarray, ys: np.ndarray, xs: np.ndarray, c: int, stride: int,
-               bbox_norm: float) -> np.ndarray:
-    """The class-c boxes (x1 y1 x2 y2, input pixels, unclipped) that cells (ys, xs) of one image's bbox output
-    (gh,gw,4C) predict: edge distances from each cell's centre, in units of bbox_norm."""
-    d = bbox[ys, xs, 4 * c : 4 * c + 4].astype(np.float32) * bbox_norm
-    cx, cy = (xs + 0.5) * stride, (ys + 0.5) * stride
-    return np.stack([cx - d[:, 0], cy - d[:, 1], cx + d[:, 2], cy + d[:, 3]], axis=1)
-
-
 def decode_detectnet(
     coverage: np.ndarray, bbox: np.ndarray, stride: int, bbox_norm: float, cfg: DecoderSpec,
     image_hw: tuple[int, int],
@@ -228,68 +220,3 @@ def decode_detectnet(
     boxes, scores, classes = np.concatenate(all_boxes), np.concatenate(all_scores), np.concatenate(all_classes)
     order = np.argsort(-scores, kind="stable")[: cfg.max_detections]
     return Detections(boxes[order], scores[order], classes[order])
-
-
-def iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IoU of every box in a (N,4) with every box in b (M,4), x1 y1 x2 y2."""
-    tl = np.maximum(a[:, None, :2], b[None, :, :2])
-    br = np.minimum(a[:, None, 2:], b[None, :, 2:])
-    inter = np.prod(np.clip(br - tl, 0, None), axis=2)
-    area_a = np.prod(a[:, 2:] - a[:, :2], axis=1)
-    area_b = np.prod(b[:, 2:] - b[:, :2], axis=1)
-    return inter / np.maximum(area_a[:, None] + area_b[None, :] - inter, 1e-9)
-
-
-def nms(boxes: np.ndarray, scores: np.ndarray, iou_threshold: float) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy non-maximum suppression; returns the kept boxes and scores, best first."""
-    order = np.argsort(-scores, kind="stable")
-    boxes, scores = boxes[order], scores[order]
-    if len(boxes) == 0:
-        return boxes, scores
-    ious = iou_matrix(boxes, boxes)
-    suppressed = np.zeros(len(boxes), bool)
-    keep = []
-    for i in range(len(boxes)):
-        if suppressed[i]:
-            continue
-        keep.append(i)
-        suppressed |= ious[i] > iou_threshold
-    return boxes[keep], scores[keep]
-
-
-def dbscan_cluster(
-    boxes: np.ndarray, scores: np.ndarray, eps: float, min_samples: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """TAO-style clustering: DBSCAN with distance 1-IoU; each cluster -> coverage-weighted mean box.
-
-    The cluster score is its highest coverage, so scores stay in [0, 1] and rank like NMS scores.
-    """
-    n = len(boxes)
-    if n == 0:
-        return boxes, scores
-    neighbours = (1.0 - iou_matrix(boxes, boxes)) <= eps
-    core = neighbours.sum(axis=1) >= min_samples
-    labels = np.full(n, -1)
-    cluster = 0
-    for i in np.argsort(-scores, kind="stable"):
-        if labels[i] != -1 or not core[i]:
-            continue
-        labels[i] = cluster
-        frontier = [i]
-        while frontier:
-            j = frontier.pop()
-            if not core[j]:
-                continue  # border points join a cluster but do not extend it
-            for k in np.nonzero(neighbours[j] & (labels == -1))[0]:
-                labels[k] = cluster
-                frontier.append(k)
-        cluster += 1
-    out_boxes = np.zeros((cluster, 4), np.float32)
-    out_scores = np.zeros(cluster, np.float32)
-    for c in range(cluster):
-        members = labels == c
-        w = scores[members]
-        out_boxes[c] = (boxes[members] * w[:, None]).sum(axis=0) / w.sum()
-        out_scores[c] = w.max()
-    order = np.argsort(-out_scores, kind="stable")
-    return out_boxes[order], out_scores[order]
