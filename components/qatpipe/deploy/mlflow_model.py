@@ -35,9 +35,9 @@ class DetectorModel(PythonModel):
     """The pyfunc flavour: images in, detections out (see the module docstring)."""
 
     def load_context(self, context):
+        from qatpipe.inference import onnx_forward
         from qatpipe.models import get_architecture
         from qatpipe.spec import load_spec
-        from qatpipe.stages.evaluate import onnx_forward
 
         self.spec = load_spec(context.artifacts[SPEC_KEY])
         self.arch = get_architecture(self.spec)

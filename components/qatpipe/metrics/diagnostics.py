@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from qatpipe.boxes import iou_matrix, nms
 from qatpipe.metrics.coco import GroundTruth, evaluate_detections
 from qatpipe.models.base import Detections
+
+if TYPE_CHECKING:
+    from qatpipe.spec import ExperimentSpec
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +146,15 @@ def check_learning(ground_truth: Sequence[GroundTruth], detections: Sequence[Det
     return check
 
 
+def learning_check(spec: ExperimentSpec, ground_truth: Sequence[GroundTruth], detections: Sequence[Detections],
+                   map50: float) -> LearningCheck:
+    """`check_learning` of detections decoded with the spec's decoder (its top-k and NMS IoU), as the evaluate
+    stage and validation during training run it."""
+    decoder = spec.model.decoder
+    return check_learning(ground_truth, detections, spec.dataset.classes, map50,
+                          max_detections=decoder.max_detections, nms_iou=decoder.nms_iou)
+
+
 def class_findings(check: LearningCheck) -> list[Finding]:
     """"The model finds objects but cannot tell their classes", when the numbers say so."""
     if len(check.classes) < 2:
@@ -210,6 +222,6 @@ def findings_tags(findings: Sequence[Finding | dict]) -> dict[str, str]:
     return tags
 
 
-__all__ = ["Finding", "LearningCheck", "check_learning", "class_agnostic_map50", "class_confusion",
+__all__ = ["Finding", "LearningCheck", "check_learning", "learning_check", "class_agnostic_map50", "class_confusion",
            "class_findings", "plateau_findings", "loss_plateau", "log_findings", "findings_tags",
            "diagnostics_metrics"]

@@ -6,13 +6,12 @@ import logging
 import time
 from pathlib import Path
 
-import numpy as np
-
 from qatpipe.data.splits import load_split
 from qatpipe.errors import DataError, QatpipeError
 from qatpipe.fileio import atomic_write_text, write_json
+from qatpipe.inference import engine_forward, onnx_forward, predict
 from qatpipe.metrics.coco import GroundTruth, evaluate_detections, plot_pr_curves, write_coco_files
-from qatpipe.metrics.diagnostics import check_learning, diagnostics_metrics, findings_tags, log_findings
+from qatpipe.metrics.diagnostics import diagnostics_metrics, findings_tags, learning_check, log_findings
 from qatpipe.metrics.report import evaluation_markdown
 from qatpipe.spec import ExperimentSpec
 from qatpipe.tracking.records import REPORT_MARKDOWN, StageRecord
@@ -24,22 +23,6 @@ PR_CURVE_FILE = "pr_curves.png"
 # the evaluation in COCO files (ids as in metrics.json's evaluation): re-scorable, and the compare stage's input
 DETECTIONS_FILE = "detections.json"
 GROUND_TRUTH_FILE = "ground_truth.json"
-
-
-def predict(forward, samples, spec: ExperimentSpec, arch) -> list:
-    """Decode `forward(batch) -> {output name: array}` over samples, boxes in each image's own pixels."""
-    from qatpipe.data.pipeline import eval_dataset
-
-    detections = []
-    size = spec.dataset.image_size
-    for batch in eval_dataset(samples, spec):
-        decoded = arch.decode(forward(batch))
-        for det in decoded:
-            sample = samples[len(detections)]
-            detections.append(det.scaled(sample.width / size.width, sample.height / size.height))
-        if len(detections) % (20 * spec.evaluate.batch_size) == 0:
-            log.info("evaluated %d/%d images", len(detections), len(samples))
-    return detections
 
 
 def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Path | None = None,
@@ -109,41 +92,6 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
     return result
 
 
-def onnx_forward(model_path: Path, arch):
-    """ONNX Runtime forward pass for `predict`, after checking the file against the spec's detector."""
-    from qatpipe.errors import ModelFileError
-    from qatpipe.onnx_model import OnnxModel
-
-    model = OnnxModel(model_path)
-    missing = [name for name in arch.output_names if name not in model.output_names]
-    if missing:
-        raise ModelFileError(f"{model_path}: outputs {model.output_names} lack {missing}")
-    if tuple(model.input_shape[1:3]) != tuple(arch.input_hw):
-        raise ModelFileError(f"{model_path}: input is {model.input_shape[1]}x{model.input_shape[2]}, the spec's "
-                             f"dataset.image_size is {arch.input_hw[0]}x{arch.input_hw[1]}")
-    return lambda batch: model.run(batch.numpy())
-
-
-def engine_forward(engine_dir: Path, arch):
-    """An engine's forward pass for `predict` and the engine file, after checking its outputs."""
-    from qatpipe.engines import load_engine
-    from qatpipe.errors import ModelFileError
-
-    runner = load_engine(engine_dir)
-    probe = runner.run(np.zeros((1, *arch.input_hw, 3), np.float32))
-    missing = [name for name in arch.output_names if name not in probe]
-    if missing:
-        raise ModelFileError(f"{engine_dir}: engine outputs {sorted(probe)} lack {missing}")
-    return (lambda batch: runner.run(batch.numpy())), engine_dir / runner.metadata.engine_file
-
-
-def learning_check(spec: ExperimentSpec, ground_truth: list, detections: list, map50: float):
-    """The learning check (metrics/diagnostics.py) of detections decoded with the spec's decoder."""
-    decoder = spec.model.decoder
-    return check_learning(ground_truth, detections, spec.dataset.classes, map50,
-                          max_detections=decoder.max_detections, nms_iou=decoder.nms_iou)
-
-
 def tracked_metrics(result: dict) -> dict[str, float]:
     """The numbers of an evaluation worth a metric: overall and per-class AP, the learning check's class-agnostic
     mAP@0.5 and class accuracy, speed, size."""
@@ -156,5 +104,4 @@ def tracked_metrics(result: dict) -> dict[str, float]:
     return metrics
 
 
-__all__ = ["evaluate", "predict", "onnx_forward", "learning_check", "tracked_metrics", "METRICS_FILE",
-           "PR_CURVE_FILE", "DETECTIONS_FILE", "GROUND_TRUTH_FILE"]
+__all__ = ["evaluate", "tracked_metrics", "METRICS_FILE", "PR_CURVE_FILE", "DETECTIONS_FILE", "GROUND_TRUTH_FILE"]

@@ -57,8 +57,9 @@ class Validator:
         self.targets = eval_targets(samples, spec, arch)  # batched as `predict` batches the images
 
     def __call__(self, model, epoch: int) -> Validation:
+        from qatpipe.inference import predict
         from qatpipe.metrics.coco import evaluate_detections
-        from qatpipe.stages.evaluate import learning_check, predict
+        from qatpipe.metrics.diagnostics import learning_check
 
         started = time.perf_counter()
         losses = _LossMeter(model, self.arch.output_names, iter(self.targets))
