@@ -1,12 +1,13 @@
 """Benchmark: the backbones on the whole pipeline, FP32 / PTQ / QAT each (issue "Backbones where PTQ breaks").
 
-    python bench/backbones.py [--work DIR] [--backbones resnet mobilenet_v2 efficientnet_b0] [--set KEY=VALUE ...]
+    python bench/backbones.py [--work DIR] [--backbones NAME ...] [--set KEY=VALUE ...]
 
-For each backbone it runs `qatpipe run --local` on the default spec with only `model.backbone.name` (and the
-`--set` overrides, the same for every backbone) changed, and prints per backbone: the deployed (pruned)
-model's params and GFLOPs, FP32 / PTQ / QAT mAP@0.5 with their 95% bootstrap CIs over the val images, the
-paired differences QAT - FP32, PTQ - FP32 and QAT - PTQ with their CIs, each variant's CPU engine latency
-(p50, batch 1), pruning's FLOPs ratio, the unpruned model's mAP@0.5, and the wall time.
+For each backbone (default: every one in models/backbones.py's registry) it runs `qatpipe run --local` on the
+default spec with only `model.backbone.name` (and the `--set` overrides, the same for every backbone) changed,
+and prints per backbone: the deployed (pruned) model's params and GFLOPs, FP32 / PTQ / QAT mAP@0.5 with their
+95% bootstrap CIs over the val images, the paired differences QAT - FP32, PTQ - FP32 and QAT - PTQ with their
+CIs, each variant's CPU engine latency (p50, batch 1), pruning's FLOPs ratio, the unpruned model's mAP@0.5, and
+the wall time.
 Writes WORK/bench_backbones.json.
 
 `--qat-from-fp32` re-runs each finished run's QAT retrain from its retrained FP32 model (the QAT toolkit's
@@ -28,8 +29,9 @@ from pathlib import Path
 
 from recipe import PAIRS, _ci, _num, collect  # bench/recipe.py, beside this script
 
+from qatpipe.models.backbones import BACKBONES
+
 log = logging.getLogger("bench")
-BACKBONES = ("resnet", "mobilenet_v2", "efficientnet_b0")
 
 
 def run_backbone(backbone: str, work: Path, overrides: list[str]) -> dict:
@@ -226,7 +228,7 @@ def print_report(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("results/bench_backbones"))
-    parser.add_argument("--backbones", nargs="+", default=list(BACKBONES))
+    parser.add_argument("--backbones", nargs="+", choices=list(BACKBONES), default=list(BACKBONES))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--report", action="store_true", help="only re-read finished runs in WORK and print")
     parser.add_argument("--ptq-sweep", action="store_true",

@@ -102,8 +102,8 @@ def _case_collisions(names: Iterable[str]) -> list[list[str]]:
 class BackboneSpec(_Section):
     """The feature extractor under DetectNet_v2's heads, stride 16 whichever it is (models/backbones.py)."""
 
-    name: str = Field("resnet", description="resnet, mobilenet_v2 (depthwise, ReLU6) or efficientnet_b0 "
-                                            "(depthwise, SiLU, squeeze-excitation)")
+    name: str = Field("resnet", description="a backbone of models/backbones.py's registry (BACKBONES; an unknown "
+                                            "name's error lists them)")
     depth: Literal[10, 18, 34] = Field(10, description="resnet only: 10, 18 or 34 layers")
     width: float = Field(1.0, gt=0, le=2.0, description="multiplier on every filter count (ResNet's 64-128-256-"
                                                         "512, MobileNetV2's alpha, EfficientNet's width)")
