@@ -2,11 +2,11 @@
 val mAP per epoch, as stepped metrics (step = epochs done, as training_log.csv's history is logged), from rank 0.
 
 The training process finds the pipeline's MLflow run through $QATPIPE_MLFLOW_PARENT_RUN, which the KFP
-training task sets (`parent_run_from_kfp`) from the KFP run id in its pod's labels: the run id never becomes a
-task input, so training stays cacheable. The stage run is opened live (MlflowTracker.live_stage_run); the log
-task that follows adds the model's record and closes it. A resumed training continues the same run and steps.
-Tracking trouble never stops training: after one failed call the curves stop, with a warning, and the log task
-logs the whole history from training_log.csv at the end.
+training task sets (`parent_run_from_kfp`) from the KFP run id in its pod's labels, or in the local run from its
+output folder: neither becomes a task input, so training stays cacheable. The stage run is opened live
+(MlflowTracker.live_stage_run); the log task that follows adds the model's record and closes it. A resumed
+training continues the same run and steps. Tracking trouble never stops training: after one failed call the
+curves stop, with a warning, and the log task logs the whole history from training_log.csv at the end.
 """
 
 from __future__ import annotations
@@ -29,18 +29,20 @@ def kfp_run_id() -> str:
 
 
 def parent_run_from_kfp() -> str:
-    """Set $QATPIPE_MLFLOW_PARENT_RUN for this process and its children from the pod's KFP run id, when
-    tracking is on; returns it ("" when there is none)."""
-    from qatpipe.tracking.mlflow_runs import KFP_RUN_TAG, MlflowTracker
+    """Set $QATPIPE_MLFLOW_PARENT_RUN for this process and its children from the pod's KFP run id, or under
+    `qatpipe run --local` from its output folder (the one pipeline run of that folder still RUNNING: the run
+    holds the folder's lock), when tracking is on; returns it ("" when there is none)."""
+    from qatpipe.tracking.mlflow_runs import KFP_RUN_TAG, RUN_FOLDER_ENV, MlflowTracker
 
     if os.environ.get(PARENT_RUN_ENV):
         return os.environ[PARENT_RUN_ENV]
-    run_id = kfp_run_id()
+    run_id, folder = kfp_run_id(), os.environ.get(RUN_FOLDER_ENV, "").strip()
     tracker = MlflowTracker.from_env(attempts=1)
-    if not run_id or tracker is None:
+    if not (run_id or folder) or tracker is None:
         return ""
     try:
-        runs = tracker.pipeline_runs_tagged(KFP_RUN_TAG, run_id)
+        runs = tracker.pipeline_runs_tagged(KFP_RUN_TAG, run_id) if run_id else \
+            tracker.running_pipeline_runs_of(folder)
     except Exception as exc:  # live curves are a convenience: the log task still logs the history
         log.warning("MLflow: no live training curves (finding the pipeline run failed: %s)", exc)
         return ""

@@ -304,20 +304,27 @@ class MlflowTracker:
             closed = run_id
         return closed
 
-    def close_running_pipeline_runs(self, experiment_id: str, run_folder: str, status: str, reason: str) -> list[str]:
-        """Close the pipeline runs of `run_folder` (RUN_FOLDER_TAG) still RUNNING, and their stage runs left
-        RUNNING, as `status`; returns the closed parents' ids. For `qatpipe run --local`, which holds the
-        folder's lock: any such run is one that ended without closing its run (killed, or MLflow was down)."""
-        running = self.find_runs([experiment_id], f"tags.`{KIND_TAG}` = 'pipeline' and attributes.status = 'RUNNING'")
+    def close_running_pipeline_runs(self, experiment_id: str, run_folder: str, status: str,
+                                    reason: str) -> list[str]:
+        """Close the pipeline runs of `run_folder` still RUNNING, and their stage runs left RUNNING, as `status`;
+        returns the closed parents' ids. For `qatpipe run --local`, which holds the folder's lock: any such run
+        is one that ended without closing its run (killed, or MLflow was down)."""
         closed = []
-        for run in running:  # the folder is compared here: a path may hold quotes a filter string cannot
-            if run.data.tags.get(RUN_FOLDER_TAG) != run_folder or run.data.tags.get(JOINED_TAG) == "true":
+        for run in self.running_pipeline_runs_of(run_folder, [experiment_id]):
+            if run.data.tags.get(JOINED_TAG) == "true":
                 continue
             self.set_tags(run.info.run_id, {PIPELINE_STATE_TAG: reason})
             self._finish_running_children(run, status)
             self.finish(run.info.run_id, status)
             closed.append(run.info.run_id)
         return closed
+
+    def running_pipeline_runs_of(self, run_folder: str, experiment_ids: list[str] | None = None) -> list:
+        """The RUNNING pipeline runs tagged with `run_folder` (RUN_FOLDER_TAG), in these experiments or all. The
+        folder is compared here, not in the filter: a path may hold a quote, which a filter string cannot."""
+        running = self.find_runs(experiment_ids or self._experiment_ids(),
+                                 f"tags.`{KIND_TAG}` = 'pipeline' and attributes.status = 'RUNNING'")
+        return [run for run in running if run.data.tags.get(RUN_FOLDER_TAG) == run_folder]
 
     def _finish_running_children(self, run, status: str) -> None:
         for child in self.find_runs([run.info.experiment_id], f"tags.`{PARENT_TAG}` = '{run.info.run_id}' and "
@@ -327,19 +334,23 @@ class MlflowTracker:
     def pipeline_runs_tagged(self, tag: str, value: str) -> list:
         """Pipeline (parent) runs with tag=value in any active experiment (the exit handler does not know the
         experiment). Stage runs may carry the same tag (the model runs carry the KFP run id): never these."""
-        experiment_ids, token = [], None
-        while True:
-            page = self.client.search_experiments(max_results=1000, page_token=token)
-            experiment_ids += [e.experiment_id for e in page]
-            token = page.token
-            if not token:
-                break
+        experiment_ids = self._experiment_ids()
         runs = []
         for start in range(0, len(experiment_ids), 100):
             runs += self.client.search_runs(experiment_ids[start:start + 100],
                                             f"tags.`{KIND_TAG}` = 'pipeline' and tags.`{tag}` = '{value}'",
                                             max_results=10)
         return runs
+
+    def _experiment_ids(self) -> list[str]:
+        """Every active experiment's id."""
+        experiment_ids, token = [], None
+        while True:
+            page = self.client.search_experiments(max_results=1000, page_token=token)
+            experiment_ids += [e.experiment_id for e in page]
+            token = page.token
+            if not token:
+                return experiment_ids
 
     def _finish_quietly(self, run_id: str, status: str) -> None:
         try:
