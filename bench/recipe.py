@@ -3,7 +3,7 @@
     python bench/recipe.py [--work DIR] [--kinds shapes glyphs photos] [--set KEY=VALUE ...]
 
 For each generated data set (`dataset.synthetic.kind`: the default `shapes`, and `glyphs` and `photos`,
-whose ten classes differ only in internal detail; data/synth_detail.py) it runs `qatpipe run --local` on the
+whose ten classes differ only in internal detail; data/synth/detail.py) it runs `qatpipe run --local` on the
 default spec with only the data set and its classes changed, and prints per data set: FP32 / PTQ / QAT
 mAP@0.5 with their 95% bootstrap CIs, the paired differences, the FP32 model's class-agnostic mAP@0.5 and
 class accuracy at found objects (the learning check), the unpruned model's mAP@0.5 and the epoch of its best

@@ -104,7 +104,7 @@ def test_small_images_scale_objects_and_stay_valid(tmp_path):
 
 @pytest.mark.parametrize("kind", ["glyphs", "photos"])
 def test_fine_grained_kinds_write_valid_reproducible_kitti(tmp_path, kind):
-    """The two 10-class sets whose classes differ only inside the object (data/synth_detail.py)."""
+    """The two 10-class sets whose classes differ only inside the object (data/synth/detail.py)."""
     from qatpipe.data.synth import KINDS
 
     classes = KINDS[kind].classes

@@ -11,7 +11,7 @@ outline, size and aspect ratio, which a detector can use without learning what i
   scikit-image ships: astronaut, coffee, the cat, bricks, coins, a rocket, ...).
 
 Objects never overlap (each image holds 1-4); sizes are log-uniform. Each generator has the signature of
-`synth._generate_image`, so `synth.write_synthetic_dataset(kind=...)` writes them with the same
+`shapes.generate_shapes`, so `write_synthetic_dataset(kind=...)` (writer.py) writes them with the same
 reproducible, parallel KITTI writer.
 """
 
@@ -23,6 +23,7 @@ import math
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from qatpipe.data.synth.background import cluttered_background
 from qatpipe.errors import QatpipeError
 
 GLYPH_CLASSES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -136,10 +137,8 @@ def _tile(rng: np.random.Generator, glyph: str, w: float, h: float) -> np.ndarra
 def generate_glyphs(rng: np.random.Generator, height: int, width: int,
                     object_px: tuple[float, float] = DETAIL_OBJECT_PX) -> tuple[np.ndarray, list[dict]]:
     """One `glyphs` image: (uint8 HxWx3, labelled objects)."""
-    from qatpipe.data.synth import _background  # the shapes set's cluttered backgrounds
-
     scale = height / 192.0
-    canvas = _background(rng, height, width, scale)
+    canvas = cluttered_background(rng, height, width, scale)  # the shapes set's backgrounds
     taken, objects = [], []
     sizes = [(s, True) for s in _sizes(rng, scale, object_px)]
     sizes += [(s, False) for s in _sizes(rng, scale, object_px)[: int(rng.integers(0, 3))]]  # 0-2 distractors

@@ -1,4 +1,4 @@
-"""Synthetic KITTI detection dataset: the embedded default data of the main job.
+"""The `shapes` data set, the embedded default data of the main job.
 
 Three classes that only their SHAPE tells apart (colours are drawn from one distribution for all of
 them): a wide `car` with a cabin and two dark wheels, a tall `pedestrian` with head, torso, arms and
@@ -7,43 +7,26 @@ height) are drawn back-to-front over textured, noisy backgrounds with distractor
 generator tracks every object's visible pixels to set KITTI's `occluded` and refuses placements that
 would hide more than half of an object already placed, so every labelled object stays recognisable.
 Some objects are cut by the image border (`truncated`).
-
-Every image is generated from its own `numpy` Generator seeded with (seed, split, index), so the output
-is byte-identical for the same arguments, whatever the order or number of worker processes.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import multiprocessing
-import os
-import shutil
-import time
-from dataclasses import dataclass
-from typing import Callable
-from io import BytesIO
-from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from qatpipe.errors import QatpipeError
-
-log = logging.getLogger(__name__)
+from qatpipe.data.synth.background import cluttered_background
 
 SYNTH_CLASSES = ("car", "pedestrian", "cyclist")
 
-_SPLITS = (("train", 0), ("val", 1))
 _SS = 2  # supersampling factor of the object renderer (anti-aliased edges, half-pixel boxes)
-_JPEG_QUALITY = 92
 _MIN_BOX_PX = 6.0  # objects whose clipped box is smaller than this in either dimension are dropped
 _MAX_HIDDEN = 0.5  # a placement may not leave an earlier object with more than this fraction hidden
 _TRUNCATE_PROB = 0.1
 _MAX_TRUNCATION = 0.3
 _EMPTY_IMAGE_PROB = 0.01
 _PLACEMENT_TRIES = 10
-_PROGRESS_EVERY = 500
 # Object box heights (pixels at a 192-px-high image, scaled with the height). Below ~24 px a pedestrian is
 # under 8 px wide, narrower than half a cell of DetectNet_v2's stride-16 grid: too small to localise.
 DEFAULT_OBJECT_HEIGHT_PX = (24.0, 100.0)
@@ -53,212 +36,17 @@ _BG, _PRIMARY, _SECONDARY, _HEAD, _TIRE, _HUB, _GLASS, _FRAME = range(8)
 _NUM_PARTS = 8
 
 
-@dataclass(frozen=True)
-class _Job:
-    kind: str
-    split_dir: str
-    split_id: int
-    index: int
-    seed: int
-    height: int
-    width: int
-    object_height_px: tuple[float, float]
-
-
-# --------------------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------------------
-
-
-def write_synthetic_dataset(
-    out_dir: str | Path,
-    num_train: int,
-    num_val: int,
-    seed: int = 0,
-    *,
-    image_height: int = 192,
-    image_width: int = 320,
-    overwrite: bool = False,
-    workers: int | None = None,
-    object_height_px: tuple[float, float] | None = None,
-    kind: str = "shapes",
-) -> dict:
-    """Write a synthetic KITTI dataset to `out_dir/{train,val}/{images,labels}` and `out_dir/classes.txt`.
-
-    Refuses (QatpipeError) to replace a non-empty `train`/`val` folder unless `overwrite`. Each split is
-    written to a temporary sibling folder and renamed into place when complete. `workers` is the number
-    of processes (default: up to 2 for large sets); it does not change the output. `object_height_px` is the
-    (min, max) object box height at a 192-px-high image (default: the kind's); sizes are drawn log-uniformly
-    and scaled with the height. `kind` picks the data set (KINDS): `shapes` (this module), or `glyphs` and
-    `photos`, whose classes differ only in internal detail (data/synth_detail.py).
-
-    Returns {"out_dir", "classes", "image_height", "image_width", "seed", "splits": {split: {"images",
-    "objects", "empty_images", "per_class", "occluded", "truncated"}}, "per_class", "seconds"}.
-    """
-    start = time.perf_counter()
-    if kind not in KINDS:
-        raise QatpipeError(f"synthetic dataset: unknown kind {kind!r}; one of {', '.join(KINDS)}")
-    classes = KINDS[kind].classes
-    object_height_px = object_height_px or KINDS[kind].object_px
-    out = Path(out_dir)
-    counts = {"train": int(num_train), "val": int(num_val)}
-    for name, n in counts.items():
-        if n < 0:
-            raise QatpipeError(f"synthetic dataset: num_{name} must be >= 0, got {n}")
-    lo, hi = object_height_px
-    if not 4 <= lo <= hi:
-        raise QatpipeError(f"synthetic dataset: object_height_px must satisfy 4 <= min <= max, got {object_height_px}")
-    if image_height < 32 or image_width < 32:
-        raise QatpipeError(f"synthetic dataset: image size {image_width}x{image_height} is too small (min 32x32)")
-
-    # Check both splits before writing anything, so a refusal never leaves half a dataset behind.
-    for name, _ in _SPLITS:
-        target = out / name
-        if _is_nonempty(target) and not overwrite:
-            raise QatpipeError(
-                f"synthetic dataset: {target} exists and is not empty; "
-                "choose another folder or pass overwrite=True to replace it"
-            )
-    out.mkdir(parents=True, exist_ok=True)
-
-    if workers is None:
-        workers = min(2, os.cpu_count() or 1) if num_train + num_val >= 64 else 1
-    workers = max(1, int(workers))
-
-    summary: dict = {
-        "out_dir": str(out),
-        "kind": kind,
-        "classes": list(classes),
-        "image_height": int(image_height),
-        "image_width": int(image_width),
-        "seed": int(seed),
-        "splits": {},
-    }
-    pool = _make_pool(workers) if workers > 1 else None
-    try:
-        for name, split_id in _SPLITS:
-            summary["splits"][name] = _write_split(
-                kind, out, name, split_id, counts[name], seed, image_height, image_width, overwrite, pool,
-                (float(lo), float(hi)),
-            )
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
-
-    classes_tmp = out / ".classes.txt.partial"
-    classes_tmp.write_text("".join(f"{c}\n" for c in classes))
-    os.replace(classes_tmp, out / "classes.txt")
-
-    summary["per_class"] = {
-        c: sum(s["per_class"][c] for s in summary["splits"].values()) for c in classes
-    }
-    summary["seconds"] = round(time.perf_counter() - start, 3)
-    log.info(
-        "synthetic dataset in %s: %s in %.1f s",
-        out,
-        ", ".join(f"{n}={s['images']} images/{s['objects']} objects" for n, s in summary["splits"].items()),
-        summary["seconds"],
-    )
-    return summary
-
-
-# --------------------------------------------------------------------------------------------------
-# Splits and files
-# --------------------------------------------------------------------------------------------------
-
-
-def _is_nonempty(path: Path) -> bool:
-    if path.is_dir():
-        return any(path.iterdir())
-    return path.exists() or path.is_symlink()
-
-
-def _make_pool(workers: int):
-    # fork is cheap and needs no re-import of the caller's __main__; the workers use numpy and PIL only.
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    return ctx.Pool(workers)
-
-
-def _write_split(
-    kind: str, out: Path, name: str, split_id: int, count: int, seed: int, height: int, width: int, overwrite: bool, pool,
-    object_height_px: tuple[float, float],
-) -> dict:
-    target = out / name
-    tmp = out / f".{name}.partial"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    (tmp / "images").mkdir(parents=True)
-    (tmp / "labels").mkdir(parents=True)
-
-    jobs = [_Job(kind, str(tmp), split_id, i, int(seed), int(height), int(width), object_height_px) for i in range(count)]
-    stats = {
-        "images": count,
-        "objects": 0,
-        "empty_images": 0,
-        "per_class": {c: 0 for c in KINDS[kind].classes},
-        "occluded": 0,
-        "truncated": 0,
-    }
-    results = pool.imap(_generate_and_write, jobs, chunksize=16) if pool is not None else map(_generate_and_write, jobs)
-    for done, objects in enumerate(results, start=1):
-        stats["objects"] += len(objects)
-        stats["empty_images"] += not objects
-        for cls, occluded, truncated in objects:
-            stats["per_class"][cls] += 1
-            stats["occluded"] += occluded > 0
-            stats["truncated"] += truncated > 0
-        if done % _PROGRESS_EVERY == 0 or done == count:
-            log.info("synthetic %s: %d/%d images", name, done, count)
-
-    if target.is_dir() and not target.is_symlink():
-        if any(target.iterdir()):
-            if not overwrite:  # appeared while we were generating
-                shutil.rmtree(tmp)
-                raise QatpipeError(f"synthetic dataset: {target} exists and is not empty")
-            shutil.rmtree(target)
-        else:
-            target.rmdir()
-    elif target.exists() or target.is_symlink():
-        if not overwrite:
-            shutil.rmtree(tmp)
-            raise QatpipeError(f"synthetic dataset: {target} exists and is not a folder")
-        target.unlink()
-    os.replace(tmp, target)
-    return stats
-
-
-def _generate_and_write(job: _Job) -> list[tuple[str, int, float]]:
-    rng = np.random.default_rng([job.seed, job.split_id, job.index])
-    image, objects = KINDS[job.kind].generate(rng, job.height, job.width, job.object_height_px)
-    buf = BytesIO()
-    Image.fromarray(image, "RGB").save(buf, "JPEG", quality=_JPEG_QUALITY)
-    stem = f"{job.index:06d}"
-    Path(job.split_dir, "images", f"{stem}.jpg").write_bytes(buf.getvalue())
-    Path(job.split_dir, "labels", f"{stem}.txt").write_text("".join(_label_line(o) for o in objects))
-    return [(o["class"], o["occluded"], o["truncated"]) for o in objects]
-
-
-def _label_line(obj: dict) -> str:
-    x1, y1, x2, y2 = obj["box"]
-    return (
-        f"{obj['class']} {obj['truncated']:.2f} {obj['occluded']:d} 0.00 "
-        f"{x1:.2f} {y1:.2f} {x2:.2f} {y2:.2f} 0.00 0.00 0.00 0.00 0.00 0.00 0.00\n"
-    )
-
-
 # --------------------------------------------------------------------------------------------------
 # One image
 # --------------------------------------------------------------------------------------------------
 
 
-def _generate_image(
+def generate_shapes(
     rng: np.random.Generator, height: int, width: int, object_height_px: tuple[float, float] = DEFAULT_OBJECT_HEIGHT_PX
 ) -> tuple[np.ndarray, list[dict]]:
     """Returns (uint8 HxWx3 image, objects back-to-front with class/box/occluded/truncated)."""
     scale = height / 192.0
-    canvas = _background(rng, height, width, scale)
+    canvas = cluttered_background(rng, height, width, scale)
     owner = np.zeros((height, width), np.int16)  # 0 = background, k = k-th placed object (1-based)
     placed: list[dict] = []
 
@@ -288,63 +76,6 @@ def _generate_image(
             {"class": obj["class"], "box": obj["box"], "occluded": occluded, "truncated": obj["truncated"]}
         )
     return image, objects
-
-
-def _background(rng: np.random.Generator, height: int, width: int, scale: float) -> np.ndarray:
-    """Low-frequency gradients, sinusoids, a soft horizon and value-noise texture, then distractors."""
-    yy = np.linspace(0.0, 1.0, height, dtype=np.float32)[:, None, None]
-    xx = np.linspace(0.0, 1.0, width, dtype=np.float32)[None, :, None]
-    base = rng.uniform(60.0, 200.0, 3).astype(np.float32)
-    gx = rng.uniform(-70.0, 70.0, 3).astype(np.float32)
-    gy = rng.uniform(-70.0, 70.0, 3).astype(np.float32)
-    img = base + (xx - 0.5) * gx + (yy - 0.5) * gy
-    if rng.random() < 0.5:  # sky/ground-like split with a soft edge
-        y0 = rng.uniform(0.25, 0.75)
-        softness = rng.uniform(0.01, 0.08)
-        step = 1.0 / (1.0 + np.exp(-(yy - y0) / softness))
-        img = img + step * rng.uniform(-60.0, 60.0, 3).astype(np.float32)
-    for _ in range(int(rng.integers(2, 5))):
-        fx, fy = rng.uniform(-4.0, 4.0, 2)
-        phase = rng.uniform(0.0, 2.0 * math.pi)
-        wave = np.sin(2.0 * math.pi * (fx * xx + fy * yy) + phase)
-        img = img + wave * rng.uniform(4.0, 22.0, 3).astype(np.float32)
-    # Value noise at a medium scale: blotchy texture.
-    for cells, amp in ((rng.integers(8, 20), rng.uniform(6.0, 16.0)), (rng.integers(25, 50), rng.uniform(3.0, 9.0))):
-        gh = max(2, int(cells * height / width))
-        small = rng.standard_normal((3, gh, int(cells))).astype(np.float32) * np.float32(amp)
-        up = [np.asarray(Image.fromarray(c, "F").resize((width, height), Image.BICUBIC)) for c in small]
-        img = img + np.stack(up, axis=-1)
-    img = np.broadcast_to(img, (height, width, 3))
-
-    pil = Image.fromarray(np.clip(np.rint(img), 0, 255).astype(np.uint8), "RGB")
-    draw = ImageDraw.Draw(pil)
-    _distractors(rng, draw, height, width, scale)
-    return np.asarray(pil, dtype=np.float32).copy()
-
-
-def _distractors(rng: np.random.Generator, draw: ImageDraw.ImageDraw, height: int, width: int, scale: float) -> None:
-    """Strokes (straight or zig-zag lines) and small irregular blobs: nothing car/person/bike-like."""
-    for _ in range(int(rng.integers(2, 8))):
-        colour = tuple(int(v) for v in rng.integers(0, 256, 3))
-        x, y = rng.uniform(0, width), rng.uniform(0, height)
-        points = [(x, y)]
-        angle = rng.uniform(0, 2 * math.pi)
-        for _ in range(int(rng.integers(1, 4))):
-            length = rng.uniform(10.0, 90.0) * scale
-            angle += rng.uniform(-1.2, 1.2)
-            x, y = x + length * math.cos(angle), y + length * math.sin(angle)
-            points.append((x, y))
-        draw.line(points, fill=colour, width=max(1, int(round(rng.uniform(1.0, 3.0) * scale))), joint="curve")
-    for _ in range(int(rng.integers(2, 9))):
-        colour = tuple(int(v) for v in rng.integers(0, 256, 3))
-        cx, cy = rng.uniform(0, width), rng.uniform(0, height)
-        radius = rng.uniform(2.0, 7.0) * scale
-        n = int(rng.integers(4, 8))
-        angles = np.sort(rng.uniform(0, 2 * math.pi, n))
-        radii = radius * rng.uniform(0.4, 1.2, n)
-        draw.polygon(
-            [(cx + r * math.cos(a), cy + r * math.sin(a)) for a, r in zip(angles, radii)], fill=colour
-        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -659,28 +390,3 @@ def _draw_cyclist(rng: np.random.Generator, pen: _Pen, w: float, h: float) -> No
     pen.limb(hip, shoulder, u(0.11, 0.15) * h, _PRIMARY)
     pen.limb(shoulder, grip, limb_w * 0.9, _PRIMARY)
     pen.circle(head[0], head[1], rh, _HEAD)
-
-
-# --------------------------------------------------------------------------------------------------
-# The data sets this writer makes
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SyntheticKind:
-    classes: tuple[str, ...]
-    generate: Callable  # (rng, height, width, object_px) -> (uint8 HxWx3 image, objects)
-    object_px: tuple[float, float]  # default (min, max) object size at a 192-px-high image
-
-
-def _kinds() -> dict[str, SyntheticKind]:
-    from qatpipe.data import synth_detail as detail
-
-    return {
-        "shapes": SyntheticKind(SYNTH_CLASSES, _generate_image, DEFAULT_OBJECT_HEIGHT_PX),
-        "glyphs": SyntheticKind(detail.GLYPH_CLASSES, detail.generate_glyphs, detail.DETAIL_OBJECT_PX),
-        "photos": SyntheticKind(detail.TEXTURE_CLASSES, detail.generate_photos, detail.DETAIL_OBJECT_PX),
-    }
-
-
-KINDS = _kinds()

@@ -1,0 +1,9 @@
+"""Generated KITTI data sets, the embedded data of the main job and its tests: `shapes` (shapes.py), whose three
+classes differ in outline, and `glyphs` and `photos` (detail.py), whose ten classes differ only in internal
+detail. writer.py writes any of them (KINDS) reproducibly; background.py holds the cluttered backgrounds that
+shapes and glyphs share, so that neither data set imports the other."""
+
+from qatpipe.data.synth.shapes import DEFAULT_OBJECT_HEIGHT_PX, SYNTH_CLASSES
+from qatpipe.data.synth.writer import KINDS, SyntheticKind, write_synthetic_dataset
+
+__all__ = ["DEFAULT_OBJECT_HEIGHT_PX", "KINDS", "SYNTH_CLASSES", "SyntheticKind", "write_synthetic_dataset"]
