@@ -403,17 +403,17 @@ def test_deepstream_config_for_the_validated_model(engines, tmp_path):
     assert values["output-blob-names"] == "output_cov/Sigmoid;output_bbox/BiasAdd"  # TAO's names
     assert values["num-detected-classes"] == "3" and values["infer-dims"] == "3;192;320"
     assert (tmp_path / "ds" / "labels.txt").read_text().split() == ["car", "pedestrian", "cyclist"]
-    # the parser's own lines come from the architecture (its nvinfer layout); one without a layout is refused
+    # the parser's own lines come from the architecture's nvinfer layout; an architecture without one is refused
     from types import SimpleNamespace
 
+    from qatpipe.deploy.deepstream import nvinfer_layout
     from qatpipe.models import get_architecture
-    from qatpipe.models.base import DetectorArchitecture
 
-    layout = get_architecture(spec).nvinfer_layout()
+    layout = nvinfer_layout(spec, get_architecture(spec))
     assert values["cluster-mode"] == "2" and values["topk"] == str(spec.model.decoder.max_detections)
     assert set(layout.properties()) | set(layout.class_attributes()) <= set(text.splitlines())
-    with pytest.raises(QatpipeError, match="SimpleNamespace: no DeepStream nvinfer layout"):
-        DetectorArchitecture.nvinfer_layout(SimpleNamespace())
+    with pytest.raises(QatpipeError, match="model.arch ssd: no DeepStream nvinfer layout"):
+        nvinfer_layout(SimpleNamespace(model=SimpleNamespace(arch="ssd")), None)
 
 
 def test_deepstream_model_decodes_to_the_same_boxes_with_nvinfers_parser(engines, tmp_path):

@@ -99,7 +99,7 @@ NETWORK_MODES = {"fp32": 0, "int8": 1, "fp16": 2}
 
 @dataclass(frozen=True)
 class DetectNetV2Layout:
-    """What nvinfer's built-in DetectNet_v2 parser needs (a DetectNet_v2 architecture's `nvinfer_layout`): the
+    """What nvinfer's built-in DetectNet_v2 parser needs (the `nvinfer_layout` of a DetectNet_v2 spec): the
     model with TAO's CHW outputs and bbox encoding, its output blob names and the clustering settings."""
 
     stride: int
@@ -120,6 +120,23 @@ class DetectNetV2Layout:
                 f"eps={d.dbscan_eps}", f"minBoxes={d.dbscan_min_samples}", f"topk={d.max_detections}"]
 
 
+# model.arch -> its layout, made from the spec and its architecture. The table lives here, not on the
+# architectures, so that models/ never imports deploy/ (tests/test_layers.py).
+NVINFER_LAYOUTS = {
+    "detectnet_v2": lambda spec, arch: DetectNetV2Layout(arch.stride, arch.bbox_norm, spec.model.decoder),
+}
+
+
+def nvinfer_layout(spec: ExperimentSpec, arch):
+    """How DeepStream's nvinfer runs the spec's detector (`arch`, its architecture): an object with `onnx(model)`
+    (the exported ONNX in the layout its parser reads) and `properties()` / `class_attributes()` (the config lines
+    that parser needs)."""
+    make = NVINFER_LAYOUTS.get(spec.model.arch)
+    if make is None:
+        raise QatpipeError(f"model.arch {spec.model.arch}: no DeepStream nvinfer layout for this architecture")
+    return make(spec, arch)
+
+
 def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: str | Path, variant: str,
                          network_mode: str = "int8", calibration_cache: str | Path | None = None,
                          dla_core: int | None = None) -> Path:
@@ -133,7 +150,7 @@ def write_nvinfer_config(spec: ExperimentSpec, onnx_path: str | Path, folder: st
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     arch = get_architecture(spec)
-    layout = arch.nvinfer_layout()
+    layout = nvinfer_layout(spec, arch)
     (height, width), stride = arch.input_hw, arch.stride
     if height % stride or width % stride:
         raise QatpipeError(f"dataset.image_size {height}x{width}: nvinfer's parser needs multiples of the output "

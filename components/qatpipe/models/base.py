@@ -61,11 +61,3 @@ class DetectorArchitecture(abc.ABC):
     @abc.abstractmethod
     def decode(self, outputs: dict[str, np.ndarray]) -> list[Detections]:
         """Batched raw outputs (NumPy) -> detections per image, in network input pixels."""
-
-    def nvinfer_layout(self):
-        """How DeepStream's nvinfer runs this architecture (deploy/deepstream.py): an object with `onnx(model)`
-        (the exported ONNX in the layout its parser reads) and `properties()` / `class_attributes()` (the
-        config lines that parser needs). The default: no DeepStream hand-off."""
-        from qatpipe.errors import QatpipeError
-
-        raise QatpipeError(f"{type(self).__name__}: no DeepStream nvinfer layout for this architecture")

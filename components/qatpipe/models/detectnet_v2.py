@@ -166,12 +166,6 @@ class DetectNetV2(DetectorArchitecture):
             for i in range(coverage.shape[0])
         ]
 
-    def nvinfer_layout(self):
-        """nvinfer's built-in DetectNet_v2 parser, given this model's stride, bbox encoding and decoder."""
-        from qatpipe.deploy.deepstream import DetectNetV2Layout
-
-        return DetectNetV2Layout(self.stride, self.bbox_norm, self.spec.model.decoder)
-
 
 def _class_cross_entropy(y_true, y_pred, object_mask):
     """Summed over the object cells: softmax cross-entropy of the class logits against the cell's classes.
