@@ -150,3 +150,28 @@ def test_evaluate_writes_coco_files_that_rescore_to_its_metrics(trained_tiny, tm
                       for i, s in enumerate(samples, start=1)]
     assert {"detections.json", "ground_truth.json", "report.md"} <= set(StageRecord.read(tmp_path).artifacts)
     assert (tmp_path / "report.md").read_text() == evaluation_markdown("fp32", result)  # the KFP UI's report
+
+
+def test_pr_curves_are_titled_with_the_variant_and_what_scored_it(tiny_spec, tmp_path, monkeypatch):
+    """Every pr_curves.png used to read `model.onnx`: now the variant and the engine (or runtime) it scores."""
+    from qatpipe.engines.base import EngineMetadata
+    from qatpipe.export.onnx_export import export_onnx
+    from qatpipe.models import get_architecture
+    from qatpipe.stages import evaluate as stage
+    from qatpipe.stages.build_engine import build_engine
+
+    titles = []
+    monkeypatch.setattr(stage, "plot_pr_curves", lambda metrics, path, title="": titles.append(title) or
+                        plot_pr_curves(metrics, path, title=title))
+    spec = tiny_spec("model.backbone.width=0.125")
+    onnx_path = export_onnx(get_architecture(spec).build_model(), tmp_path / "model.onnx", 17)
+    build_engine(spec, onnx_path, tmp_path / "engine", backend="onnxruntime")
+    stage.evaluate(spec, onnx_path, tmp_path / "onnx", variant="fp32")
+    stage.evaluate(spec, tmp_path / "engine", tmp_path / "engine_eval", variant="qat")
+    stage.evaluate(spec, onnx_path, tmp_path / "plain")
+    runtime = stage.scored_by(onnx_path)  # "onnxruntime cpu fp32" on a CPU build
+    engine = EngineMetadata.read(tmp_path / "engine").label
+    assert runtime.startswith("onnxruntime ") and runtime.endswith(" fp32") and engine.startswith("onnxruntime ")
+    assert titles == [f"fp32 on {runtime}: PR @ IoU 0.5", f"qat on {engine}: PR @ IoU 0.5",
+                      f"model.onnx on {runtime}: PR @ IoU 0.5"]
+    assert (tmp_path / "engine_eval" / "report.md").read_text().startswith("# qat")

@@ -26,10 +26,10 @@ GROUND_TRUTH_FILE = "ground_truth.json"
 
 
 def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Path | None = None,
-             stage_name: str = "evaluate", title: str | None = None) -> dict:
-    """Score `model_path` on dataset.val; writes metrics.json, pr_curves.png, detections.json,
-    ground_truth.json, report.md (headed `title`, default the model's file name) and tracking.json to
-    `output_dir`."""
+             stage_name: str = "evaluate", variant: str | None = None) -> dict:
+    """Score `model_path` on dataset.val; writes metrics.json, pr_curves.png (titled with `variant` and what
+    scored it, scored_by), detections.json, ground_truth.json, report.md (headed `variant`, default the model's
+    file name) and tracking.json to `output_dir`."""
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
 
@@ -71,8 +71,9 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
         "diagnostics": check.to_dict(),
     }
     write_json(output_dir / METRICS_FILE, result)
-    plot_pr_curves(metrics, output_dir / PR_CURVE_FILE, title=f"{model_path.name}: PR @ IoU 0.5")
-    atomic_write_text(output_dir / REPORT_MARKDOWN, evaluation_markdown(title or model_path.name, result))
+    plot_pr_curves(metrics, output_dir / PR_CURVE_FILE,
+                   title=f"{variant or model_path.name} on {scored_by(model_path)}: PR @ IoU 0.5")
+    atomic_write_text(output_dir / REPORT_MARKDOWN, evaluation_markdown(variant or model_path.name, result))
     StageRecord(
         stage=stage_name, params={"model": model_path.name, "val_images": len(samples)},
         metrics=tracked_metrics(result),
@@ -92,6 +93,21 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
     return result
 
 
+def scored_by(model_path: Path) -> str:
+    """What runs the model evaluate scores: an engine folder's label ("onnxruntime cpu int8", "tensorrt fp16"),
+    ONNX Runtime on its first provider for an ONNX file, TensorFlow for a Keras model."""
+    from qatpipe.engines.base import EngineMetadata, engine_label, is_explicitly_quantized
+    from qatpipe.onnx_model import available_providers, load_onnx_proto
+
+    if model_path.is_dir():
+        return EngineMetadata.read(model_path).label
+    if model_path.suffix.lower() == ".onnx":
+        device = available_providers()[0].removesuffix("ExecutionProvider").lower()
+        return engine_label("onnxruntime", device, "int8" if is_explicitly_quantized(load_onnx_proto(model_path))
+                            else "fp32")
+    return "tensorflow"
+
+
 def tracked_metrics(result: dict) -> dict[str, float]:
     """The numbers of an evaluation worth a metric: overall and per-class AP, the learning check's class-agnostic
     mAP@0.5 and class accuracy, speed, size."""
@@ -104,4 +120,5 @@ def tracked_metrics(result: dict) -> dict[str, float]:
     return metrics
 
 
-__all__ = ["evaluate", "tracked_metrics", "METRICS_FILE", "PR_CURVE_FILE", "DETECTIONS_FILE", "GROUND_TRUTH_FILE"]
+__all__ = ["evaluate", "scored_by", "tracked_metrics", "METRICS_FILE", "PR_CURVE_FILE", "DETECTIONS_FILE",
+           "GROUND_TRUTH_FILE"]

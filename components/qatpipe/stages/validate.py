@@ -51,7 +51,8 @@ def within(drop: float, max_drop: float) -> bool:
 
 
 def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: Path,
-                            onnx_model: str | Path | None = None) -> tuple[float | None, str]:
+                            onnx_model: str | Path | None = None,
+                            variant: str | None = None) -> tuple[float | None, str]:
     """(mAP@0.5 of TensorRT's numbers, how it was had), or (None, why there is nothing to emulate).
 
     TensorRT builds what its backend's `source` picks (tensorrt_source): under `engine.fp16` the export's FP16
@@ -91,7 +92,8 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
         scored = save_onnx(rounded_form(onnx.load(source), onnx.load(fp16_form)), folder / FP16_ROUNDED_FILE)
         how = (f"its FP16 form {fp16_form.name} (engine.fp16: what TensorRT builds), FP16 values rounded as FP16 "
                "holds them, in ONNX Runtime's exact CPU form")
-    return exact_form_map50(spec, scored, folder, "tensorrt_emulated"), f"{how} ({EMULATED_FOLDER}/)"
+    return (exact_form_map50(spec, scored, folder, "tensorrt_emulated", _labelled(variant, "TensorRT's numbers")),
+            f"{how} ({EMULATED_FOLDER}/)")
 
 
 def tensorrt_builds_fp16_form(spec: ExperimentSpec, source: Path) -> bool:
@@ -103,17 +105,23 @@ def tensorrt_builds_fp16_form(spec: ExperimentSpec, source: Path) -> bool:
     return TensorRTBackend.source(bundle, spec.engine) == bundle.fp16
 
 
-def exact_form_map50(spec: ExperimentSpec, onnx_model: Path, folder: Path, name: str) -> float:
+def _labelled(variant: str | None, what: str) -> str | None:
+    """How an emulated evaluation of `variant` names itself in its report and PR curves."""
+    return f"{variant}, {what} (emulated)" if variant else None
+
+
+def exact_form_map50(spec: ExperimentSpec, onnx_model: Path, folder: Path, name: str,
+                     variant: str | None = None) -> float:
     """mAP@0.5 of `onnx_model` as an ONNX Runtime engine in the exact CPU form (a Q/DQ model's numbers as
     TensorRT computes them), built in folder/engine and evaluated into `folder` (stages build_<name>,
-    validate_<name>)."""
+    validate_<name>; its report and PR curves name `variant`, default `name`)."""
     from qatpipe.stages.build_engine import build_engine
     from qatpipe.stages.evaluate import evaluate
 
     exact = spec.model_copy(deep=True)
     exact.engine.cpu_form = "exact"
     build_engine(exact, onnx_model, folder / "engine", backend="onnxruntime", stage_name=f"build_{name}")
-    return evaluate(exact, folder / "engine", folder, stage_name=f"validate_{name}")["map50"]
+    return evaluate(exact, folder / "engine", folder, stage_name=f"validate_{name}", variant=variant or name)["map50"]
 
 
 def _quantized_by(onnx_path: Path) -> str | None:
@@ -125,7 +133,8 @@ def _quantized_by(onnx_path: Path) -> str | None:
     return {prop.key: prop.value for prop in load_onnx_proto(onnx_path).metadata_props}.get(QUANTIZED_BY_KEY)
 
 
-def dla_emulated_map50(spec: ExperimentSpec, source: Path, output_dir: Path) -> tuple[float | None, str]:
+def dla_emulated_map50(spec: ExperimentSpec, source: Path, output_dir: Path,
+                       variant: str | None = None) -> tuple[float | None, str]:
     """(mAP@0.5 of the export's DLA form as DLA's INT8 computes it, how), or (None, why not) without one.
 
     The DLA form's graph is the export's implicit FP32 ONNX (`<stem>_implicit.onnx`) with a fixed batch; its
@@ -151,7 +160,7 @@ def dla_emulated_map50(spec: ExperimentSpec, source: Path, output_dir: Path) -> 
     scored = save_onnx(fake_quantized(onnx.load(implicit), scales), folder / "model.onnx")
     how = (f"{implicit.name} with an int8 Q/DQ on each of the {len(scales)} tensors of {cache.name}, in ONNX "
            f"Runtime's exact CPU form ({DLA_EMULATED_FOLDER}/)")
-    return exact_form_map50(spec, scored, folder, "dla_emulated"), how
+    return exact_form_map50(spec, scored, folder, "dla_emulated", _labelled(variant, "Orin DLA's INT8")), how
 
 
 def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str | Path,
@@ -173,10 +182,10 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
     output_dir = Path(output_dir) if output_dir else engine_dir / "validate"
     metadata = EngineMetadata.read(engine_dir)
     label = metadata.label
-    evaluation = evaluate(spec, engine_dir, output_dir, stage_name=f"validate_{variant}")
+    evaluation = evaluate(spec, engine_dir, output_dir, stage_name=f"validate_{variant}", variant=variant)
     source = Path(onnx_model) if onnx_model else Path(metadata.source_onnx)  # the ONNX the engine was built from
-    emulated, emulation = tensorrt_emulated_map50(spec, engine_dir, output_dir, source)
-    dla, dla_how = dla_emulated_map50(spec, source, output_dir)
+    emulated, emulation = tensorrt_emulated_map50(spec, engine_dir, output_dir, source, variant)
+    dla, dla_how = dla_emulated_map50(spec, source, output_dir, variant)
     max_drop = spec.validate_.max_map_drop
     passed, drop = gate(evaluation["map50"], baseline["map50"], max_drop)
     report = {

@@ -36,7 +36,7 @@ def evaluate(evaluate_spec: str, variant: str, dataset: Input[Dataset], model: I
     with stage(f"evaluate-{variant}"):
         spec = spec_with_prepared_dataset(load_stage_spec(evaluate_spec), dataset.path)
         model_file = Path(model.path) / model.metadata.get("file", "model.keras")
-        result = evaluate_stage(spec, model_file, results.path, stage_name=f"evaluate_{variant}", title=variant)
+        result = evaluate_stage(spec, model_file, results.path, stage_name=f"evaluate_{variant}", variant=variant)
         results.metadata["variant"] = variant
         write_metrics(metrics, tracked_metrics(result))
         write_text(report, (Path(results.path) / REPORT_MARKDOWN).read_text())
