@@ -1,5 +1,5 @@
-"""qat.start: where each of the pipeline's retrains starts (stages/retrain.plan_retrain), the FP32 baseline handed on
-under TAO's order, and the FP32 control's own stage name through the training paths."""
+"""qat.start: where each of the pipeline's retrains starts (stages/retrain_plan.plan_retrain), the FP32 baseline
+handed on under TAO's order, and the FP32 control's own stage name through the training paths."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from qatpipe.spec import bundled_spec_path, load_spec
-from qatpipe.stages.retrain import FINETUNE_FP32, hand_on, plan_retrain
+from qatpipe.stages.retrain import hand_on
+from qatpipe.stages.retrain_plan import FINETUNE_FP32, plan_retrain
 from qatpipe.tracking.records import StageRecord
 
 PRUNED, RETRAINED = Path("/p/pruned.keras"), Path("/r/model.keras")

@@ -1,12 +1,8 @@
 """Stage: retrain a pruned detector (TAO `train` with `pruned_model_path`): fine-tuning that recovers the
 accuracy pruning took, in FP32 or, with `qat.enabled` (TAO's `enable_qat`), quantisation-aware. Same training
 loop, schedule, checkpoints and resume as `train`; the model comes from the pruned file, `retrain.epochs`
-replaces `train.epochs`.
-
-`plan_retrain` says where each of the pipeline's retrains starts under `qat.start`: the FP32 retrain always from
-the pruned model; QAT from the pruned model (TAO's order) or fine-tuning the FP32 retrain's model (NVIDIA's QAT
-toolkit's); the FP32 baseline is the FP32 retrain's model as it is, or, when QAT fine-tunes it, that model
-fine-tuned as long in FP32, so that QAT and its baseline have had the same training."""
+replaces `train.epochs`. Where each of the pipeline's retrains starts under `qat.start` is stages/retrain_plan.py's
+`plan_retrain`; `hand_on` is the retrain that trains nothing."""
 
 from __future__ import annotations
 
@@ -14,49 +10,17 @@ import hashlib
 import json
 import logging
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import write_json
 from qatpipe.spec import ExperimentSpec
+from qatpipe.stages.retrain_plan import FINETUNE_FP32, RETRAIN_FP32, RETRAIN_QAT
 
 log = logging.getLogger(__name__)
 
 SOURCE_FILE = "source_model.json"
 QAT_RANGES_FILE = "qat_ranges.json"
-# the FP32 baseline's stage: the FP32 control of a QAT fine-tuning, or the FP32 retrain handed on
-FINETUNE_FP32 = "finetune_fp32"
-
-
-@dataclass(frozen=True)
-class RetrainPlan:
-    """What one retrain does: train `source` for `epochs` (None: train nothing and hand `source` on as the
-    result), recorded as `stage_name`."""
-
-    source: Path
-    epochs: int | None
-    stage_name: str
-
-    @property
-    def hands_on(self) -> bool:
-        return self.epochs is None
-
-
-def plan_retrain(spec: ExperimentSpec, qat: bool, pruned: str | Path, retrained: str | Path | None = None
-                 ) -> RetrainPlan:
-    """Where a retrain starts and for how long. `retrained`: the FP32 retrain's model, given to the retrains
-    that come after it (the QAT one and the FP32 baseline); without it, a retrain of the pruned model."""
-    pruned = Path(pruned)
-    first = spec.retrain.epochs or spec.train.epochs
-    if retrained is None:
-        return RetrainPlan(pruned, first, "retrain_qat" if qat else "retrain_fp32")
-    if spec.qat.start == "fp32":
-        return RetrainPlan(Path(retrained), spec.qat.finetune_epochs or first,
-                           "retrain_qat" if qat else FINETUNE_FP32)
-    if qat:  # TAO's order: QAT retrains the pruned model, as the FP32 retrain did
-        return RetrainPlan(pruned, first, "retrain_qat")
-    return RetrainPlan(Path(retrained), None, FINETUNE_FP32)
 
 
 def hand_on(retrained_dir: str | Path, results_dir: str | Path) -> dict:
@@ -96,7 +60,7 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
     world = init_world()  # before TensorFlow starts: under Horovod it pins this process's GPU
     spec = retrain_spec(spec)
     qat = spec.qat.enabled
-    stage_name = stage_name or ("retrain_qat" if qat else "retrain_fp32")
+    stage_name = stage_name or (RETRAIN_QAT if qat else RETRAIN_FP32)
     pruned_model_path = Path(pruned_model_path)
     results_dir = Path(results_dir)
     model = load_keras_model(pruned_model_path, get_architecture(spec))
@@ -156,4 +120,4 @@ def _claim(results_dir: Path, source: Path, write: bool = True) -> None:
     write_json(marker, {"path": str(source), "sha256": digest})
 
 
-__all__ = ["FINETUNE_FP32", "RetrainPlan", "hand_on", "plan_retrain", "retrain", "retrain_spec"]
+__all__ = ["hand_on", "retrain", "retrain_spec"]

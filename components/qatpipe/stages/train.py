@@ -13,6 +13,7 @@ from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text, save_keras_model, write_json
 from qatpipe.metrics.diagnostics import diagnostics_metrics, findings_tags, log_findings, plateau_findings
 from qatpipe.spec import STAGE_SECTIONS, ExperimentSpec, dump_spec, flatten, load_spec
+from qatpipe.stages.retrain_plan import FINETUNE_FP32
 from qatpipe.tracking.records import StageRecord, history_from_csv, numeric_leaves
 
 log = logging.getLogger(__name__)
@@ -301,8 +302,6 @@ def summary_metrics(summary: dict) -> dict[str, float]:
 
 
 def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dict, stage_name: str) -> None:
-    from qatpipe.stages.retrain import FINETUNE_FP32
-
     # the FP32 control of a QAT fine-tuning records the qat section too: its start and epochs come from there
     view = STAGE_SECTIONS["train" if stage_name == "train" else
                           "retrain_qat" if spec.qat.enabled or stage_name == FINETUNE_FP32 else "retrain"]

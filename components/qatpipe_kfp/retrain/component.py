@@ -37,7 +37,7 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
         mpijob: Run as an MPIJob even on one node; this task then only follows the job.
         checkpoint_uri: s3://bucket/prefix where the resume state is mirrored after every checkpoint when the
             pipeline has no cache volume (under the KFP run id), so that a retried task resumes. Empty: none.
-        start: The FP32 retrain's model, for the retrains after it (qatpipe.stages.retrain.plan_retrain). Under
+        start: The FP32 retrain's model, for the retrains after it (qatpipe.stages.retrain_plan.plan_retrain). Under
             qat.start fp32 the QAT task fine-tunes it for qat.finetune_epochs, and the FP32 task (the baseline,
             finetune-fp32) fine-tunes it as long in FP32. Under qat.start pruned the QAT task retrains the pruned
             model and the FP32 task hands `start` on unchanged. Absent: a retrain of the pruned model.
@@ -53,7 +53,8 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
     from pathlib import Path
 
     from qatpipe.data.prepare import spec_with_prepared_dataset
-    from qatpipe.stages.retrain import hand_on, plan_retrain
+    from qatpipe.stages.retrain import hand_on
+    from qatpipe.stages.retrain_plan import plan_retrain
     from qatpipe.stages.scale_out import run_training_stage
     from qatpipe.tracking.live import parent_run_from_kfp
     from qatpipe.stages.train import summary_metrics

@@ -1,0 +1,52 @@
+"""Where each of the pipeline's retrains starts under `qat.start`, and the stage names they record: the FP32
+retrain always from the pruned model; QAT from the pruned model (TAO's order) or fine-tuning the FP32 retrain's
+model (NVIDIA's QAT toolkit's); the FP32 baseline is the FP32 retrain's model as it is, or, when QAT fine-tunes
+it, that model fine-tuned as long in FP32, so that QAT and its baseline have had the same training.
+
+Its own module, imported by both the train and the retrain stages (train names the FP32 baseline's record), so
+that neither imports the other for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from qatpipe.spec import ExperimentSpec
+
+RETRAIN_FP32 = "retrain_fp32"
+RETRAIN_QAT = "retrain_qat"
+# the FP32 baseline's stage: the FP32 control of a QAT fine-tuning, or the FP32 retrain handed on
+FINETUNE_FP32 = "finetune_fp32"
+
+
+@dataclass(frozen=True)
+class RetrainPlan:
+    """What one retrain does: train `source` for `epochs` (None: train nothing and hand `source` on as the
+    result), recorded as `stage_name`."""
+
+    source: Path
+    epochs: int | None
+    stage_name: str
+
+    @property
+    def hands_on(self) -> bool:
+        return self.epochs is None
+
+
+def plan_retrain(spec: ExperimentSpec, qat: bool, pruned: str | Path, retrained: str | Path | None = None
+                 ) -> RetrainPlan:
+    """Where a retrain starts and for how long. `retrained`: the FP32 retrain's model, given to the retrains
+    that come after it (the QAT one and the FP32 baseline); without it, a retrain of the pruned model."""
+    pruned = Path(pruned)
+    first = spec.retrain.epochs or spec.train.epochs
+    if retrained is None:
+        return RetrainPlan(pruned, first, RETRAIN_QAT if qat else RETRAIN_FP32)
+    if spec.qat.start == "fp32":
+        return RetrainPlan(Path(retrained), spec.qat.finetune_epochs or first,
+                           RETRAIN_QAT if qat else FINETUNE_FP32)
+    if qat:  # TAO's order: QAT retrains the pruned model, as the FP32 retrain did
+        return RetrainPlan(pruned, first, RETRAIN_QAT)
+    return RetrainPlan(Path(retrained), None, FINETUNE_FP32)
+
+
+__all__ = ["FINETUNE_FP32", "RETRAIN_FP32", "RETRAIN_QAT", "RetrainPlan", "plan_retrain"]
