@@ -174,7 +174,8 @@ def _failure_message(stage_log: Path, exc: Exception, out: Path, spec_uri: str, 
     command = " ".join(["qatpipe run --local", "--spec", shlex.quote(spec_uri), "--output", shlex.quote(str(out)),
                         *(f"--set {shlex.quote(item)}" for item in overrides)])
     resume = f"Fix it and re-run `{command}`: finished stages are reused from {out / 'kfp-cache'}."
-    if failed:
-        name, outcome = failed[-1]
-        return f"pipeline stage {name} failed: {outcome.get('reason', 'see the log above')}. {resume}"
+    if failed:  # the first to fail is the cause; the exit handler may fail after it (MLflow down)
+        (name, outcome), later = failed[0], [other for other, _ in failed[1:]]
+        also = f" (then also: {', '.join(later)})" if later else ""
+        return f"pipeline stage {name} failed: {outcome.get('reason', 'see the log above')}{also}. {resume}"
     return f"pipeline failed: {exc}. {resume}"
