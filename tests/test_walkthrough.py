@@ -1,0 +1,99 @@
+"""The README's stage-by-stage walkthrough ("Using the stages like TAO") runs as written.
+
+The commands are read out of README.md, so the README and this test cannot drift: each line runs, in order, in a
+fresh folder, on the tiny spec instead of the default one (`-e default` -> `-e tiny`), with overrides that keep it
+cheap (one epoch, a small synthetic set); a line it cannot run here is listed in NOT_RUN with the reason, and the
+test fails when a README line is neither run nor listed."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from qatpipe.cli import main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SECTION = "## Using the stages like TAO"
+# README line (a fragment of it) -> why it does not run here
+NOT_RUN = {"--set ptq.tool=modelopt": "Model Optimizer runs in its own environment: test_ptq_modelopt.py"}
+# what the walkthrough must show; a README that loses one of these fails the test
+VERBS = {"train", "evaluate", "prune", "retrain", "export", "ptq", "build-engine", "bench-engine", "validate",
+         "spec show", "data synth"}
+# every `-e` command gets these: one epoch each without validation during training, 32 + 16 synthetic images
+# (made once, cached in the folder), and a gate that passes whatever one epoch learnt (the gate itself:
+# test_local_pipeline.py). About 70 s of CPU, most of it building and tracing the four trainings and two exports.
+CHEAP = ["train.epochs=1", "retrain.epochs=1", "train.validation_interval=0", "dataset.synthetic.train_images=32",
+         "dataset.synthetic.val_images=16", "validate.max_map_drop=1.0"]
+SMALL_SYNTH = ["--train", "4", "--val", "2"]  # `data synth`: a few images, not the README's 2,300
+OUTPUTS = ("-o", "-r", "--out")  # what a command writes, which must exist once it ran
+
+
+def readme_commands() -> list[str]:
+    """The lines of the first ```bash block after SECTION."""
+    text = README.read_text()
+    assert SECTION in text, f"README.md has no section {SECTION!r}"
+    block = re.search(r"```bash\n(.*?)```", text.split(SECTION, 1)[1], re.S)
+    assert block, f"README.md: no ```bash block under {SECTION!r}"
+    return [line.strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def as_run_here(line: str) -> list[str]:
+    """The README line as it runs here: `qatpipe ...` -> main()'s argv, on the tiny spec, cheap."""
+    argv = shlex.split(line, comments=True)
+    assert argv[0] == "qatpipe", line
+    argv = argv[1:]
+    if "-e" in argv:
+        at = argv.index("-e") + 1
+        assert argv[at] == "default", f"the walkthrough runs the default spec: {line}"
+        argv[at] = "tiny"
+        argv += [arg for override in CHEAP for arg in ("--set", override)]
+    if argv[:2] == ["data", "synth"]:
+        argv += SMALL_SYNTH
+    return argv
+
+
+def verb(argv: list[str]) -> str:
+    return " ".join(argv[:2]) if argv[0] in ("spec", "data") else argv[0]
+
+
+@pytest.mark.slow
+def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
+    lines = readme_commands()
+    for fragment in NOT_RUN:  # each exception still names one README line
+        assert sum(fragment in line for line in lines) == 1, f"NOT_RUN {fragment!r}: not one README line"
+    monkeypatch.chdir(tmp_path)  # the README's relative results/ and data/, and the spec's .qatpipe-cache
+    ran = []
+    for line in lines:
+        if any(fragment in line for fragment in NOT_RUN):
+            continue
+        argv = as_run_here(line)
+        capsys.readouterr()
+        assert main(argv) == 0, f"README command failed: {line}\n(ran as: qatpipe {shlex.join(argv)})"
+        for flag in OUTPUTS:
+            if flag in argv:
+                written = Path(argv[argv.index(flag) + 1])
+                assert written.exists(), f"{line}: wrote no {written}"
+        ran.append((verb(argv), argv, capsys.readouterr().out))
+    assert {name for name, _, _ in ran} == VERBS
+    assert len(ran) == len(lines) - len(NOT_RUN)
+
+    # what the steps left behind is what the next ones read
+    assert Path("results/train/evaluate/metrics.json").is_file()  # evaluate's default folder: beside the model
+    assert Path("results/pruned/prune_report.json").is_file()
+    for results in ("train", "retrain", "qat", "fp32"):
+        assert Path(f"results/{results}/model.keras").is_file(), results
+    assert {"qat.onnx", "qat.cache", "qat_implicit.onnx", "fp32.onnx", "ptq.onnx"} <= {
+        path.name for path in Path("results").iterdir()}
+    assert json.loads(Path("results/engine_qat/bench.json").read_text())["batches"]
+    validation = json.loads(Path("results/engine_qat/validate/validation.json").read_text())
+    assert validation["variant"] == "qat" and validation["passed"] is True
+    assert validation["baseline_map50"] == pytest.approx(
+        json.loads(Path("results/eval_fp32/metrics.json").read_text())["map50"])
+    [spec_show] = [out for name, _, out in ran if name == "spec show"]
+    assert "epochs: 1" in spec_show and "backbone:" in spec_show
+    for folder in ("data/synth", "data/glyphs"):
+        assert len(list(Path(folder, "train", "images").iterdir())) == 4, folder
