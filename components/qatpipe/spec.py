@@ -249,15 +249,13 @@ class TrainSpec(_Section):
     validation_interval: int = Field(
         1, ge=0, description="epochs between validations on dataset.val during training (TAO's "
         "validation_period_during_training): val loss, mAP@0.5 and mAP@[.5:.95] as `evaluate` scores them, into "
-        "training_log.csv and MLflow; the last epoch is always validated; 0: off. Default 1: a pass over the val "
-        "set is inference only, a small part of a training epoch when the val set is the usual fraction of the "
-        "train set, and it gives every epoch its numbers and `keep: best` every epoch to choose from; raise it "
-        "when the val set is large next to the train set")
+        "training_log.csv and MLflow; the last epoch is always validated; 0: off (docs/recipe.md: why every epoch "
+        "by default)")
     keep: Literal["best", "last"] = Field(
         "best", description="which weights become model.keras: those of the epoch with the best val mAP@0.5 "
         "(ties: the later epoch), or the last epoch's; without validation, the last")
     use_amp: bool = Field(False, description="mixed precision: float16 on a GPU, bfloat16 on a CPU with AMX-BF16 or "
-                            "AVX512-BF16, else FP32 with a warning (training/precision.py)")
+                            "AVX512-BF16, else FP32 with a warning (training/precision.py; docs/scale-out.md)")
     log_every_n_steps: int = Field(25, ge=1)
 
 
@@ -295,8 +293,7 @@ class QatSpec(_Section):
         "fp32", description="where QAT starts. fp32 (NVIDIA's QAT toolkit's order): the FP32 retrain's model, "
         "fine-tuned for finetune_epochs, and the FP32 baseline is that model fine-tuned as long in FP32, so both "
         "have had the same training. pruned (TAO's order): the pruned model, for retrain.epochs, like the FP32 "
-        "retrain, which is then the baseline. bench/README.md: QAT - FP32 with TAO's order -6.8 points on "
-        "MobileNetV2 and -1.0 on ResNet-10, with this one +1.1 and +0.3")
+        "retrain, which is then the baseline (docs/quantization.md: the two orders measured)")
     finetune_epochs: int | None = Field(
         None, ge=1, description="start: fp32: the epochs of the QAT fine-tuning and of its FP32 control; default "
         "retrain.epochs")
@@ -316,14 +313,13 @@ class PtqSpec(_Section):
     quantiser (`tool`)."""
 
     tool: Literal["onnxruntime", "modelopt"] = Field(
-        "onnxruntime", description="onnxruntime: ONNX Runtime's quantize_static (bench/README.md: the PTQ sweep); "
+        "onnxruntime", description="onnxruntime: ONNX Runtime's quantize_static; "
         "modelopt: NVIDIA Model Optimizer's ONNX INT8 PTQ (modelopt.onnx.quantization), TensorRT's own tooling, "
         "calibrated on CPU in its own environment (quantization/modelopt_ptq.py; `make modelopt`)")
     calibration_images: int = Field(200, ge=1, description="training images the ranges are calibrated on")
     method: Optional[Literal["entropy", "percentile", "minmax"]] = Field(
-        None, description="the calibration method; unset: the tool's default, percentile for onnxruntime (the "
-        "safest in bench/README.md's PTQ sweep), entropy for modelopt (TensorRT's calibrator; modelopt has no "
-        "percentile)")
+        None, description="the calibration method; unset: the tool's default, percentile for onnxruntime, entropy "
+        "for modelopt (TensorRT's calibrator; modelopt has no percentile); docs/quantization.md: why")
     percentile: float = Field(99.99, gt=90, le=100, description="for method: percentile")
     seed: int = 0
     report_images: int = Field(16, ge=0, description="calibration images of the precision report (FP16 flags, "
@@ -366,7 +362,7 @@ class ExportSpec(_Section):
                                         "tensors without a QAT scale are calibrated on")
     dla_calibration_method: Literal["percentile", "entropy", "minmax"] = Field(
         "percentile", description="target dla: how those tensors are calibrated (ONNX Runtime's calibrator, as "
-        "PTQ; percentile at PTQ's default 99.99th). bench/dla.py: max ranges lost 3.0 points on MobileNetV2")
+        "PTQ; percentile at PTQ's default 99.99th; docs/deployment.md: why)")
 
 
 class EngineBenchSpec(_Section):

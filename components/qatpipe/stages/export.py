@@ -24,25 +24,14 @@ log = logging.getLogger(__name__)
 
 # FP32 TensorFlow vs ONNX Runtime: the same maths in another order; anything larger is a conversion bug
 FP32_TOLERANCE = 1e-3
-# QAT: TensorFlow computes x * (127/amax), ONNX x / (amax/127), and their convolutions sum in different
-# orders; values within an ulp of a rounding boundary land one int8 step apart and later layers carry the
-# flip, so a few outputs differ by a few steps. Most agree to well under one step (measured on the ResNet-10
-# detector: median 0, 90th percentile 0.06-0.33 steps, 99th 1.2-1.5). A conversion bug (a wrong scale or axis,
-# even on one channel of twelve) moves far more of them.
+# QAT, end to end: the frameworks round values on an int8 boundary apart and later layers carry the flips, so
+# the limits are int8 steps of each output (docs/quantization.md, "TensorFlow vs ONNX Runtime", has the figures)
 QAT_TOLERANCE_STEPS = {"p90_steps": 1.0, "p99_steps": 4.0}
-# A deeper network carries the flips further: the TensorFlow QAT MobileNetV2 (17 blocks, 53 quantised layers)
-# moves by a 90th percentile of 0.8-1.1 steps when its input moves by 1e-7..1e-6 (a few ulps), and ONNX Runtime
-# differs from it by 1.3. Each limit is therefore the larger of the fixed one and SENSITIVITY_MARGIN x the model's
-# own movement under a ROUNDING_PERTURBATION of its input (export_onnx.rounding_sensitivity): for ResNet-10 that
-# is the fixed limit; a conversion bug still moves the outputs well beyond what rounding alone does.
+# deeper networks carry the flips further: each limit is at least SENSITIVITY_MARGIN x the TensorFlow model's own
+# movement when its input moves by ROUNDING_PERTURBATION (export_onnx.rounding_sensitivity)
 ROUNDING_PERTURBATION = 1e-6
 SENSITIVITY_MARGIN = 2.0
-# That end-to-end check is not what decides a QAT export: the layer-local one is (export/layer_check.py: every layer
-# fed TensorFlow's own input, so rounding flips do not accumulate). It is tighter where it matters: on an untrained
-# EfficientNet-B0 (64x96 input, random BatchNormalization statistics) a 1.5x or 1.1x scale on one channel of
-# block4a_expand_conv moved the outputs less than the end-to-end limits (90th percentile 0.46-0.80 steps), and the
-# layer check named the layer (63.5 and 12.7 steps); a trained EfficientNet-B0's correct export drifted past those
-# limits (bench/README.md). The end-to-end figures stay in the report, a warning past their limits, and decide only
+# Those limits only warn: the layer-local check (export/layer_check.py) decides a QAT export, and they decide only
 # where some layer with ONNX nodes could not be checked.
 
 

@@ -76,9 +76,8 @@ def configure_precision(use_amp: bool) -> Precision:
     else:
         log.info("precision: %s (%s)", precision.policy, precision.reason)
     if precision.policy == MIXED_BFLOAT16 and "amx_bf16" not in flags:
-        log.warning("--use-amp: this CPU has no AMX, and without it bfloat16 training is not always faster: "
-                    "bench/amp.py measured 1.49x float32's speed on an AMD EPYC with AVX512-BF16, and 0.57x on an "
-                    "Intel Xeon whose AMX the hypervisor hides; run it here before relying on AMP")
+        log.warning("--use-amp: this CPU has no AMX, and without it bfloat16 training is not always faster than "
+                    "float32 (docs/scale-out.md); time it here with bench/amp.py before relying on AMP")
     return precision
 
 
