@@ -89,11 +89,10 @@ def _prepare_qat(spec: ExperimentSpec, model, results_dir: Path):
     from qatpipe.data.pipeline import eval_dataset
     from qatpipe.data.splits import sample_split
     from qatpipe.quantization.transform import calibrate, quantize_model
-
-    import tensorflow as tf
+    from qatpipe.training.checkpoints import CHECKPOINT_DIR, checkpoint_prefixes
 
     model = quantize_model(model, spec.qat)
-    if tf.train.latest_checkpoint(str(results_dir / "checkpoints")):
+    if checkpoint_prefixes(results_dir / CHECKPOINT_DIR):
         return model  # the ranges come back with the checkpoint (train refuses a checkpoint of other qat settings)
     batch_size = spec.train.batch_size
     samples = sample_split(spec, "train", spec.qat.calibration_batches * batch_size, spec.train.seed)

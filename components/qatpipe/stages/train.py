@@ -15,6 +15,7 @@ from qatpipe.metrics.diagnostics import diagnostics_metrics, findings_tags, log_
 from qatpipe.spec import STAGE_SECTIONS, ExperimentSpec, dump_spec, flatten, load_spec
 from qatpipe.stages.retrain_plan import FINETUNE_FP32
 from qatpipe.tracking.records import StageRecord, history_from_csv, numeric_leaves
+from qatpipe.training.checkpoints import CHECKPOINT_DIR, newest_readable
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +148,11 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
 
     epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch_var)
-    manager = tf.train.CheckpointManager(checkpoint, results_dir / "checkpoints", max_to_keep=spec.train.keep_checkpoints)
-    initial_epoch = _resume(spec, results_dir, checkpoint, manager, epoch_var, world)
+    # the newest checkpoint that reads back whole (rank 0 also mends the state file the manager reads)
+    latest = newest_readable(results_dir / CHECKPOINT_DIR, rewrite_state=world.is_chief)
+    manager = tf.train.CheckpointManager(checkpoint, results_dir / CHECKPOINT_DIR,
+                                         max_to_keep=spec.train.keep_checkpoints)
+    initial_epoch = _resume(spec, results_dir, checkpoint, latest, epoch_var, world)
     summary_path = results_dir / SUMMARY_FILE
     if initial_epoch >= spec.train.epochs and (results_dir / MODEL_FILE).is_file() and summary_path.is_file():
         # a finished run: keep its model and summary (throughput, losses) as they are
@@ -221,18 +225,18 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     return summary
 
 
-def _resume(spec: ExperimentSpec, results_dir: Path, checkpoint, manager, epoch_var, world) -> int:
-    """The epoch training starts from: the latest checkpoint's (restored into `checkpoint`, after checking it
+def _resume(spec: ExperimentSpec, results_dir: Path, checkpoint, latest: str | None, epoch_var, world) -> int:
+    """The epoch training starts from: checkpoint `latest`'s (restored into `checkpoint`, after checking it
     was written under this spec and process count), else 0; the same on every process."""
     import tensorflow as tf
 
-    if manager.latest_checkpoint:
-        saved_epoch = int(tf.train.load_variable(manager.latest_checkpoint, "epoch/.ATTRIBUTES/VARIABLE_VALUE"))
+    if latest:
+        saved_epoch = int(tf.train.load_variable(latest, "epoch/.ATTRIBUTES/VARIABLE_VALUE"))
         finished = saved_epoch >= spec.train.epochs and (results_dir / MODEL_FILE).is_file()
         # a finished run is only read back: any process count may do that
         _check_resume_compatible(results_dir, spec, None if finished else world.size)
-        checkpoint.restore(manager.latest_checkpoint).expect_partial()
-        log.info("resuming from %s at epoch %d/%d", manager.latest_checkpoint, int(epoch_var), spec.train.epochs)
+        checkpoint.restore(latest).expect_partial()
+        log.info("resuming from %s at epoch %d/%d", latest, int(epoch_var), spec.train.epochs)
     initial_epoch = world.broadcast(int(epoch_var.numpy()), "initial_epoch")
     if initial_epoch > spec.train.epochs:
         raise QatpipeError(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from qatpipe.errors import QatpipeError
-from qatpipe.fileio import temp_path, write_json
+from qatpipe.fileio import replacing, write_json
 
 log = logging.getLogger("qatpipe.train")
 
@@ -122,10 +121,8 @@ class BestCheckpoint:
             return False
         self.folder.mkdir(parents=True, exist_ok=True)
         weights = f"weights-{validation.epoch:04d}.npz"
-        tmp = temp_path(self.folder / weights)
-        with open(tmp, "wb") as handle:  # a file object: np.savez would append .npz to the temp name
-            np.savez(handle, *model.get_weights())
-        os.replace(tmp, self.folder / weights)
+        with replacing(self.folder / weights) as tmp, open(tmp, "wb") as handle:
+            np.savez(handle, *model.get_weights())  # a file object: np.savez would append .npz to a name
         self.record = {"epoch": validation.epoch, SCORE: validation.score, "weights": weights,
                        "metrics": validation.metrics, "diagnostics": validation.diagnostics}
         write_json(self.folder / BEST_FILE, self.record)
