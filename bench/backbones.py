@@ -13,7 +13,7 @@ Writes WORK/bench_backbones.json.
 `--qat-from-fp32` re-runs each finished run's QAT retrain from its retrained FP32 model (the QAT toolkit's
 fine-tuning) instead of the pruned model (TAO's recipe), and prints QAT - FP32 with its CI. `--fp32-longer` is
 its control: the FP32 retrain continued for as many epochs, and QAT-from-FP32 against it (the same training).
-`--ptq-sweep` then re-quantises each finished run's FP32 ONNX with other PTQ settings (method minmax /
+`--ptq-sweep` then re-quantizes each finished run's FP32 ONNX with other PTQ settings (method minmax /
 entropy / percentile, 16 or 200 calibration images) and prints each one's mAP@0.5 and its paired difference
 from FP32 with the CI: where the pipeline's PTQ loses nothing, this finds the settings where it does.
 
@@ -232,7 +232,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--report", action="store_true", help="only re-read finished runs in WORK and print")
     parser.add_argument("--ptq-sweep", action="store_true",
-                        help="re-quantise each finished run's FP32 model with other PTQ settings (no training)")
+                        help="re-quantize each finished run's FP32 model with other PTQ settings (no training)")
     parser.add_argument("--fp32-longer", action="store_true",
                         help="continue each finished run's FP32 retrain for the same epochs (--qat-from-fp32's "
                              "control) and compare")

@@ -1,11 +1,11 @@
-"""Benchmark: the two PTQ baselines (issue "TensorRT 11 and Jetson", item 4): ONNX Runtime's static quantisation
+"""Benchmark: the two PTQ baselines (issue "TensorRT 11 and Jetson", item 4): ONNX Runtime's static quantization
 (`ptq.tool: onnxruntime`, the pipeline's default) and NVIDIA Model Optimizer's ONNX INT8 PTQ (`ptq.tool:
 modelopt`), each with its calibration methods, on finished runs' FP32 models.
 
     python bench/ptq_tools.py --run WORK/run [--run ...] [--work DIR] [--images 200]
 
 A run is a `qatpipe run --local` work folder. Its PTQ task's FP32 ONNX (the model the pipeline's PTQ baseline was
-calibrated from) is quantised afresh by the PTQ stage's own code (stages/ptq.py) for each tool and method into
+calibrated from) is quantized afresh by the PTQ stage's own code (stages/ptq.py) for each tool and method into
 DIR/<run>/<tool>_<method>/, on the spec's calibration sample of `--images` training images. Each INT8 model is
 scored as TensorRT computes it (validate's exact CPU form), the FP32 model by the evaluate stage; the differences
 come with the paired bootstrap's 95% CI over the val images, against FP32 and against the pipeline's default

@@ -259,14 +259,14 @@ def one_conv_onnx(path: Path) -> Path:
 
 
 def read_add_past_its_qdq(proto):
-    """Plant a missing quantiser in a Q/DQ ONNX: the first Add with a dequantised input reads that input's float
+    """Plant a missing quantizer in a Q/DQ ONNX: the first Add with a dequantized input reads that input's float
     tensor instead (DQ <- Q <- the float tensor), as if the export had dropped its Q/DQ. Returns the Add."""
     producers = {out: node for node in proto.graph.node for out in node.output}
 
-    def dequantised(name):
+    def dequantized(name):
         return name in producers and producers[name].op_type == "DequantizeLinear"
 
-    add = next(n for n in proto.graph.node if n.op_type == "Add" and any(dequantised(i) for i in n.input))
-    index = next(k for k, name in enumerate(add.input) if dequantised(name))
+    add = next(n for n in proto.graph.node if n.op_type == "Add" and any(dequantized(i) for i in n.input))
+    index = next(k for k, name in enumerate(add.input) if dequantized(name))
     add.input[index] = producers[producers[add.input[index]].input[0]].input[0]
     return add

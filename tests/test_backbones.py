@@ -184,7 +184,7 @@ def test_full_backbones_prune_to_consistent_channels(backbone):
 # ------------------------------------------------------------------------------------------ QAT placement
 
 
-def test_se_block_placement_quantises_the_scale_and_the_squeeze_not_the_activations():
+def test_se_block_placement_quantizes_the_scale_and_the_squeeze_not_the_activations():
     model = squeeze_excitation()
     placements = plan(model, default_rules(QatSpec()))
     assert placements["excite"].wrapper is QDQMultiply and placements["excite"].options == {"quantized_inputs": [0, 1]}
@@ -224,7 +224,7 @@ def test_depthwise_and_se_twins_track_ranges_save_and_load(tmp_path):
         kinds = {type(layer) for layer in quantized_layers(qat)}
         assert (QDQDepthwiseConv2D in kinds) == (model.name == "inverted_residual")
         assert (QDQMultiply in kinds) == (model.name == "squeeze_excitation")
-        # the depthwise kernel is quantised per channel: each channel's error is within half its own step
+        # the depthwise kernel is quantized per channel: each channel's error is within half its own step
         float_out, qat_out = model(x).numpy(), qat(x).numpy()
         assert 0 < np.abs(float_out - qat_out).max() < 0.05 * np.abs(float_out).max()
         qat.save(tmp_path / f"{model.name}.keras")
@@ -302,12 +302,12 @@ def test_each_backbone_exports_a_qat_onnx_that_tensorrt_accepts_and_agrees_with_
     broken = onnx.load(path)
     _scale_channel(broken, qat, middle, images, 1.1)
     assert layer_differences(qat, broken, images)["failed"] == [middle.name]
-    # a residual Add whose quantised input lost its Q/DQ in ONNX (read straight from its float tensor) is named too
-    unquantised = onnx.load(path)
-    add = read_add_past_its_qdq(unquantised)
-    result = layer_differences(qat, unquantised, images)
+    # a residual Add whose quantized input lost its Q/DQ in ONNX (read straight from its float tensor) is named too
+    unquantized = onnx.load(path)
+    add = read_add_past_its_qdq(unquantized)
+    result = layer_differences(qat, unquantized, images)
     [failed] = result["failed"]
-    assert f"/{failed}/" in add.name and "1 quantised input(s) in TensorFlow, 0 QuantizeLinear in ONNX" in \
+    assert f"/{failed}/" in add.name and "1 quantized input(s) in TensorFlow, 0 QuantizeLinear in ONNX" in \
         result["layers"][failed]["problem"]
 
 

@@ -197,7 +197,7 @@ def test_flat_metrics_round_trip_and_verdicts():
     assert "qat-fp32  mAP@0.5       -1.00                [-3.00, +1.00]   no significant difference" in text
 
 
-def test_the_ptq_row_says_what_quantised_it(tmp_path):
+def test_the_ptq_row_says_what_quantized_it(tmp_path):
     """validate records a PTQ model's tool, version and method (its ONNX metadata, stages/ptq.py); the summary's
     row and the table's "INT8 by" column carry it, and the column is absent when no variant has it."""
     from qatpipe.stages.validate import REPORT_FILE as VALIDATION_FILE

@@ -132,7 +132,7 @@ def test_default_cpu_engine_of_a_qdq_model_is_the_fast_form_with_integer_kernels
     ort.InferenceSession(str(engine_dir / "model.onnx"), options, providers=["CPUExecutionProvider"])
     ops = [n.op_type for n in onnx.load(tmp_path / "optimised.onnx").graph.node]
     # every conv runs as an integer kernel but the two heads, whose outputs stay float; the 4 feeding a
-    # residual Add had their outputs quantised with the Add's other input's scale, so the Adds are integer too
+    # residual Add had their outputs quantized with the Add's other input's scale, so the Adds are integer too
     assert ops.count("QLinearConv") == 13 and ops.count("QLinearAdd") == 4
     assert metadata["extra"]["residual_conv_outputs_quantized"] == 4
     # not exact (folded scales round differently, uint8 saturates later than int8): the detections agree
@@ -562,7 +562,7 @@ def test_the_fast_form_can_leave_out_a_speed_rewrite_and_refuses_a_needed_one():
 
     from qatpipe.engines.cpu_qdq import to_cpu_form
 
-    def chain():  # Q -> DQ -> ReLU -> Q -> DQ: a requantisation the fast form merges into one Q
+    def chain():  # Q -> DQ -> ReLU -> Q -> DQ: a requantization the fast form merges into one Q
         nodes = [helper.make_node("QuantizeLinear", ["x", "s1", "z"], ["q1"]),
                  helper.make_node("DequantizeLinear", ["q1", "s1", "z"], ["d1"]),
                  helper.make_node("Relu", ["d1"], ["r1"]),

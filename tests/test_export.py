@@ -173,12 +173,12 @@ def test_qat_onnx_follows_tensorrt_explicit_quantization_rules(qat_export):
             zero_point = inits[node.input[2]]
             assert zero_point.dtype == np.int8 and not zero_point.any()  # symmetric: zero point 0
         if node.op_type == "QuantizeLinear":
-            assert node.input[0] not in inits  # weights are stored int8, not quantised at run time
+            assert node.input[0] not in inits  # weights are stored int8, not quantized at run time
     adds = [n for n in graph.node if n.op_type == "Add"]
     assert len(adds) == 4 and all(  # each residual Add takes its shortcut through Q/DQ
         sum(producers[name].op_type == "DequantizeLinear" for name in add.input if name in producers) == 1
         for add in adds)
-    for output in graph.output:  # the heads' outputs stay float (TAO: a quantised bbox output ruins boxes)
+    for output in graph.output:  # the heads' outputs stay float (TAO: a quantized bbox output ruins boxes)
         assert producers[output.name].op_type != "DequantizeLinear"
     assert report["qdq_check"]["problems"] == [] and len(report["qdq_check"]["quantized"]) == 15
     assert report["int8_weights"] == 15
@@ -231,7 +231,7 @@ def test_calibration_cache_is_tao_format_and_pairs_with_the_implicit_onnx(qat_ex
     assert not [n for n in implicit.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
     tensors = {i.name for i in implicit.input} | {o for n in implicit.node for o in n.output}
     assert set(scales) <= tensors  # every cache entry names a tensor of the FP32 graph it goes with
-    # every convolution (all are quantised in the QAT model) reads a tensor the cache has a scale for, even
+    # every convolution (all are quantized in the QAT model) reads a tensor the cache has a scale for, even
     # conv1 behind the input's transpose and the block after max pooling
     convs = [n for n in implicit.node if n.op_type == "Conv"]
     assert len(convs) == 15 and all(conv.input[0] in scales for conv in convs)
@@ -241,7 +241,7 @@ def test_calibration_cache_is_tao_format_and_pairs_with_the_implicit_onnx(qat_ex
     assert out["output_bbox"].shape == (1, 12, 20, 12)
 
 
-def test_qdq_check_names_a_half_quantised_conv_and_a_nonzero_zero_point(qat_export):
+def test_qdq_check_names_a_half_quantized_conv_and_a_nonzero_zero_point(qat_export):
     from onnx import numpy_helper
 
     from qatpipe.export.qdq import check_explicit_quantization
@@ -252,7 +252,7 @@ def test_qdq_check_names_a_half_quantised_conv_and_a_nonzero_zero_point(qat_expo
     conv = next(n for n in model.graph.node if n.op_type == "Conv")
     conv.input[0] = producers[conv.input[0]].input[0]  # skip the input's DequantizeLinear
     problems = check_explicit_quantization(model).problems
-    assert any(p.endswith("input not quantised (TensorRT needs both)") for p in problems), problems
+    assert any(p.endswith("input not quantized (TensorRT needs both)") for p in problems), problems
     dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear")
     zero = next(i for i in model.graph.initializer if i.name == dq.input[2])
     zero.CopyFrom(numpy_helper.from_array(np.ones(numpy_helper.to_array(zero).shape, np.int8), zero.name))
@@ -313,18 +313,18 @@ def test_the_export_checks_every_layer_and_refuses_one_that_differs(qat_export, 
     written = json.loads((tmp_path / "broken_export.json").read_text())["layer_check"]
     assert list(written["failed"]) == ["block_2a_conv_1"]
 
-    def fold_and_unquantise_a_residual(model):  # an Add reads its residual input past the Q/DQ TF has there
+    def fold_and_unquantize_a_residual(model):  # an Add reads its residual input past the Q/DQ TF has there
         folded = fold(model)
         read_add_past_its_qdq(model)
         return folded
 
-    monkeypatch.setattr(qdq, "fold_weight_quantizers", fold_and_unquantise_a_residual)
+    monkeypatch.setattr(qdq, "fold_weight_quantizers", fold_and_unquantize_a_residual)
     with pytest.raises(QatpipeError, match=r"at 1 layer\(s\) fed the same input: block_\w+_add \(QDQAdd: 1 "
-                                           r"quantised input\(s\) in TensorFlow, 0 QuantizeLinear in ONNX\)"):
-        export(spec, model_path, tmp_path / "unquantised.onnx")
+                                           r"quantized input\(s\) in TensorFlow, 0 QuantizeLinear in ONNX\)"):
+        export(spec, model_path, tmp_path / "unquantized.onnx")
 
 
-def test_a_quantised_model_output_keeps_its_name_in_the_implicit_onnx(tmp_path):
+def test_a_quantized_model_output_keeps_its_name_in_the_implicit_onnx(tmp_path):
     import tf_keras as keras
 
     from qatpipe.export.onnx_export import export_onnx
@@ -348,7 +348,7 @@ def test_a_quantised_model_output_keeps_its_name_in_the_implicit_onnx(tmp_path):
 
     out = OnnxModel(save_onnx(proto, tmp_path / "implicit.onnx")).run(images)["output_cov"]
     np.testing.assert_allclose(out, model(images).numpy(), atol=0.05)  # the float network, QAT weights
-    # the Q/DQ model passes the layer check, its quantised output held to one of that output's int8 steps
+    # the Q/DQ model passes the layer check, its quantized output held to one of that output's int8 steps
     from qatpipe.export.layer_check import OUTPUT_QUANTIZED_LIMITS, layer_differences
 
     checked = layer_differences(qat, onnx.load(tmp_path / "q.onnx"), images)

@@ -111,7 +111,7 @@ def _qdq(name, tensor, scale="s", zero="zp"):
 def test_a_qdq_model_keeps_its_int8_region_and_computes_only_its_float_tail_in_fp16(tmp_path):
     """x -> Q/DQ -> conv_a and conv_b (one DQ feeds both, as a residual block's shortcut and first conv do) ->
     add -> relu -> Q/DQ -> conv_head -> sigmoid -> transpose -> y. INT8: the convs (they read DQs); their
-    epilogues (add, relu) feed a Q; the tail after the last quantised conv is the float region."""
+    epilogues (add, relu) feed a Q; the tail after the last quantized conv is the float region."""
     rng = np.random.default_rng(1)
     weights = [numpy_helper.from_array(rng.integers(-100, 100, (3, 3, 1, 1)).astype(np.int8), f"w{i}q")
                for i in range(3)]
@@ -135,8 +135,8 @@ def test_a_qdq_model_keeps_its_int8_region_and_computes_only_its_float_tail_in_f
     reasons = {name: why.split(":")[0] for name, why in plan.fp32.items()}
     assert {n: reasons[n] for n in ("conv_a", "conv_b", "conv_head", "add", "relu")} == {
         "conv_a": "int8", "conv_b": "int8", "conv_head": "int8", "add": "int8 epilogue", "relu": "int8 epilogue"}
-    assert all(reasons[n.name] == "quantisation" for n in model.graph.node if n.op_type in fp16.QDQ_OPS)
-    # every quantised conv still reads its DequantizeLinears directly (the converter's float32 -> float16 ->
+    assert all(reasons[n.name] == "quantization" for n in model.graph.node if n.op_type in fp16.QDQ_OPS)
+    # every quantized conv still reads its DequantizeLinears directly (the converter's float32 -> float16 ->
     # float32 round trip on the shared DQ was removed): TensorRT's rules hold
     assert plan.round_trips_removed == 2 and not check_explicit_quantization(converted).problems
     producers = {out: node.op_type for node in converted.graph.node for out in node.output}
@@ -152,7 +152,7 @@ def test_a_qdq_model_keeps_its_int8_region_and_computes_only_its_float_tail_in_f
 
 def test_the_export_writes_the_qat_models_fp16_form(qat_export):
     """The tiny detector's QAT export (export.fp16_onnx is on by default): its FP16 form passes TensorRT's Q/DQ
-    rules, computes in FP16 only after the last quantised layer, and its outputs match the float32 form's within
+    rules, computes in FP16 only after the last quantized layer, and its outputs match the float32 form's within
     FP16's resolution."""
     _, _, path, report = qat_export
     form = report["fp16"]
@@ -160,7 +160,7 @@ def test_the_export_writes_the_qat_models_fp16_form(qat_export):
     assert not check_explicit_quantization(fp16_model).problems
     assert form["fp16_nodes"] > 0 and form["guard_flags"] == 0
     written = json.loads((path.parent / "precision_report.json").read_text())
-    assert written["fp16_form"]["fp32_reasons"].keys() <= {"quantisation", "int8", "int8 epilogue"}
+    assert written["fp16_form"]["fp32_reasons"].keys() <= {"quantization", "int8", "int8 epilogue"}
     # the FP16 form's outputs against the float32 form's, on the guard's images: within FP16's resolution
     outputs = {o.name for o in fp16_model.graph.output}
     worst = {row["tensor"]: row["max_error"] for row in written["layers"]["tensors"] if row["tensor"] in outputs}

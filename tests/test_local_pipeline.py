@@ -61,7 +61,7 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
         row = summary["variants"][variant]
         assert row["engine"] == "onnxruntime cpu int8"
         assert row["map50_tensorrt_emulated"] is not None
-    # the PTQ row says what quantised it (ptq.tool, its version and method); the others were not post-quantised
+    # the PTQ row says what quantized it (ptq.tool, its version and method); the others were not post-quantized
     assert summary["variants"]["ptq"]["quantized_by"].startswith("onnxruntime ")
     assert summary["variants"]["ptq"]["quantized_by"].endswith(", percentile")
     assert fp32["quantized_by"] is None and summary["variants"]["qat"]["quantized_by"] is None

@@ -1,6 +1,6 @@
 """ptq.tool modelopt: NVIDIA Model Optimizer's ONNX INT8 PTQ as the second baseline (issue 18, item 4).
 
-The quantisation runs for real in Model Optimizer's own environment (`.venv-modelopt`, which `make test` installs;
+The quantization runs for real in Model Optimizer's own environment (`.venv-modelopt`, which `make test` installs;
 the package pins onnxruntime-gpu and torch, so it cannot share this one). The test that needs it is skipped, saying
 so, only where that environment is missing."""
 

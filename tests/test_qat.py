@@ -1,5 +1,5 @@
 """QAT for TensorRT: the placement rules on small hand-built graphs, the wrappers, calibration and range
-tracking, and the quantised twin of the detector."""
+tracking, and the quantized twin of the detector."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_fake_quant_is_symmetric_int8_narrow_range():
         assert np.abs(wq[..., c] - kernel[..., c]).max() <= step / 2 + 1e-6
 
 
-def test_weighted_kinds_get_input_and_weight_quantisers_from_the_table():
+def test_weighted_kinds_get_input_and_weight_quantizers_from_the_table():
     x = keras.Input((8, 8, 4), name="input_1")
     y = _conv(4, "conv")(x)
     y = L.DepthwiseConv2D(3, padding="same", name="depthwise")(y)
@@ -97,20 +97,20 @@ def test_every_onnx_op_list_is_the_weighted_kind_tables():
     assert kinds.onnx_weight_axis("Gemm") == 1 and kinds.onnx_weight_axis("Gemm", trans_b=1) == 0
 
 
-def test_residual_rule_quantises_the_identity_shortcut():
+def test_residual_rule_quantizes_the_identity_shortcut():
     placements = plan(identity_block(), [ResidualAddInput()])
     assert placements["add"].wrapper is QDQAdd
     assert placements["add"].options == {"quantized_inputs": [1]}  # the conv branch (0) fuses with the add
 
 
 @pytest.mark.parametrize("swap", [False, True])
-def test_residual_rule_with_two_conv_branches_quantises_the_one_not_fused(swap):
+def test_residual_rule_with_two_conv_branches_quantizes_the_one_not_fused(swap):
     placements = plan(projection_block(swap), [ResidualAddInput()])
-    # both branches could fuse: the first input is fused, the second quantised, whichever conv it comes from
+    # both branches could fuse: the first input is fused, the second quantized, whichever conv it comes from
     assert placements["add"].options == {"quantized_inputs": [1]}
 
 
-def test_residual_rule_quantises_every_input_when_no_conv_can_fuse():
+def test_residual_rule_quantizes_every_input_when_no_conv_can_fuse():
     x = keras.Input((8, 8, 4), name="input_1")
     conv = _conv(4, "conv")(x)
     y = L.Add(name="add")([conv, x])
@@ -202,7 +202,7 @@ def test_qat_model_saves_and_loads_with_its_ranges(tmp_path):
     np.testing.assert_array_equal(loaded(x).numpy(), qat(x).numpy())
 
 
-def test_detector_twin_quantises_every_conv_and_residual():
+def test_detector_twin_quantizes_every_conv_and_residual():
     from qatpipe.models import get_architecture
     from qatpipe.spec import bundled_spec_path, load_spec
 

@@ -155,7 +155,7 @@ def test_validation_scores_as_evaluate_does_and_leaves_the_training_alone(tiny_s
 
 
 @pytest.mark.slow
-def test_qat_retraining_validates_the_quantised_model(trained_tiny, tmp_path):
+def test_qat_retraining_validates_the_quantized_model(trained_tiny, tmp_path):
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.retrain import retrain
 

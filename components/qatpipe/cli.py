@@ -355,7 +355,7 @@ def _add_training_commands(sub) -> None:
     retrain.add_argument("-m", "--model", required=True, type=Path, help="the pruned model (.keras)")
     _add_training_args(retrain)
     retrain.add_argument("--qat", action="store_true",
-                         help="quantisation-aware training for TensorRT INT8 (sets qat.enabled)")
+                         help="quantization-aware training for TensorRT INT8 (sets qat.enabled)")
     retrain.set_defaults(func=cmd_retrain, writes=lambda a: a.results_dir)
 
 
@@ -391,7 +391,7 @@ def _add_deployment_commands(sub) -> None:
     _add_model_conversion_args(export, "model (.keras)", "the .onnx file to write")
     export.set_defaults(func=cmd_export, writes=lambda a: a.output.parent)
 
-    ptq = sub.add_parser("ptq", help="post-training INT8 quantisation of an FP32 ONNX (the PTQ baseline)",
+    ptq = sub.add_parser("ptq", help="post-training INT8 quantization of an FP32 ONNX (the PTQ baseline)",
                          description="Settings: the spec's `ptq` section (--set ptq.method=percentile ...).")
     _add_model_conversion_args(ptq, "FP32 model (.onnx, from `qatpipe export`)", "the INT8 Q/DQ .onnx to write")
     ptq.set_defaults(func=cmd_ptq, writes=lambda a: a.output.parent)

@@ -13,7 +13,7 @@ from qatpipe.errors import ModelFileError
 # which builds a TensorRT engine from the Q/DQ graph (engines/onnxruntime_backend.py).
 MODEL_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 ENGINE_PROVIDERS = ("TensorrtExecutionProvider", *MODEL_PROVIDERS)
-# metadata_props key of a PTQ model: what quantised it ("modelopt 0.47.0, entropy"; stages/ptq.py writes it)
+# metadata_props key of a PTQ model: what quantized it ("modelopt 0.47.0, entropy"; stages/ptq.py writes it)
 QUANTIZED_BY_KEY = "qatpipe.quantized_by"
 
 

@@ -286,9 +286,9 @@ class RetrainSpec(_Section):
 
 
 class QatSpec(_Section):
-    """Quantisation-aware training for TensorRT (quantization/rules.py documents each placement rule)."""
+    """Quantization-aware training for TensorRT (quantization/rules.py documents each placement rule)."""
 
-    enabled: bool = Field(False, description="retrain with fake quantisation (TAO's enable_qat)")
+    enabled: bool = Field(False, description="retrain with fake quantization (TAO's enable_qat)")
     start: Literal["pruned", "fp32"] = Field(
         "fp32", description="where QAT starts. fp32 (NVIDIA's QAT toolkit's order): the FP32 retrain's model, "
         "fine-tuned for finetune_epochs, and the FP32 baseline is that model fine-tuned as long in FP32, so both "
@@ -302,15 +302,15 @@ class QatSpec(_Section):
     excluded_layers: list[str] = Field(default_factory=list, description="layer names kept in float")
     excluded_layer_types: list[str] = Field(default_factory=list, description="layer classes kept in float, e.g. Dense")
     quantize_outputs: list[str] = Field(
-        default_factory=list, description="model outputs given Q/DQ too; none by default (TAO: a quantised bbox "
+        default_factory=list, description="model outputs given Q/DQ too; none by default (TAO: a quantized bbox "
         "output ruins detection)")
     relu6: bool = Field(False, description="replace ReLU by ReLU6 before QAT (TAO-style)")
 
 
 class PtqSpec(_Section):
-    """Post-training quantisation of the FP32 model (the baseline QAT must beat): Q/DQ format, symmetric int8
-    activations and per-channel weights, by ONNX Runtime's static quantisation or NVIDIA Model Optimizer's ONNX
-    quantiser (`tool`)."""
+    """Post-training quantization of the FP32 model (the baseline QAT must beat): Q/DQ format, symmetric int8
+    activations and per-channel weights, by ONNX Runtime's static quantization or NVIDIA Model Optimizer's ONNX
+    quantizer (`tool`)."""
 
     tool: Literal["onnxruntime", "modelopt"] = Field(
         "onnxruntime", description="onnxruntime: ONNX Runtime's quantize_static; "

@@ -2,7 +2,7 @@
 layout nvinfer's built-in DetectNet_v2 parser reads.
 
 Written with `labels.txt` into the folder that also receives the model (the pipeline registers them together
-under `deployment/`), so paths are relative to it. The INT8 variants are explicit-quantisation ONNX
+under `deployment/`), so paths are relative to it. The INT8 variants are explicit-quantization ONNX
 (network-mode 1 = INT8; the Q/DQ carry the scales, no calibration file).
 
 nvinfer's built-in parser reads, per class c, a coverage plane and four bbox planes (CHW) and decodes

@@ -11,15 +11,15 @@ nothing sits between Conv and Q except a ReLU whose Q has the lowest value as ze
   Q/DQ sit after ReLU, as TensorRT wants them).
 - `fast`: BatchNormalization folded into the Q/DQ convolution before it, as TensorRT does (per channel: the
   weight scale times |gamma / sqrt(var + eps)|, int8 weights negated where that factor is negative, the new
-  bias quantised to int32 at input scale x weight scale); zero point 0 for activations that follow a
+  bias quantized to int32 at input scale x weight scale); zero point 0 for activations that follow a
   ReLU, so ORT absorbs the ReLU, with 127/255 of the scale so that uint8's 255 steps end where TensorRT's
   int8 saturates (127 steps: a QAT model never saw activations above its ranges); the output of a
-  convolution that feeds a residual Add quantised with the scale of the Add's other (quantised) input
+  convolution that feeds a residual Add quantized with the scale of the Add's other (quantized) input
   (TensorRT keeps it float: it fuses Conv+Add; ORT cannot, and runs conv and Add as integer kernels this
-  way); and float biases of Q/DQ convolutions quantised to int32 (ORT's integer convolution needs them so;
+  way); and float biases of Q/DQ convolutions quantized to int32 (ORT's integer convolution needs them so;
   TensorRT's parser wants them float, so the exported models keep them float).
   Not exact: float rounding of the folded scales, the bias step, and steps half as coarse after a ReLU,
-  and a residual conv output clipped to its Add's other input's range. Also merges requantisation
+  and a residual conv output clipped to its Add's other input's range. Also merges requantization
   chains Q(s1) -> DQ -> [ReLU] -> Q(s2), which ONNX Runtime's PTQ writes after every convolution, into one
   Q(s2): one rounding instead of two.
 """
@@ -93,7 +93,7 @@ def fold_batch_norms(model) -> int:
 def quantize_conv_biases(model) -> int:
     """A Q/DQ convolution's float bias becomes int32 behind DequantizeLinear (scale: input scale x weight
     scale per channel), which ONNX Runtime needs to run the convolution as QLinearConv; returns how many.
-    The bias then moves by at most half that step, a fraction of the input's own quantisation step."""
+    The bias then moves by at most half that step, a fraction of the input's own quantization step."""
     from onnx import helper, numpy_helper
 
     graph = model.graph
@@ -162,7 +162,7 @@ def activations_to_uint8(model, zero_point_0_after_relu: bool = False) -> int:
             graph.initializer.append(numpy_helper.from_array(value.astype(np.float32), scale))
             node.input[1] = scale
         frontier = [node.output[0]]
-        while frontier:  # the quantised tensor, through layout ops, to every DequantizeLinear reading it
+        while frontier:  # the quantized tensor, through layout ops, to every DequantizeLinear reading it
             tensor = frontier.pop()
             changed.add(tensor)
             for consumer in consumers[tensor]:
@@ -189,7 +189,7 @@ def merge_requantization(model) -> int:
 
 
 def _is_lowest(zero_point: np.ndarray) -> bool:
-    """A uint8 zero point of 0: the quantised range starts at 0, so it clips like a ReLU."""
+    """A uint8 zero point of 0: the quantized range starts at 0, so it clips like a ReLU."""
     return zero_point.dtype == np.uint8 and not zero_point.any()
 
 
@@ -232,8 +232,8 @@ def _merge_one_requantization(graph) -> bool:
 
 
 def quantize_residual_conv_outputs(model) -> int:
-    """Fast form only: a convolution feeding a residual Add whose other input is quantised gets its output
-    quantised with that input's scale and zero point, so ORT runs the conv as QLinearConv and the Add as
+    """Fast form only: a convolution feeding a residual Add whose other input is quantized gets its output
+    quantized with that input's scale and zero point, so ORT runs the conv as QLinearConv and the Add as
     QLinearAdd. Not exact: TensorRT keeps this output in float (it fuses Conv+Add)."""
     from onnx import helper
 
@@ -268,7 +268,7 @@ def to_cpu_form(model, form: str, without: frozenset[str] = frozenset()) -> dict
         raise ValueError(f"not optional CPU form rewrites: {sorted(unknown)} (optional: {OPTIONAL_REWRITES})")
     fast = form == "fast"
     counts = dict.fromkeys(CPU_FORM_REWRITES, 0)
-    if fast:  # the order matters: BN must be folded before conv outputs and biases are quantised
+    if fast:  # the order matters: BN must be folded before conv outputs and biases are quantized
         counts["batch_norms_folded"] = fold_batch_norms(model)
         if "residual_conv_outputs_quantized" not in without:
             counts["residual_conv_outputs_quantized"] = quantize_residual_conv_outputs(model)

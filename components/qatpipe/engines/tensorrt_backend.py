@@ -1,6 +1,6 @@
 """TensorRT engines (imported lazily: GPU images get TensorRT from NVIDIA's base image, PyPI has only stubs).
 
-Q/DQ models build as strongly typed explicit-quantisation engines: the ONNX's Q/DQ decide what runs in int8,
+Q/DQ models build as strongly typed explicit-quantization engines: the ONNX's Q/DQ decide what runs in int8,
 which is the only INT8 path TensorRT 11 keeps (it removed calibrators, implicit INT8 and the INT8 / FP16
 builder flags). The FP32 model builds in FP16 on TensorRT 10 (BuilderFlag.FP16) and in TF32 on TensorRT 11.
 Every engine gets an optimisation profile for the dynamic batch, a workspace limit and a timing cache, and

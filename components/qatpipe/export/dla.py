@@ -314,7 +314,7 @@ def fake_quantized(model, scales: dict[str, float]):
     producer = {out: node for node in graph.node for out in node.output}
     pairs = []
     for name in sorted(scales):
-        if name == input_name:  # the input keeps its name: its consumers read the quantised copy
+        if name == input_name:  # the input keeps its name: its consumers read the quantized copy
             source, target = name, f"{name}__dla_fq"
             for node in graph.node:
                 node.input[:] = [target if i == name else i for i in node.input]

@@ -5,7 +5,7 @@ What stays FP32 (`fp32_nodes`, each with its reason):
 - the INT8 region of a Q/DQ model: QuantizeLinear / DequantizeLinear themselves, every node that reads a
   DequantizeLinear (TensorRT runs it in INT8), and every node from which a QuantizeLinear is reached (the
   BatchNorm / ReLU / Add epilogues TensorRT fuses into the INT8 layer before them). What is left, the float
-  region after the last quantised layer (sigmoid, transposes of the heads), and all of an FP32 model, is FP16;
+  region after the last quantized layer (sigmoid, transposes of the heads), and all of an FP32 model, is FP16;
 - every node that writes or reads a tensor the FP16 guard flags (precision.fp16_flags: it overflows FP16 or
   FP16 would flush it), so no flagged value is ever held in FP16.
 
@@ -78,7 +78,7 @@ def fp32_nodes(model, flags: dict[str, str]) -> dict[str, str]:
                 queue.append(source)
     for node in nodes:
         if node.op_type in QDQ_OPS:
-            keep[node.name] = "quantisation: Q/DQ and their scales stay float32"
+            keep[node.name] = "quantization: Q/DQ and their scales stay float32"
         elif any(producer.get(i) is not None and producer[i].op_type == "DequantizeLinear" for i in node.input):
             keep[node.name] = "int8: reads a DequantizeLinear, TensorRT runs it in INT8"
         elif node.name in feeds_q:

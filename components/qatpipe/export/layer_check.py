@@ -1,14 +1,14 @@
 """The layer-local agreement check of a QAT export: every Keras layer against its ONNX nodes, fed the same input.
 
-End to end, an exact conversion of a quantised network still differs from TensorFlow: values within an ulp of
+End to end, an exact conversion of a quantized network still differs from TensorFlow: values within an ulp of
 an int8 rounding boundary land one step apart (TF computes x * (127/amax), ONNX x / (amax/127), and the two sum
-convolutions in other orders), and every later quantised layer carries such a flip further. How far depends on
+convolutions in other orders), and every later quantized layer carries such a flip further. How far depends on
 the depth, not on the conversion: on EfficientNet-B0 (124 Q/DQ pairs) the outputs drift to a 90th percentile of 4
 int8 steps while no layer is wrong (bench/README.md). Here each layer starts afresh from TensorFlow's own values:
 its ONNX nodes (named `<model>/<layer>/...` by tf2onnx) are cut out of the exported graph, fed TensorFlow's
-outputs of the layers it reads (a quantised input on TensorFlow's int8 grid, so both sides take the same codes),
+outputs of the layers it reads (a quantized input on TensorFlow's int8 grid, so both sides take the same codes),
 and their result compared with TensorFlow's output of that layer. A wrong scale, axis or weight shows at the
-layer that has it, whatever its depth; a layer whose quantised input has no QuantizeLinear in ONNX fails too.
+layer that has it, whatever its depth; a layer whose quantized input has no QuantizeLinear in ONNX fails too.
 
 Mapping: a layer's ONNX output is the tensor its nodes produce that the nodes of the layers reading it consume
 (or a graph output); its inputs are the outputs of the layers it reads (the graph input for the input layer).
@@ -28,15 +28,15 @@ from qatpipe.export.onnx_graph import graph_maps
 
 log = logging.getLogger(__name__)
 
-# Limits of one layer fed the same input, in int8 steps of its output's range (max |TF output| / 127). A quantised
-# input is fed on TensorFlow's own int8 grid (its fake-quantised value, k * amax/127 with |k| <= 127), so both
+# Limits of one layer fed the same input, in int8 steps of its output's range (max |TF output| / 127). A quantized
+# input is fed on TensorFlow's own int8 grid (its fake-quantized value, k * amax/127 with |k| <= 127), so both
 # sides take the same codes: no value sits on a rounding boundary (TF computes x * (127/amax), ONNX
 # x / (amax/127)), and none lies below -amax, which TF's narrow range clamps to -127 and ONNX's QuantizeLinear (as
 # TensorRT) to -128. What is left is float arithmetic in another order: measured at most 0.005 steps over every
 # layer of the trained ResNet-10, MobileNetV2 and EfficientNet-B0 exports. A wrong scale, axis or weight moves a
-# whole channel or more by many steps (a 1.1x scale on one channel: 12.7); a missing input quantiser is counted.
+# whole channel or more by many steps (a 1.1x scale on one channel: 12.7); a missing input quantizer is counted.
 LIMITS = {"p99_steps": 0.01, "max_steps": 0.1}
-# A layer whose output is quantised (a model output in qat.quantize_outputs) cannot be fed around its rounding: an
+# A layer whose output is quantized (a model output in qat.quantize_outputs) cannot be fed around its rounding: an
 # output value within an ulp of a boundary may land one of its int8 steps apart, rarely (a few in a million).
 OUTPUT_QUANTIZED_LIMITS = {"p99_steps": 0.01, "max_steps": 1.5}
 NO_NODES = "no ONNX nodes of its own"  # the input layer, identities: nothing of theirs to check
@@ -49,12 +49,12 @@ class LayerMapping:
     quantized: bool
     output: str  # the ONNX tensor of the layer's output
     inputs: dict[str, str] = field(default_factory=dict)  # ONNX tensor -> the layer whose output feeds it
-    quantized_inputs: dict[str, float] = field(default_factory=dict)  # of those, the quantised ones -> amax
+    quantized_inputs: dict[str, float] = field(default_factory=dict)  # of those, the quantized ones -> amax
     output_quantized: bool = False
 
 
 def _input_ranges(layer) -> dict[int, float]:
-    """{input index: amax} of the inputs a quantised layer fake-quantises (quantization/layers.py)."""
+    """{input index: amax} of the inputs a quantized layer fake-quantizes (quantization/layers.py)."""
     if hasattr(layer, "quantized_inputs"):  # Add, Multiply: the inputs at those indices
         return {index: float(r.amax.numpy()) for index, r in zip(layer.quantized_inputs, layer.activation_ranges())}
     if hasattr(layer, "input_range"):  # weighted layers, pooling: the one input
@@ -213,7 +213,7 @@ def _shapes(proto) -> dict[str, list]:
 
 def layer_differences(model, proto, inputs: np.ndarray) -> dict:
     """Each mapped layer of `model` against its nodes in `proto` on `inputs`, fed TensorFlow's values:
-    {"layers": {layer: {kind, quantized, p50/p90/p99/max_steps, max_abs, limits, within} or, for a quantised
+    {"layers": {layer: {kind, quantized, p50/p90/p99/max_steps, max_abs, limits, within} or, for a quantized
     input without a QuantizeLinear, {kind, quantized, within: False, problem}}, "skipped": {layer: why},
     "worst": the measured layer furthest beyond (or nearest to) its limits, "failed": [layer]}."""
     import onnxruntime as ort
@@ -245,7 +245,7 @@ def layer_differences(model, proto, inputs: np.ndarray) -> dict:
                          for node in part.graph.node)
         if quantizers < len(mapping.quantized_inputs):
             results[mapping.layer] = {"kind": mapping.kind, "quantized": True, "within": False,
-                                      "problem": f"{len(mapping.quantized_inputs)} quantised input(s) in TensorFlow, "
+                                      "problem": f"{len(mapping.quantized_inputs)} quantized input(s) in TensorFlow, "
                                                  f"{quantizers} QuantizeLinear in ONNX"}
             continue
         session = ort.InferenceSession(part.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -267,7 +267,7 @@ def layer_differences(model, proto, inputs: np.ndarray) -> dict:
         results[mapping.layer] = {"kind": mapping.kind, "quantized": mapping.quantized, **figures,
                                   "limits": limits,
                                   "within": all(figures[key] <= limit for key, limit in limits.items())}
-    measured = [name for name, figures in results.items() if "limits" in figures]  # not the missing quantisers
+    measured = [name for name, figures in results.items() if "limits" in figures]  # not the missing quantizers
     worst = max(measured, key=lambda name: max(results[name][key] / limit
                                                for key, limit in results[name]["limits"].items()), default=None)
     return {"layers": results, "skipped": skipped, "worst": worst,

@@ -62,8 +62,8 @@ def output_differences(model, onnx_path: str | Path, inputs: np.ndarray, referen
 def rounding_sensitivity(model, inputs: np.ndarray, relative: float, seed: int = 0,
                          reference: dict | None = None) -> dict[str, dict]:
     """The same figures for TensorFlow against itself on `inputs` moved by +-`relative` (a few ulps): how far a
-    quantised model's outputs move when values near int8 rounding boundaries flip, which is all an exact
-    conversion may differ by. A deep quantised network carries such flips much further than a shallow one."""
+    quantized model's outputs move when values near int8 rounding boundaries flip, which is all an exact
+    conversion may differ by. A deep quantized network carries such flips much further than a shallow one."""
     signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), size=inputs.shape)
     moved = (inputs * (1 + signs * np.float32(relative))).astype(np.float32)
     reference = tf_outputs(model, inputs) if reference is None else reference

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 # ops that move or pick values without changing them: their output has the input's range (a tensor they make
-# from a quantised one has its scale: tf2onnx puts a Transpose between the model input's Q and DQ, max pooling
+# from a quantized one has its scale: tf2onnx puts a Transpose between the model input's Q and DQ, max pooling
 # follows ReLU) and its sign (a ReLU output stays non-negative through them)
 RANGE_KEEPING_OPS = ("Transpose", "Reshape", "Identity", "Flatten", "MaxPool")
 

@@ -1,8 +1,8 @@
-"""Explicit-quantisation ONNX for TensorRT, after tf2onnx: store weights as int8, check the graph against
+"""Explicit-quantization ONNX for TensorRT, after tf2onnx: store weights as int8, check the graph against
 TensorRT's rules, and derive the implicit-INT8 pair (an FP32 ONNX + TAO-format calibration cache) for
 TensorRT <= 10 and DeepStream users.
 
-tf2onnx writes each quantised kernel as a float initializer behind QuantizeLinear → DequantizeLinear; the
+tf2onnx writes each quantized kernel as a float initializer behind QuantizeLinear → DequantizeLinear; the
 deployment artifact stores the int8 values instead (4x smaller, and what TensorRT's weight DQ expects).
 """
 
@@ -84,7 +84,7 @@ def _fold_weight_layout(graph) -> int:
     transposed) → DequantizeLinear → Conv, the scale axis moved along with its channels.
 
     tf2onnx writes a depthwise kernel (HWC1, scales on axis 2) this way: it reshapes and transposes the
-    dequantised weight into a grouped Conv's OIHW. TensorRT needs the weight's DequantizeLinear to feed the
+    dequantized weight into a grouped Conv's OIHW. TensorRT needs the weight's DequantizeLinear to feed the
     Conv directly. Returns the number of weights re-laid."""
     from onnx import helper, numpy_helper
 
@@ -138,11 +138,11 @@ def _fold_weight_layout(graph) -> int:
 
 @dataclass
 class QdqCheck:
-    """What a walk over the graph found, against TensorRT's explicit-quantisation rules."""
+    """What a walk over the graph found, against TensorRT's explicit-quantization rules."""
 
     quantized: list[str] = field(default_factory=list)  # Conv/Gemm/MatMul nodes with int8 input and weights
     float_: list[str] = field(default_factory=list)  # Conv/Gemm/MatMul left in float (excluded layers)
-    residual_adds: list[str] = field(default_factory=list)  # Add nodes with a quantised input
+    residual_adds: list[str] = field(default_factory=list)  # Add nodes with a quantized input
     problems: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -152,9 +152,9 @@ class QdqCheck:
 
 
 def check_explicit_quantization(model) -> QdqCheck:
-    """Walk the graph: every quantised Conv/Gemm/MatMul must read its input and its weights through
+    """Walk the graph: every quantized Conv/Gemm/MatMul must read its input and its weights through
     DequantizeLinear, the weights int8 initializers with per-output-channel scales (axis 0 of OIHW), every
-    zero point int8 and 0; activations per tensor. A Conv with only one of the two quantised is a problem
+    zero point int8 and 0; activations per tensor. A Conv with only one of the two quantized is a problem
     (TensorRT would run it in float around a stray Q/DQ)."""
     graph = model.graph
     inits = _initializers(graph)
@@ -180,7 +180,7 @@ def check_explicit_quantization(model) -> QdqCheck:
             result.float_.append(label)
             continue
         if input_dq is None or weight_dq is None:
-            result.problems.append(f"{label}: {'input' if input_dq is None else 'weights'} not quantised "
+            result.problems.append(f"{label}: {'input' if input_dq is None else 'weights'} not quantized "
                                    "(TensorRT needs both)")
             continue
         weights = inits.get(weight_dq.input[0])
@@ -199,8 +199,8 @@ def check_explicit_quantization(model) -> QdqCheck:
 
 
 def strip_qdq(model) -> dict[str, float]:
-    """Remove every Q/DQ: activations pass through, int8 weights become their dequantised float values (the
-    QAT weights exactly). Returns tensor name -> activation scale for every quantised tensor of the result,
+    """Remove every Q/DQ: activations pass through, int8 weights become their dequantized float values (the
+    QAT weights exactly). Returns tensor name -> activation scale for every quantized tensor of the result,
     carried through range-keeping ops (a transpose of the input, max pooling): the FP32 graph plus these
     scales is what TensorRT's implicit INT8 mode takes. Changes `model` in place."""
     from onnx import helper, numpy_helper
@@ -233,7 +233,7 @@ def strip_qdq(model) -> dict[str, float]:
     for node in graph.node:
         for i, name in enumerate(node.input):
             node.input[i] = resolve(name)
-    for output in graph.output:  # a quantised model output (qat.quantize_outputs) keeps its name
+    for output in graph.output:  # a quantized model output (qat.quantize_outputs) keeps its name
         if output.name in rename:
             graph.node.append(helper.make_node("Identity", [resolve(output.name)], [output.name],
                                                name=f"{output.name}_identity"))

@@ -1,4 +1,4 @@
-"""The one view of a tf_keras functional model as a graph, shared by pruning and quantisation: who feeds a
+"""The one view of a tf_keras functional model as a graph, shared by pruning and quantization: who feeds a
 layer, who reads it, and one way to rebuild the model layer by layer (`clone_model` with a clone function,
 as TFMOT and NVIDIA's quantization toolkit do) with each new layer's weights set from the old one's.
 """

@@ -1,7 +1,7 @@
 """ResNet backbones of TAO's DetectNet_v2: stride 16, configurable depth and width.
 
 Layer names follow TAO (`conv1`, `block_2a_conv_1`, `block_2a_bn_shortcut`, ...) so that pruning and
-quantisation rules can address layers by name.
+quantization rules can address layers by name.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Quantised twins of the Keras layers TensorRT runs in INT8: each is a subclass of the float layer with the
+"""Quantized twins of the Keras layers TensorRT runs in INT8: each is a subclass of the float layer with the
 same weights, plus fake quant on the inputs a placement rule (rules.py) chose. Three families:
 
 - weighted layers, one row each of kinds.py's `WEIGHTED_KINDS` (the attribute holding the weight and its
@@ -55,7 +55,7 @@ class _Quantized:
 
 
 class _InputQuantized(_Quantized):
-    """One input, quantised per tensor before the float layer's call."""
+    """One input, quantized per tensor before the float layer's call."""
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -67,8 +67,8 @@ class _InputQuantized(_Quantized):
 
 
 class _InputAndWeightQuantized(_InputQuantized):
-    """A weighted layer: quantised input, and the weight named by `kind` quantised per output channel while
-    the float layer's own call runs (the attribute is swapped for its fake-quantised value and back, as
+    """A weighted layer: quantized input, and the weight named by `kind` quantized per output channel while
+    the float layer's own call runs (the attribute is swapped for its fake-quantized value and back, as
     TFMOT's quantize wrapper does, so bias, activation and padding stay the float layer's code)."""
 
     kind: WeightedKind
@@ -112,23 +112,23 @@ def _register(name: str, bases: tuple, doc: str, **attributes) -> type:
 
 def _weighted_wrapper(kind: type, row: WeightedKind) -> type:
     return _register(f"QDQ{kind.__name__}", (_InputAndWeightQuantized, kind),
-                     f"{kind.__name__} with a quantised input and per-channel int8 `{row.weight}` "
+                     f"{kind.__name__} with a quantized input and per-channel int8 `{row.weight}` "
                      f"(axis {row.axis}).", kind=row)
 
 
-QDQAdd = _register("QDQAdd", (_InputsQuantizedMerge, keras.layers.Add), "Add with quantised inputs.")
+QDQAdd = _register("QDQAdd", (_InputsQuantizedMerge, keras.layers.Add), "Add with quantized inputs.")
 QDQMultiply = _register("QDQMultiply", (_InputsQuantizedMerge, keras.layers.Multiply),
-                        "Multiply with quantised inputs.")
+                        "Multiply with quantized inputs.")
 QDQGlobalAveragePooling2D = _register("QDQGlobalAveragePooling2D",
                                       (_InputQuantized, keras.layers.GlobalAveragePooling2D),
-                                      "Global average pooling of a quantised input.")
+                                      "Global average pooling of a quantized input.")
 QDQAveragePooling2D = _register("QDQAveragePooling2D", (_InputQuantized, keras.layers.AveragePooling2D),
-                                "Average pooling of a quantised input.")
+                                "Average pooling of a quantized input.")
 
 
 @keras.utils.register_keras_serializable(package=PACKAGE)
 class QDQActivation(_Quantized, keras.layers.Activation):
-    """Activation whose output is quantised (a model output the spec asks to quantise)."""
+    """Activation whose output is quantized (a model output the spec asks to quantize)."""
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -139,7 +139,7 @@ class QDQActivation(_Quantized, keras.layers.Activation):
         return self.output_range(super().call(inputs), training)
 
 
-# the registry: which quantised wrapper stands in for which float layer kind
+# the registry: which quantized wrapper stands in for which float layer kind
 WRAPPERS: dict[type, type] = {
     **{kind: _weighted_wrapper(kind, row) for kind, row in WEIGHTED_KINDS.items()},
     keras.layers.Add: QDQAdd,

@@ -1,4 +1,4 @@
-"""Post-training quantisation with NVIDIA Model Optimizer's ONNX quantiser (`ptq.tool: modelopt`): NVIDIA's own
+"""Post-training quantization with NVIDIA Model Optimizer's ONNX quantizer (`ptq.tool: modelopt`): NVIDIA's own
 INT8 PTQ for TensorRT, as the second PTQ baseline. Its choices are its own (which nodes get Q/DQ, entropy or max
 calibration); the float regions stay FP32 and the weights are stored int8 behind DequantizeLinear, as the
 ONNX Runtime baseline's.
@@ -65,7 +65,7 @@ def quantize_modelopt(fp32_onnx: str | Path, output: str | Path, batches: Iterab
     python = modelopt_python()
     arrays = [np.asarray(batch, np.float32) for batch in batches]
     if not arrays or not sum(len(array) for array in arrays):
-        raise QatpipeError("post-training quantisation got no calibration images")
+        raise QatpipeError("post-training quantization got no calibration images")
     images = np.concatenate(arrays)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(output)

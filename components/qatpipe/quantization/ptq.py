@@ -1,4 +1,4 @@
-"""Post-training quantisation with ONNX Runtime: an FP32 ONNX -> an explicit-quantisation (Q/DQ) ONNX with
+"""Post-training quantization with ONNX Runtime: an FP32 ONNX -> an explicit-quantization (Q/DQ) ONNX with
 symmetric int8 activations (zero point 0) and per-channel symmetric int8 weights, which TensorRT builds as
 a strongly typed INT8 engine and ONNX Runtime runs on CPU."""
 
@@ -23,7 +23,7 @@ METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 # what ORT quantizes: the weighted kinds' ops and the residual Add, as the QAT rules place Q/DQ
 OP_TYPES = [*WEIGHTED_ONNX_OPS, RESIDUAL_ADD_ONNX_OP]
 HISTOGRAM_BINS = 2048  # TensorRT's entropy calibrator's histogram
-# Levels of the quantised distribution the entropy search compares with: ORT's default, TensorRT's 128. On ORT's
+# Levels of the quantized distribution the entropy search compares with: ORT's default, TensorRT's 128. On ORT's
 # histogram, symmetric about zero, 255 (all of int8's) made every window under 510 bins an exact copy of the
 # data, so only the clipped tail counted and a ReLU output's range fell to the smallest window, 1/8 of its
 # maximum (measured: the tiny test model's mAP@0.5 fell from 0.24 to 0.08). quantize_static itself passes no
@@ -36,7 +36,7 @@ def entropy_threshold(histogram: tuple, levels: int = QUANTIZED_BINS) -> tuple:
     """The (low, high) range of one tensor by TensorRT's entropy method, exactly as ONNX Runtime's
     HistogramCollector.get_entropy_threshold computes it from the same histogram (hist, edges, min, max, ...):
     for each symmetric window of the histogram, the KL divergence between the clipped distribution and its
-    `levels`-level quantised version; the window of least divergence wins. ORT loops in Python over every bin
+    `levels`-level quantized version; the window of least divergence wins. ORT loops in Python over every bin
     of every window (1 s per tensor at 2048 bins, 2.7 s at 4096); this does each window's work in whole-array
     numpy (tests/test_export.py checks it gives ORT's thresholds)."""
     from onnxruntime.quantization.quant_utils import smooth_distribution
@@ -126,7 +126,7 @@ def calibrated_ranges(onnx_path: str | Path, op_types: list[str], batches: Itera
                                    extra_options=calibrator_options(method, percentile))
     calibrator.collect_data(reader)
     if reader.images == 0:
-        raise QatpipeError("post-training quantisation got no calibration images")
+        raise QatpipeError("post-training quantization got no calibration images")
     return (entropy_ranges(calibrator) if method == "entropy" else calibrator.compute_data()), reader.images
 
 
@@ -165,7 +165,7 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
     calibrate_method = getattr(CalibrationMethod, METHODS[method])
     try:
         with tempfile.TemporaryDirectory(prefix="qatpipe-ptq-") as work:
-            # shape inference and graph clean-up first, as ORT's quantisation guide asks
+            # shape inference and graph clean-up first, as ORT's quantization guide asks
             quant_pre_process(str(fp32_onnx), str(prepared), skip_symbolic_shape=True)
             data, images = calibrated_ranges(prepared, OP_TYPES, batches, method, percentile, work)
             ranges = Path(work) / "ranges.json"
@@ -181,7 +181,7 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
     except QatpipeError:
         raise
     except Exception as exc:
-        raise QatpipeError(f"{fp32_onnx}: post-training quantisation failed: {type(exc).__name__}: {exc}") from None
+        raise QatpipeError(f"{fp32_onnx}: post-training quantization failed: {type(exc).__name__}: {exc}") from None
     finally:
         prepared.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)

@@ -1,4 +1,4 @@
-"""TensorRT-style fake quantisation in TensorFlow: symmetric int8, zero point 0, narrow range [-127, 127].
+"""TensorRT-style fake quantization in TensorFlow: symmetric int8, zero point 0, narrow range [-127, 127].
 
 Two ops, chosen because tf2onnx exports each as QuantizeLinear/DequantizeLinear with int8 zero points of 0
 (docs/qat-export-notes.md has the measurements):
@@ -18,7 +18,7 @@ _MIN_AMAX = 1e-8  # an all-zero tensor still gets a valid (tiny) scale instead o
 
 
 def fake_quant_per_tensor(x, amax):
-    """x quantised to int8 with scale amax/127 and back to float (per tensor)."""
+    """x quantized to int8 with scale amax/127 and back to float (per tensor)."""
     amax = tf.maximum(tf.cast(amax, x.dtype), _MIN_AMAX)
     return tf.quantization.quantize_and_dequantize_v2(
         x, -amax, amax, signed_input=True, num_bits=NUM_BITS, range_given=True, narrow_range=True,
@@ -27,7 +27,7 @@ def fake_quant_per_tensor(x, amax):
 
 
 def fake_quant_per_channel(kernel, axis: int):
-    """A weight tensor quantised per slice along `axis` (the output channels) with its own max |w| as range,
+    """A weight tensor quantized per slice along `axis` (the output channels) with its own max |w| as range,
     as TensorRT's per-channel weight scales do."""
     kernel = tf.convert_to_tensor(kernel)
     reduce_axes = [i for i in range(kernel.shape.rank) if i != axis]
@@ -39,7 +39,7 @@ def fake_quant_per_channel(kernel, axis: int):
 
 
 class ActivationRange:
-    """The tracked range (amax) of one quantised activation tensor, owned by a layer.
+    """The tracked range (amax) of one quantized activation tensor, owned by a layer.
 
     Three phases: calibration (`calibrating` set: pass values through unchanged and keep the largest |x| seen
     over the calibration batches), training (an exponential moving average of each batch's max |x|, as TFMOT

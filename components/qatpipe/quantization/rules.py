@@ -60,7 +60,7 @@ class WeightedInputsAndWeights(PlacementRule):
     """Every layer of a kind in kinds.WEIGHTED_KINDS (Conv2D, DepthwiseConv2D, Dense): per-tensor Q/DQ on the
     input and per-channel Q/DQ on the weight.
 
-    TensorRT's explicit quantisation runs a convolution or GEMM in int8 only when both its input and its
+    TensorRT's explicit quantization runs a convolution or GEMM in int8 only when both its input and its
     weights arrive through DequantizeLinear; per-channel weight scales keep the accuracy and let TensorRT fold
     the following BatchNormalization into the kernel exactly (both are per output channel). A depthwise
     convolution is a grouped Conv in ONNX with one output channel per input channel: its scales run along the
@@ -95,7 +95,7 @@ class ResidualAddInput(PlacementRule):
     fusion takes the residual operand in int8; NVIDIA's toolkit calls this its residual QDQ case).
 
     In a ResNet block `Add([bn_2(conv_2(...)), shortcut])` the shortcut (identity, or the projection conv's
-    BN output) is quantised and conv_2 absorbs the Add. An Add with no fusable input gets Q/DQ on every input
+    BN output) is quantized and conv_2 absorbs the Add. An Add with no fusable input gets Q/DQ on every input
     and runs as an int8 element-wise layer.
     """
 
@@ -129,7 +129,7 @@ class SqueezeExcitationScale(PlacementRule):
 class GlobalPoolingInput(PlacementRule):
     """Average pooling, global (the squeeze of a squeeze-excitation block) or not: Q/DQ on the input. TensorRT
     runs pooling in int8 when its input arrives through DequantizeLinear; the squeeze then feeds the SE
-    convs, which quantise their own inputs."""
+    convs, which quantize their own inputs."""
 
     name = "global_pooling_input"
 
@@ -146,7 +146,7 @@ POINTWISE_ACTIVATIONS = {"relu", "relu6", "swish", "silu", "sigmoid", "hard_sigm
 class PointwiseActivationsStayFloat(PlacementRule):
     """ReLU, ReLU6, SiLU/Swish, Sigmoid and other element-wise activations: no Q/DQ of their own. TensorRT fuses
     them into the convolution before them (Conv+BN+activation, then the next layer's Q as the int8 output
-    scale), so a Q/DQ here would only split a fusion; the next weighted layer, merge or pooling quantises
+    scale), so a Q/DQ here would only split a fusion; the next weighted layer, merge or pooling quantizes
     the value where it is read. (A model output named in qat.quantize_outputs is placed before this rule.)
     """
 
@@ -162,7 +162,7 @@ class PointwiseActivationsStayFloat(PlacementRule):
 class QuantizedOutputs(PlacementRule):
     """Model outputs named in `qat.quantize_outputs` (activation layers) get Q/DQ on their values.
 
-    Empty by default: TAO found that quantising DetectNet_v2's regression (bbox) output ruins the boxes, so
+    Empty by default: TAO found that quantizing DetectNet_v2's regression (bbox) output ruins the boxes, so
     outputs stay float and TensorRT writes them from the last int8 convolution in FP32.
     """
 
@@ -191,7 +191,7 @@ def default_rules(settings) -> list[PlacementRule]:
 
 
 def plan(model: keras.Model, rules: list[PlacementRule]) -> dict[str, Placement]:
-    """Layer name -> placement, for every layer some rule quantises."""
+    """Layer name -> placement, for every layer some rule quantizes."""
     graph = LayerGraph(model)
     placements = {}
     for layer in model.layers:

@@ -1,5 +1,5 @@
 """Apply the placement rules: a float tf_keras model -> its QAT twin (same layers, names and weights, with
-quantised wrappers where the rules say), then calibrate its activation ranges on a few batches."""
+quantized wrappers where the rules say), then calibrate its activation ranges on a few batches."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def quantize_model(model: keras.Model, settings, rules=None) -> keras.Model:
     by_rule: dict[str, int] = {}
     for placement in placements.values():
         by_rule[placement.rule] = by_rule.get(placement.rule, 0) + 1
-    log.info("QAT: %d layers quantised (%s)%s", len(placements),
+    log.info("QAT: %d layers quantized (%s)%s", len(placements),
              ", ".join(f"{rule}: {n}" for rule, n in sorted(by_rule.items())),
              f"; {swapped} ReLU -> ReLU6" if swapped else "")
     return qat
@@ -76,7 +76,7 @@ def _new_layer(layer, config: dict, placement: Placement | None, settings):
 
 def calibrate(model: keras.Model, batches: Iterable[np.ndarray], max_batches: int) -> int:
     """Initialise every activation range with the largest |value| seen over up to `max_batches` batches
-    (run eagerly, values unquantised). Returns the number of images seen."""
+    (run eagerly, values unquantized). Returns the number of images seen."""
     layers = quantized_layers(model)
     for layer in layers:
         layer.set_calibrating(True)
@@ -97,6 +97,6 @@ def calibrate(model: keras.Model, batches: Iterable[np.ndarray], max_batches: in
 
 
 def activation_ranges(model: keras.Model) -> dict[str, float]:
-    """`layer/range` -> amax of every quantised activation, for reports."""
+    """`layer/range` -> amax of every quantized activation, for reports."""
     return {f"{layer.name}/{r.amax.name.split('/')[-1].split(':')[0]}": float(r.amax.numpy())
             for layer in quantized_layers(model) for r in layer.activation_ranges()}

@@ -1,6 +1,6 @@
 """Stage: export a trained detector to ONNX (TAO `export`), checked against TensorFlow in ONNX Runtime.
 
-An FP32 model becomes a plain ONNX. A QAT model becomes an explicit-quantisation ONNX (int8 weights, Q/DQ
+An FP32 model becomes a plain ONNX. A QAT model becomes an explicit-quantization ONNX (int8 weights, Q/DQ
 checked against TensorRT's rules) plus, for TensorRT <= 10 / DeepStream, its implicit-INT8 pair: the FP32
 graph `<stem>_implicit.onnx` with the QAT weights, and the activation scales as a TAO calibration cache
 `<stem>.cache` and as `<stem>_scales.json` (the names: export/bundle.py).
@@ -210,7 +210,7 @@ def _finish_qat_export(spec: ExperimentSpec, output_path: Path) -> dict:
     atomic_write_text(cache, calibration_cache_text(scales, spec.export.calibration_cache_trt_version))
     write_scales_json(bundle.scales, scales)
     dla = _write_dla_form(spec, output_path, implicit, scales) if spec.export.target == "dla" else None
-    log.info("QAT ONNX: %d int8 weights, %d quantised Conv/Gemm, %d float, %d Add nodes with a quantised input; "
+    log.info("QAT ONNX: %d int8 weights, %d quantized Conv/Gemm, %d float, %d Add nodes with a quantized input; "
              "calibration cache %s (%d tensors)", folded, len(check.quantized), len(check.float_),
              len(check.residual_adds), cache, len(scales))
     return {"int8_weights": folded, "qdq_check": check.to_dict(), "implicit_onnx": str(implicit),

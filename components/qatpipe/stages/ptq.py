@@ -49,7 +49,7 @@ def ptq(spec: ExperimentSpec, fp32_onnx: str | Path, output: str | Path) -> dict
 
 
 def _quantize(settings: PtqSpec, fp32_onnx: Path, output: Path, batches) -> dict:
-    """The Q/DQ model of `settings.tool` (ONNX Runtime's quantize_static, or Model Optimizer's quantiser in its
+    """The Q/DQ model of `settings.tool` (ONNX Runtime's quantize_static, or Model Optimizer's quantizer in its
     own environment) at `output`, and its report."""
     if settings.tool == "modelopt":
         from qatpipe.quantization.modelopt_ptq import quantize_modelopt
@@ -69,7 +69,7 @@ def quantized_by(report: dict) -> str:
 
 
 def _finish(model_path: Path, made_by: str) -> dict:
-    """Check the PTQ model against TensorRT's explicit-quantisation rules (export/qdq.py), as every Q/DQ ONNX the
+    """Check the PTQ model against TensorRT's explicit-quantization rules (export/qdq.py), as every Q/DQ ONNX the
     project ships: a model that breaks them is an error naming the rules it breaks. Then record what made it in
     its metadata (QUANTIZED_BY_KEY; validate and compare show it). Returns the check."""
     import onnx
@@ -84,7 +84,7 @@ def _finish(model_path: Path, made_by: str) -> dict:
                            f"{'; '.join(check.problems[:5])}")
     onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, QUANTIZED_BY_KEY: made_by})
     save_onnx(model, model_path)
-    log.info("PTQ model (%s): %d quantised Conv/Gemm, %d float, %d Add nodes with a quantised input", made_by,
+    log.info("PTQ model (%s): %d quantized Conv/Gemm, %d float, %d Add nodes with a quantized input", made_by,
              len(check.quantized), len(check.float_), len(check.residual_adds))
     return check.to_dict()
 

@@ -1,5 +1,5 @@
 """Stage: retrain a pruned detector (TAO `train` with `pruned_model_path`): fine-tuning that recovers the
-accuracy pruning took, in FP32 or, with `qat.enabled` (TAO's `enable_qat`), quantisation-aware. Same training
+accuracy pruning took, in FP32 or, with `qat.enabled` (TAO's `enable_qat`), quantization-aware. Same training
 loop, schedule, checkpoints and resume as `train`; the model comes from the pruned file, `retrain.epochs`
 replaces `train.epochs`. Where each of the pipeline's retrains starts under `qat.start` is stages/retrain_plan.py's
 `plan_retrain`; `hand_on` is the retrain that trains nothing."""
@@ -67,7 +67,7 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
     _claim(results_dir, pruned_model_path, write=world.is_chief)
     if qat:
         if use_amp or (use_amp is None and spec.train.use_amp):
-            log.warning("QAT trains in FP32: fake quantisation under mixed precision would not match TensorRT's int8")
+            log.warning("QAT trains in FP32: fake quantization under mixed precision would not match TensorRT's int8")
         use_amp = False
         model = _prepare_qat(spec, model, results_dir)
     log.info("retraining %s (%d params, %s)", pruned_model_path, model.count_params(), "QAT" if qat else "FP32")

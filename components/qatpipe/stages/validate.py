@@ -73,7 +73,7 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
     if fp16_form == source and metadata.cpu_form != "fast":
         return None, ("the engine computes TensorRT's numbers itself" if metadata.compute_precision == "int8"
                       else f"a {metadata.compute_precision} engine without an FP16 form (engine.fp16: "
-                           f"{spec.engine.fp16}): no quantisation to emulate")
+                           f"{spec.engine.fp16}): no quantization to emulate")
     if not source.is_file():
         raise QatpipeError(f"{engine_dir}: its source ONNX {source} is not here, and the TensorRT-emulated mAP "
                            "needs it: pass the model the engine was built from")
@@ -125,7 +125,7 @@ def exact_form_map50(spec: ExperimentSpec, onnx_model: Path, folder: Path, name:
 
 
 def _quantized_by(onnx_path: Path) -> str | None:
-    """What quantised a PTQ model (its QUANTIZED_BY_KEY metadata), None for other models or without the ONNX."""
+    """What quantized a PTQ model (its QUANTIZED_BY_KEY metadata), None for other models or without the ONNX."""
     from qatpipe.onnx_model import QUANTIZED_BY_KEY, load_onnx_proto
 
     if not onnx_path.is_file():

@@ -6,7 +6,7 @@
 - Anything else: float32, with a warning.
 
 Variables stay float32 under every policy; the detector's output layers are float32 by construction, so the
-losses are computed in float32; QAT's fake quantisation always computes in float32 (quantization/transform.py).
+losses are computed in float32; QAT's fake quantization always computes in float32 (quantization/transform.py).
 The model a stage saves is cast back to a plain float32 model (`cast_model`), so later stages (prune,
 export, evaluate) never inherit the training policy.
 """

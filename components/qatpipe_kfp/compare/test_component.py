@@ -46,7 +46,7 @@ def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
     assert summary["variants"]["qat"] == {
         "engine": "onnxruntime cpu int8", "layers": "15 / 0 / 0", "map50": 0.80, "map50_tensorrt_emulated": 0.805,
         "map50_dla_emulated": None,  # export.target gpu: no DLA form scored
-        "quantized_by": None,  # what quantised a PTQ model; QAT's was trained quantised
+        "quantized_by": None,  # what quantized a PTQ model; QAT's was trained quantized
         "map": 0.51,
         "latency_ms_p50": 1000 / 300 * 2, "latency_ms_p99": 9.0, "throughput": 300.0,
         "throughput_batch": 8, "speedup_vs_fp32": 3.0, "size_mb": 0.5, "params": 400, "gflops": 0.9}

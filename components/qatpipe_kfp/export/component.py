@@ -1,5 +1,5 @@
 """export: a trained detector to ONNX through tf2onnx, checked in ONNX Runtime; for a QAT model the
-explicit-quantisation ONNX (int8 weights) plus the TensorRT <= 10 calibration cache pair; for both the FP16
+explicit-quantization ONNX (int8 weights) plus the TensorRT <= 10 calibration cache pair; for both the FP16
 form (float regions in FP16, the FP16 guard's tensors FP32) and its precision report."""
 
 from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
@@ -12,7 +12,7 @@ def export(export_spec: str, variant: str, dataset: Input[Dataset], model: Input
            metrics: Output[Metrics], precision: Output[Markdown]):
     """Export a trained tf_keras detector to ONNX through tf2onnx, checked against TensorFlow in ONNX Runtime.
 
-    A QAT model becomes an explicit-quantisation ONNX (int8 weights), with the implicit ONNX, the calibration
+    A QAT model becomes an explicit-quantization ONNX (int8 weights), with the implicit ONNX, the calibration
     cache and the scales for TensorRT <= 10 beside it.
 
     Args:
@@ -27,7 +27,7 @@ def export(export_spec: str, variant: str, dataset: Input[Dataset], model: Input
         onnx_model: Folder with model.onnx, model_export.json and tracking.json, and for a QAT model also
             model_implicit.onnx, model.cache and model_scales.json; with `export.fp16_onnx` model_fp16.onnx
             and precision_report.json/.md; its metadata names the framework, file, variant, opset and
-            quantisation, and the FP16 form's file.
+            quantization, and the FP16 form's file.
         metrics: The ONNX file's size in MB and, per model output, the largest absolute difference from
             TensorFlow; the FP16 form's nodes in FP16 and FP32, the tensors the guard kept FP32, and its worst
             tensor's error against the float32 model.

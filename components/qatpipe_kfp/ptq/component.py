@@ -1,4 +1,4 @@
-"""ptq: the PTQ baseline: calibrate the FP32 ONNX on training images (ONNX Runtime's static quantisation or
+"""ptq: the PTQ baseline: calibrate the FP32 ONNX on training images (ONNX Runtime's static quantization or
 NVIDIA Model Optimizer's, symmetric int8 Q/DQ) into an INT8 ONNX."""
 
 from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
@@ -11,8 +11,8 @@ def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_on
         metrics: Output[Metrics], precision: Output[Markdown]):
     """Build the PTQ baseline: an INT8 ONNX calibrated from the FP32 ONNX on training images.
 
-    Symmetric int8 Q/DQ by `ptq.tool` (onnxruntime: ONNX Runtime's static quantisation; modelopt: NVIDIA Model
-    Optimizer's ONNX quantiser, in its own environment); `ptq.method` and `ptq.calibration_images` set the
+    Symmetric int8 Q/DQ by `ptq.tool` (onnxruntime: ONNX Runtime's static quantization; modelopt: NVIDIA Model
+    Optimizer's ONNX quantizer, in its own environment); `ptq.method` and `ptq.calibration_images` set the
     calibration. The model must pass TensorRT's Q/DQ rule check.
 
     Args:

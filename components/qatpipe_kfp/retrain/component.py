@@ -1,4 +1,4 @@
-"""retrain: fine-tune the pruned detector, in FP32 or quantisation-aware (`qat`), like TAO's retrain, or (given
+"""retrain: fine-tune the pruned detector, in FP32 or quantization-aware (`qat`), like TAO's retrain, or (given
 `start`, the FP32 retrain's model) the retrains after it that `qat.start` asks for; one Horovod process per GPU,
 and with `workers` > 1 an MPIJob or TrainJob across nodes."""
 
@@ -15,14 +15,14 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
             mpijob_api_version: str = "v2beta1", launcher: str = "mpijob", training_image: str = "",
             credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [], mpijob: bool = False,
             checkpoint_uri: str = "", start: Optional[Input[Model]] = None):
-    """Fine-tune the pruned detector in FP32 or quantisation-aware (QAT), like TAO's retrain.
+    """Fine-tune the pruned detector in FP32 or quantization-aware (QAT), like TAO's retrain.
 
     One Horovod process per GPU; with `workers` > 1, or `mpijob`, an MPIJob (or TrainJob) across nodes.
 
     Args:
         retrain_spec: The spec's retrain view, as YAML: without the qat section for the FP32 task, with it for
             the QAT task; its data paths are replaced by the prepared data set's.
-        qat: Retrain quantisation-aware (sets qat.enabled) instead of in FP32; also names the variant, qat or fp32.
+        qat: Retrain quantization-aware (sets qat.enabled) instead of in FP32; also names the variant, qat or fp32.
         dataset: The prepared data set (prepare-data's `dataset`).
         pruned: The pruned model folder (prune's `pruned`); the file is its `file` metadata (default model.keras).
         gpus: Horovod processes per node, one per GPU.
