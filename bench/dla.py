@@ -24,6 +24,7 @@ log = logging.getLogger("bench")
 def bench_run(run: Path, work: Path, method: str) -> dict:
     from runs import stage_folder
 
+    from qatpipe.export.bundle import ExportBundle
     from qatpipe.spec import load_spec
     from qatpipe.stages.compare import uncertainty
     from qatpipe.stages.export import export
@@ -45,7 +46,7 @@ def bench_run(run: Path, work: Path, method: str) -> dict:
            "diff": pair["diff"], "ci95": pair["ci95"],
            **{key: report[key] for key in ("on_dla", "on_gpu", "scales", "qat_scales", "calibrated_scales",
                                            "scales_raised_to_equal_ranges")}}
-    placement = json.loads((folder / "dla_report.json").read_text())["placement"]
+    placement = json.loads(ExportBundle(folder / "model.onnx").dla_report.read_text())["placement"]
     row["gpu_layers"] = sorted({f"{p['op']} ({p['rule']})" for p in placement if p["device"] == "GPU"})
     log.info("%s (%s): Q/DQ %.4f, DLA INT8 everywhere %.4f (%+.2f points)", run.name, method, qdq, dla,
              100 * pair["diff"])

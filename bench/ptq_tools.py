@@ -31,7 +31,9 @@ def _ptq_task(run: Path) -> tuple[Path, Path]:
     """(the FP32 ONNX the run's PTQ task calibrated, the spec.yaml of the FP32 retrain that made it)."""
     from runs import stage_folder
 
-    fp32_onnx = Path(json.loads((stage_folder(run, "ptq") / "model_ptq.json").read_text())["source"])
+    from qatpipe.export.bundle import ExportBundle
+
+    fp32_onnx = Path(json.loads(ExportBundle(stage_folder(run, "ptq") / "model.onnx").ptq_report.read_text())["source"])
     return fp32_onnx, stage_folder(run, "finetune_fp32", "retrain_fp32") / "spec.yaml"
 
 

@@ -28,7 +28,7 @@ def test_export_matches_tensorflow_and_names_its_io(trained_tiny, tmp_path):
     assert [o.name for o in proto.graph.output] == ["output_cov", "output_bbox"]
     assert proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
     assert proto.opset_import[0].version == spec.export.opset
-    assert json.loads((tmp_path / "model_export.json").read_text())["opset"] == spec.export.opset
+    assert json.loads(ExportBundle(tmp_path / "model.onnx").report.read_text())["opset"] == spec.export.opset
     # dynamic batch: 1 and 3 images both run
     session = OnnxModel(tmp_path / "model.onnx")
     for batch in (1, 3):
@@ -310,7 +310,7 @@ def test_the_export_checks_every_layer_and_refuses_one_that_differs(qat_export, 
     with pytest.raises(QatpipeError, match=r"differs from TensorFlow at 1 layer\(s\) fed the same input: "
                                            r"block_2a_conv_1 \(QDQConv2D: max"):
         export(spec, model_path, tmp_path / "broken.onnx")
-    written = json.loads((tmp_path / "broken_export.json").read_text())["layer_check"]
+    written = json.loads(ExportBundle(tmp_path / "broken.onnx").report.read_text())["layer_check"]
     assert list(written["failed"]) == ["block_2a_conv_1"]
 
     def fold_and_unquantize_a_residual(model):  # an Add reads its residual input past the Q/DQ TF has there

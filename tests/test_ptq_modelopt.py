@@ -12,6 +12,7 @@ import pytest
 from conftest import one_conv_onnx
 
 from qatpipe.errors import QatpipeError, SpecError
+from qatpipe.export.bundle import ExportBundle
 from qatpipe.onnx_model import QUANTIZED_BY_KEY
 from qatpipe.quantization.modelopt_ptq import ENV_PYTHON, modelopt_python
 from qatpipe.spec import PtqSpec
@@ -81,7 +82,8 @@ def test_modelopt_ptq_gives_a_qdq_onnx_that_passes_the_tensorrt_rule_check_and_d
     # measured on this fixture (48 val images, one detection ~0.6 points): FP32 0.219, Model Optimizer's entropy
     # PTQ 0.230 (+1.1 points); within 5 points of FP32 (the comparison with ONNX Runtime's PTQ: bench/ptq_tools.py)
     assert fp32 - int8 <= 0.05, (fp32, int8)
-    assert (tmp_path / "ptq" / "model_ptq.json").is_file() and (tmp_path / "ptq" / "precision_report.json").is_file()
+    assert ExportBundle(tmp_path / "ptq" / "model.onnx").ptq_report.is_file()
+    assert (tmp_path / "ptq" / "precision_report.json").is_file()
 
 
 def test_modelopt_failure_names_the_model_and_keeps_nothing_half_written(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ from qatpipe_kfp.export.component import export
 
 def test_exports_fp32_onnx_its_fp16_form_and_tracking_record(artifact, tmp_path):
     from qatpipe.data.prepare import prepare_dataset
+    from qatpipe.export.bundle import ExportBundle
     from qatpipe.fileio import save_keras_model
     from qatpipe.models import get_architecture
     from qatpipe.spec import bundled_spec_path, load_spec, stage_view
@@ -21,12 +22,13 @@ def test_exports_fp32_onnx_its_fp16_form_and_tracking_record(artifact, tmp_path)
                        dataset=dsl.Dataset(uri=str(tmp_path / "dataset")),
                        model=dsl.Model(uri=str(tmp_path / "trained")), **outputs)
     folder = Path(outputs["onnx_model"].path)
-    assert outputs["onnx_model"].metadata["file"] == "model.onnx"
+    exported = ExportBundle(folder / "model.onnx")
+    assert outputs["onnx_model"].metadata["file"] == exported.onnx.name
     assert outputs["onnx_model"].metadata["quantization"] == "none (FP32)"
-    assert outputs["onnx_model"].metadata["fp16_file"] == "model_fp16.onnx"
+    assert outputs["onnx_model"].metadata["fp16_file"] == exported.fp16.name
     record = json.loads((folder / "tracking.json").read_text())
     assert record["stage"] == "export_fp32" and record["artifacts"] == [
-        "model.onnx", "model_export.json", "model_fp16.onnx", "precision_report.json", "precision_report.md"]
+        exported.onnx.name, exported.report.name, exported.fp16.name, "precision_report.json", "precision_report.md"]
     metrics = outputs["metrics"].metadata
     assert metrics["output_bbox.max_abs_difference_vs_tf"] < 1e-3
     # an FP32 model: every node that computes a float computes in FP16 unless the guard keeps it
