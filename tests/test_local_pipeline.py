@@ -25,8 +25,12 @@ STAGE_RUNS = {"prepare_data", "train", "evaluate_unpruned", "prune", "retrain_fp
               "export_qat", "ptq", *(f"{stage}_{v}" for v in VARIANTS
                                      for stage in ("evaluate", "build_engine", "validate")),
               *(f"model-{v}" for v in VARIANTS)}  # the register stage's: a run per variant's MLflow model
-# the tiny model's INT8 drop is not what this test is about: a lenient gate, so the registration runs
-OVERRIDES = ["tracking.experiment=pipeline-test", "validate.max_map_drop=1.0"]
+# The gate, as the pipeline applies it to every variant (its mAP@0.5 and TensorRT's numbers against FP32's). Measured
+# on this machine: FP32 0.382 (bootstrap CI 0.328-0.442 over the 48 val images), PTQ 0.428, QAT 0.427; TensorRT's
+# numbers FP32 0.369, PTQ 0.438, QAT 0.357: the worst drop 2.5 points (QAT's TensorRT numbers). 8 points leaves room
+# for another CPU's training to land elsewhere in that CI, and still fails an INT8 model that quantization broke.
+MAX_MAP_DROP = 0.08
+OVERRIDES = ["tracking.experiment=pipeline-test", f"validate.max_map_drop={MAX_MAP_DROP}"]
 
 
 def _pipeline_runs(client: MlflowClient, experiment: str):
@@ -80,9 +84,9 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     # every variant ran as an engine (ONNX Runtime here) and was benchmarked at batch 1 and 4 (tiny spec)
     assert all(row["latency_ms_p50"] > 0 and row["throughput_batch"] == 4 for row in summary["variants"].values())
     assert fp32["speedup_vs_fp32"] == 1.0
-    for variant in ("ptq", "qat"):  # INT8 models that still detect; the accuracy comparison is bench/'s job
+    for variant in ("ptq", "qat"):  # INT8 models within the gate's budget of FP32, at under half its size
         row = summary["variants"][variant]
-        assert row["map50"] > 0.5 * fp32["map50"] and row["size_mb"] < 0.5 * fp32["size_mb"], variant
+        assert fp32["map50"] - row["map50"] <= MAX_MAP_DROP and row["size_mb"] < 0.5 * fp32["size_mb"], variant
     pruning = summary["pruning"]
     assert pruning["flops_after"] < pruning["flops_before"] and pruning["params_after"] == fp32["params"]
     assert pruning["unpruned_map50"] > 0.3
@@ -174,6 +178,24 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
                  "-o", str(tmp_path / "chart.png")]) == 0
     printed = capsys.readouterr().out
     assert f"{fp32['map50']:.4f}" in printed  # and the differences, from the run's comparison.* metrics:
+    # a gate the model cannot pass fails, end to end on this run's QAT engine: `qatpipe validate` with no
+    # budget against a perfect FP32 baseline exits 1 with passed false, and writes no DeepStream config
+    verdicts = [json.loads(path.read_text()) for path in out.rglob("validate*/results/validation.json")]
+    [passed] = [v for v in verdicts if v["variant"] == "qat"]  # the run's QAT verdict: its engine and baseline
+    dataset = next(out.rglob("prepare-data/dataset/dataset.json")).parent
+    baseline = json.loads(Path(passed["baseline"]).read_text())
+    (tmp_path / "perfect.json").write_text(json.dumps({**baseline, "map50": 1.0}))
+    gate = tmp_path / "gate"
+    assert main(["validate", "-e", "tiny", "--set", f"dataset.train={dataset / 'train'}",
+                 "--set", f"dataset.val={dataset / 'val'}", "--set", "validate.max_map_drop=0",
+                 "-m", passed["engine"], "--baseline", str(tmp_path / "perfect.json"), "--variant", "qat",
+                 "-o", str(gate)]) == 1
+    verdict = json.loads((gate / "validation.json").read_text())
+    assert verdict["passed"] is False and verdict["max_map_drop"] == 0
+    assert verdict["map50"] == pytest.approx(summary["variants"]["qat"]["map50"])  # the same engine, rescored
+    assert verdict["map50_drop"] == pytest.approx(1.0 - verdict["map50"], abs=1e-6)
+    assert not (gate / "deepstream").exists()
+
     assert "qat-fp32  mAP@0.5" in printed and f"{100 * qat_fp32['diff']:+.2f}" in printed
     assert 'mlflow.pyfunc.load_model("models:/qatpipe-detectnet-v2@champion")' in printed  # how to run it
     assert (tmp_path / "chart.png").stat().st_size > 1000
