@@ -173,11 +173,6 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert {exported.onnx.name, "spec.yaml", exported.cache.name, exported.implicit.name, "engine.json",
             "validation.json", "deepstream"} <= carried, folder
 
-    # `qatpipe compare` reads the same table back from MLflow
-    assert main(["compare", "--tracking-uri", mlflow_server, "--experiment", "pipeline-test",
-                 "-o", str(tmp_path / "chart.png")]) == 0
-    printed = capsys.readouterr().out
-    assert f"{fp32['map50']:.4f}" in printed  # and the differences, from the run's comparison.* metrics:
     # a gate the model cannot pass fails, end to end on this run's QAT engine: `qatpipe validate` with no
     # budget against a perfect FP32 baseline exits 1 with passed false, and writes no DeepStream config
     verdicts = [json.loads(path.read_text()) for path in out.rglob("validate*/results/validation.json")]
@@ -196,6 +191,11 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert verdict["map50_drop"] == pytest.approx(1.0 - verdict["map50"], abs=1e-6)
     assert not (gate / "deepstream").exists()
 
+    # `qatpipe compare` reads the same table back from MLflow
+    assert main(["compare", "--tracking-uri", mlflow_server, "--experiment", "pipeline-test",
+                 "-o", str(tmp_path / "chart.png")]) == 0
+    printed = capsys.readouterr().out
+    assert f"{fp32['map50']:.4f}" in printed  # and the differences, from the run's comparison.* metrics:
     assert "qat-fp32  mAP@0.5" in printed and f"{100 * qat_fp32['diff']:+.2f}" in printed
     assert 'mlflow.pyfunc.load_model("models:/qatpipe-detectnet-v2@champion")' in printed  # how to run it
     assert (tmp_path / "chart.png").stat().st_size > 1000
