@@ -5,8 +5,8 @@
 
 DIR is a `qatpipe run --local` output folder (for instance bench/pipeline_local.py's WORK/run): the script
 takes the newest run's three ONNX models, builds each into an ONNX Runtime engine (`qatpipe build-engine
---backend onnxruntime`): the INT8 models in both CPU forms (`engine.cpu_form` fast, the default, and exact,
-TensorRT's numbers), and with `--without` in the fast form less each named speed rewrite
+--backend onnxruntime`): the INT8 models in both CPU forms (`engine.cpu_form` fast, the default where the CPU
+has VNNI or AMX, and exact, TensorRT's numbers), and with `--without` in the fast form less each named speed rewrite
 (engines/cpu_qdq.OPTIONAL_REWRITES), to show what it buys. It times them with the latency harness of `qatpipe
 bench-engine` on random inputs of the spec's image size, every engine in this one process, once a round for
 `--rounds` rounds: a slow spell of a shared machine then hits every engine alike. Figures are the rounds'

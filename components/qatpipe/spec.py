@@ -387,9 +387,10 @@ class EngineSpec(_Section):
                           "DeepStream use (Orin has two: 0 and 1)")
     gpu_fallback: bool = Field(True, description="an export for DLA: layers DLA cannot run go to the GPU (off: "
                                "the build fails on them)")
-    cpu_form: Literal["exact", "fast"] = Field(
-        "fast", description="ONNX Runtime CPU engine of a Q/DQ model: fast (BN folded, ReLU absorbed: integer "
-        "kernels; engines/cpu_qdq.py) or exact (TensorRT's numbers, mostly float kernels); validate scores a fast "
+    cpu_form: Literal["auto", "exact", "fast"] = Field(
+        "auto", description="ONNX Runtime CPU engine of a Q/DQ model: fast (BN folded, ReLU absorbed: integer "
+        "kernels; engines/cpu_qdq.py) or exact (TensorRT's numbers, mostly float kernels); auto: fast where the "
+        "CPU's int8 dot products cannot saturate (VNNI, AMX; not an x86 CPU), else exact; validate scores a fast "
         "engine's exact form too, as map50_tensorrt_emulated")
     bench: EngineBenchSpec = Field(default_factory=EngineBenchSpec)
 

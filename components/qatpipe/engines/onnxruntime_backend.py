@@ -46,6 +46,36 @@ class OnnxRuntimeRunner(EngineRunner):
         return self.model.run(batch)
 
 
+# x86 int8 dot products that add u8 x s8 products in int32 (VNNI, AMX). Without them ONNX Runtime's integer
+# convolutions add pairs of products in saturating int16 (vpmaddubsw): measured here on an AMD EPYC without
+# AVX512, a QLinearConv over large activations and weights was off by up to 20 int8 steps.
+EXACT_INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def int8_kernels_exact(flags: frozenset[str] | None = None, machine: str | None = None) -> bool:
+    """Whether this CPU's integer kernels compute a Q/DQ model's int8 sums without saturating."""
+    from qatpipe.training.precision import cpu_flags
+
+    if (machine or platform.machine()).lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return True  # ARM's int8 dot products (sdot/udot) accumulate in int32
+    return bool((cpu_flags() if flags is None else flags) & EXACT_INT8_DOT_FLAGS)
+
+
+def cpu_form_for(setting: str) -> str:
+    """The CPU form to build for `engine.cpu_form`: auto is fast only where the integer kernels are exact."""
+    exact_kernels = int8_kernels_exact()
+    if setting == "auto":
+        form = "fast" if exact_kernels else "exact"
+        if form == "exact":
+            log.warning("engine.cpu_form auto: the exact CPU form, since this CPU has no VNNI or AMX int8 dot "
+                        "product and ONNX Runtime's integer kernels would saturate (set fast to build it anyway)")
+        return form
+    if setting == "fast" and not exact_kernels:
+        log.warning("engine.cpu_form fast on a CPU without VNNI or AMX: its integer kernels saturate, so this "
+                    "engine's detections can differ from the model's (auto builds the exact form here)")
+    return setting
+
+
 class OnnxRuntimeBackend(EngineBackend):
     name = "onnxruntime"
 
@@ -65,11 +95,10 @@ class OnnxRuntimeBackend(EngineBackend):
         on_cpu = providers[0] == "CPUExecutionProvider"
         explicit = is_explicitly_quantized(model)
         # the CPU forms suit the CPU provider; TensorRT / CUDA providers take TensorRT's symmetric int8 as is
-        rewrites = (to_cpu_form(model, settings.cpu_form) if explicit and on_cpu
-                    else dict.fromkeys(CPU_FORM_REWRITES, 0))
+        cpu_form = cpu_form_for(settings.cpu_form) if explicit and on_cpu else None
+        rewrites = to_cpu_form(model, cpu_form) if cpu_form else dict.fromkeys(CPU_FORM_REWRITES, 0)
         folder.mkdir(parents=True, exist_ok=True)
         save_onnx(model, folder / ENGINE_FILE)
-        cpu_form = settings.cpu_form if explicit and on_cpu else None
         compute = "int8" if explicit else "fp32"
         precision = (f"int8 (explicit Q/DQ, CPU form {cpu_form})" if cpu_form else
                      "int8 (explicit Q/DQ)" if explicit else "fp32")
