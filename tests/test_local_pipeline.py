@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 from qatpipe.cli import main
 from qatpipe.errors import TrackingError
 from qatpipe.export.bundle import ExportBundle
-from qatpipe.tracking.mlflow_runs import PARENT_TAG, STAGE_TAG
+from qatpipe.tracking.mlflow_runs import LIVE_TAG, PARENT_TAG, STAGE_TAG
 from qatpipe_pipelines.local_run import PipelineFailed, run_local
 
 VARIANTS = ("fp32", "ptq", "qat")
@@ -114,6 +114,11 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert losses[-1].value < losses[0].value
     val_map50 = client.get_metric_history(children["train"].info.run_id, "val_map50")  # validated every epoch
     assert sorted(m.step for m in val_map50) == list(range(1, 21))
+    # ... and logged live, epoch by epoch while it trained (the local run's tasks find the pipeline run through
+    # its output folder), not all at once by the log task after it
+    assert children["train"].data.tags[LIVE_TAG] == "true"
+    stamps = [m.timestamp for m in sorted(val_map50, key=lambda m: m.step)]
+    assert len(set(stamps)) == 20 and stamps == sorted(stamps)
     train_run = children["train"].data
     assert train_run.tags["qatpipe.kept"] == "best"
     assert train_run.metrics["best_val_map50"] == pytest.approx(max(m.value for m in val_map50))
@@ -215,9 +220,9 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert again["mlflow"]["run_id"] != summary["mlflow"]["run_id"]
     second = _pipeline_runs(client, "pipeline-test")[-1]
     assert set(_children(client, second)) == STAGE_RUNS
-    # the second run's QAT model passed too: it is the champion now, and the first one is kept
-    assert client.get_registered_model("qatpipe-detectnet-v2").aliases == {
-        "champion": "2", "previous-champion": version.version}
+    # the re-run registered the same QAT model file (every stage cached): the version it made, not a second one
+    assert client.get_registered_model("qatpipe-detectnet-v2").aliases == {"champion": version.version}
+    assert len(client.search_model_versions("name = 'qatpipe-detectnet-v2'")) == 1
 
 
 def test_failed_stage_names_itself_and_how_to_resume(tmp_path, monkeypatch):

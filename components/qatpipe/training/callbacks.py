@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -95,6 +96,7 @@ class CheckpointEveryN(keras.callbacks.Callback):
             try:
                 path = self.manager.save(checkpoint_number=done)
             except (tf.errors.OpError, OSError) as exc:  # e.g. a full disk: name the folder, not TF's traceback
+                reason = re.sub(r"\{\{[^}]*\}\}\s*", "", getattr(exc, "message", None) or str(exc)).strip()
                 raise QatpipeError(f"{self.manager.directory}: cannot write the epoch {done} checkpoint: "
-                                   f"{getattr(exc, 'message', None) or exc}") from None
+                                   f"{reason}") from None
             log.info("checkpoint: %s (epoch %d)", path, done)
