@@ -1,13 +1,29 @@
 """The machine's NVIDIA GPUs, as the driver reports them (nvidia-smi): what the TensorRT backend records and
 checks, how many Horovod processes `--gpus N` may start, and whether an engine task landed on the GPU model
-the pipeline's `gpu_type` names (its cache key)."""
+the pipeline's `gpu_type` names (its cache key); and the CPU's feature flags."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 
 from qatpipe.errors import QatpipeError
+
+_CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_flags(cpuinfo: Path = _CPUINFO) -> frozenset[str]:
+    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo does not exist, e.g. macOS): what
+    the CPU's mixed precision and the ONNX Runtime CPU form are chosen by."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def gpu_names() -> list[str]:

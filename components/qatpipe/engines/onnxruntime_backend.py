@@ -54,7 +54,7 @@ EXACT_INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 def int8_kernels_exact(flags: frozenset[str] | None = None, machine: str | None = None) -> bool:
     """Whether this CPU's integer kernels compute a Q/DQ model's int8 sums without saturating."""
-    from qatpipe.training.precision import cpu_flags
+    from qatpipe.devices import cpu_flags
 
     if (machine or platform.machine()).lower() not in ("x86_64", "amd64", "i686", "x86"):
         return True  # ARM's int8 dot products (sdot/udot) accumulate in int32

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
+
+from qatpipe.devices import cpu_flags
 
 log = logging.getLogger(__name__)
 
 FLOAT32, MIXED_FLOAT16, MIXED_BFLOAT16 = "float32", "mixed_float16", "mixed_bfloat16"
 # /proc/cpuinfo flags of CPUs whose oneDNN kernels compute bfloat16 matrix products natively
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
-_CPUINFO = Path("/proc/cpuinfo")
 
 
 @dataclass(frozen=True)
@@ -34,18 +34,6 @@ class Precision:
     @property
     def mixed(self) -> bool:
         return self.policy != FLOAT32
-
-
-def cpu_flags(cpuinfo: Path = _CPUINFO) -> frozenset[str]:
-    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo does not exist, e.g. macOS)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
 
 
 def select_precision(use_amp: bool, has_gpu: bool, flags: frozenset[str]) -> Precision:
