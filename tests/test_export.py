@@ -264,7 +264,7 @@ def test_a_wrong_scale_on_one_output_channel_fails_the_agreement_check(qat_expor
 
     from qatpipe.export.onnx_export import output_differences, rounding_sensitivity, save_onnx
     from qatpipe.models.io import load_keras_model
-    from qatpipe.stages.export import ROUNDING_PERTURBATION, qat_limits
+    from qatpipe.stages.export import QAT_TOLERANCE_STEPS, ROUNDING_PERTURBATION, qat_limits
 
     _, model_path, path, _ = qat_export
     model = onnx.load(path)
@@ -280,7 +280,9 @@ def test_a_wrong_scale_on_one_output_channel_fails_the_agreement_check(qat_expor
     limits = qat_limits(rounding_sensitivity(keras_model, images, ROUNDING_PERTURBATION))["output_bbox"]
     diff = output_differences(keras_model, tmp_path / "broken.onnx", images)["output_bbox"]
     assert any(diff[key] > limit for key, limit in limits.items()), (diff, limits)
-    assert limits == {"p90_steps": 1.0, "p99_steps": 4.0}  # ResNet-10 moves little under rounding: fixed limits
+    # ResNet-10 moves little under rounding: its limits stay within twice the fixed ones (the fixed ones exactly
+    # where it was measured before; on an AMD EPYC without AVX512 this tiny model's p90 moved 0.70 steps: 1.41)
+    assert all(QAT_TOLERANCE_STEPS[key] <= limit <= 2 * QAT_TOLERANCE_STEPS[key] for key, limit in limits.items())
 
 
 def test_the_export_checks_every_layer_and_refuses_one_that_differs(qat_export, tmp_path, monkeypatch):
