@@ -45,6 +45,7 @@ def _children(client: MlflowClient, parent) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the whole pipeline, then its cached re-run: about 5 minutes on an idle 2-core machine
 def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_server, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     out = tmp_path / "run"
