@@ -139,7 +139,7 @@ def test_evaluate_writes_coco_files_that_rescore_to_its_metrics(trained_tiny, tm
     from qatpipe.tracking.records import StageRecord
 
     spec, model = trained_tiny
-    result = evaluate(spec, model, tmp_path, title="fp32")
+    result = evaluate(spec, model, tmp_path, variant="fp32")
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["num_detections"] > 0
     rescored = rescore(tmp_path / "ground_truth.json", tmp_path / "detections.json")
