@@ -65,7 +65,8 @@ def variant_row(evaluation_dir: str | Path) -> dict[str, Any]:
         "layers": f"{layers['int8']} / {layers['fp16']} / {layers['fp32']}" if layers else None,
         "quantized_by": validation.get("quantized_by"),
         "map50": metrics["map50"],
-        "map50_tensorrt_emulated": validation.get("map50_tensorrt_emulated"),
+        "map50_tensorrt_emulated": validation.get("map50_tensorrt_emulated", metrics["map50"] if validation.get(
+            "computes_tensorrt_numbers") else None),  # as tensorrt_emulated_folders: the engine's own numbers
         "map50_dla_emulated": validation.get("map50_dla_emulated"),
         "map": metrics["map"],
         "latency_ms_p50": single.get("latency_ms_p50"),

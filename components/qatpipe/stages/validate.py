@@ -193,6 +193,9 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
         "map": evaluation["map"], "baseline": str(baseline_metrics), "baseline_map50": baseline["map50"],
         "baseline_map": baseline.get("map"), "map50_drop": drop, "max_map_drop": max_drop,
         "engine_size_mb": evaluation["model_size_mb"], "tensorrt_emulation": emulation,
+        # an INT8 engine in the exact CPU form, or a TensorRT one: its own mAP is TensorRT's numbers
+        "computes_tensorrt_numbers": emulated is None and (metadata.backend == "tensorrt"
+                                                           or metadata.compute_precision == "int8"),
         "layer_precision": metadata.layer_precision,  # compute layers per precision, as the engine's ONNX asks
         "quantized_by": _quantized_by(source),  # a PTQ model's tool, version and method
     }
