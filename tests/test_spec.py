@@ -29,7 +29,7 @@ def test_defaults_fill_every_section():
     assert spec.train.epochs == 20 and spec.model.backbone.depth == 10
     assert spec.validate_.max_map_drop == 0.01
     assert spec.train.validation_interval == 1 and spec.train.keep == "best"
-    assert set(spec.to_dict()) == {"dataset", "model", "augmentation", "train", "evaluate", "prune", "retrain", "qat", "ptq",
+    assert set(spec.to_dict()) == {"dataset", "model", "augmentation", "pretrain", "train", "evaluate", "prune", "retrain", "qat", "ptq",
                                    "export", "engine", "validate", "tracking"}
 
 

@@ -164,7 +164,21 @@ class LossSpec(_Section):
         "averaged over those cells and added to the coverage loss: it makes the classes compete where an object "
         "is, without moving coverage as a whole; 0 leaves TAO's per-class sigmoid loss alone (docs/recipe.md)")
 
-class DetectNetV2Spec(_Section):
+class _ArchitectureSpec(_Section):
+    """What every architecture's model section has: where its backbone's weights start (docs/pretrained.md)."""
+
+    pretrained: str | None = Field(
+        None, description="weights the backbone starts from, matched by layer name: a .keras or .h5 file (a "
+        "path or s3://), e.g. qatpipe pretrain's weights.keras, or keras:imagenet (tf_keras.applications' "
+        "ImageNet weights; mobilenet_v2 and efficientnet_b0). None: random weights")
+    freeze_blocks: list[int] = Field(
+        default_factory=list, description="backbone blocks whose weights stay as loaded in train and every "
+        "retrain (TAO's freeze_blocks; each backbone's block numbers are in docs/pretrained.md)")
+    freeze_bn: bool = Field(False, description="batch normalisation keeps its loaded statistics, scale and offset "
+                                               "in every layer (TAO's freeze_bn)")
+
+
+class DetectNetV2Spec(_ArchitectureSpec):
     """The model section when model.arch is detectnet_v2: the backbone and regulariser any architecture has,
     and DetectNet_v2's own target encoder, decoder and loss (models/detectnet_v2.py)."""
 
@@ -402,6 +416,21 @@ class EngineSpec(_Section):
         return self
 
 
+class PretrainSpec(_Section):
+    """qatpipe pretrain: the backbone trained as a classifier of object crops (and background crops) or of a
+    class-per-folder image tree; model.pretrained takes the weights it writes (stages/pretrain.py)."""
+
+    data: list[str] = Field(
+        default_factory=list, description="KITTI folders (each labelled object cropped) or class-per-folder image "
+        "trees, local or s3://; empty: the spec's dataset.train")
+    crop_size: int = Field(64, ge=32, description="crops are resized to this square, a multiple of 32")
+    epochs: int = Field(8, ge=1)
+    batch_size: int = Field(64, ge=1)
+    learning_rate: float = Field(1e-3, gt=0)
+    val_fraction: float = Field(0.1, gt=0, lt=1, description="crops held back for the top-1 figure")
+    seed: int = 0
+
+
 class ValidateSpec(_Section):
     max_map_drop: float = Field(0.01, ge=0, description="largest allowed mAP@0.5 drop vs FP32 (0.01 = 1 point)")
 
@@ -421,6 +450,7 @@ class ExperimentSpec(_Section):
     dataset: DatasetSpec
     model: ModelSpec = Field(default_factory=DetectNetV2Spec)
     augmentation: AugmentationSpec = Field(default_factory=AugmentationSpec)
+    pretrain: PretrainSpec = Field(default_factory=PretrainSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     evaluate: EvaluateSpec = Field(default_factory=EvaluateSpec)
     prune: PruneSpec = Field(default_factory=PruneSpec)
