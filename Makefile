@@ -10,7 +10,7 @@ RESULTS ?= results/pipeline
 MODELOPT_VENV := $(VENV)-modelopt
 MODELOPT_STAMP := $(MODELOPT_VENV)/.installed-stamp
 
-.PHONY: install modelopt main test bench clean lock
+.PHONY: install modelopt main test bench compile clean lock
 
 $(STAMP): pyproject.toml images/horovod/build-wheel.sh
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ test: $(STAMP) $(MODELOPT_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/pipeline_local.py
+
+# the compiled pipeline in the repo, after a change to a component or the stage table (a test checks it is in sync)
+compile: $(STAMP)
+	$(BIN)/qatpipe compile -o pipelines/qat_pipeline.yaml
 
 # The images' lock files, images/<kind>/requirements.lock: pyproject.toml's dependencies and
 # images/<kind>/requirements.in resolved by pip for each image's Python and platform, every package pinned and

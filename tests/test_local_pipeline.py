@@ -13,18 +13,12 @@ from qatpipe.errors import TrackingError
 from qatpipe.export.bundle import ExportBundle
 from qatpipe.tracking.mlflow_runs import LIVE_TAG, PARENT_TAG, STAGE_TAG
 from qatpipe_pipelines.local_run import PipelineFailed, run_local
+from qatpipe_pipelines.stage_table import stage_names
 
 VARIANTS = ("fp32", "ptq", "qat")
-HEAVY_STAGES = {"prepare-data", "train", "evaluate-unpruned", "prune", "retrain-fp32", "finetune-fp32", "retrain-qat",
-                "export-fp32",
-                "export-qat", "ptq", *(f"{stage}-{v}" for v in VARIANTS
-                                       for stage in ("evaluate", "build-engine", "validate"))}
-# nested MLflow runs: one per stage record
-STAGE_RUNS = {"prepare_data", "train", "evaluate_unpruned", "prune", "retrain_fp32", "finetune_fp32", "retrain_qat",
-              "export_fp32",
-              "export_qat", "ptq", *(f"{stage}_{v}" for v in VARIANTS
-                                     for stage in ("evaluate", "build_engine", "validate")),
-              *(f"model-{v}" for v in VARIANTS)}  # the register stage's: a run per variant's MLflow model
+HEAVY_STAGES = stage_names(logged=True)  # the stage table's rows that log a tracking record
+# nested MLflow runs: one per stage record, and the register stage's run per variant's MLflow model
+STAGE_RUNS = {name.replace("-", "_") for name in HEAVY_STAGES} | {f"model-{v}" for v in VARIANTS}
 # The gate, as the pipeline applies it to every variant (its mAP@0.5 and TensorRT's numbers against FP32's). Measured
 # on this machine: FP32 0.382 (bootstrap CI 0.328-0.442 over the 48 val images), PTQ 0.428, QAT 0.427; TensorRT's
 # numbers FP32 0.369, PTQ 0.438, QAT 0.357: the worst drop 2.5 points (QAT's TensorRT numbers). 8 points leaves room

@@ -9,21 +9,19 @@ import pytest
 import yaml
 
 from qatpipe_pipelines.qat_pipeline import MLFLOW_CLIENT_LABEL, SECRET_KEYS_TO_ENV
+from qatpipe_pipelines.stage_table import STAGES as STAGE_ROWS, stage_names
 from qatpipe_pipelines.submit import compile_pipeline
 
 REPO_YAML = Path(__file__).resolve().parents[1] / "pipelines" / "qat_pipeline.yaml"
-# tasks by display name
+# tasks by display name, from the stage table (qatpipe_pipelines/stage_table.py)
 VARIANTS = ("fp32", "ptq", "qat")
-STAGES = {"prepare-data", "train", "evaluate-unpruned", "prune", "retrain-fp32", "finetune-fp32", "retrain-qat",
-          "export-fp32",
-          "export-qat", "ptq", *(f"{stage}-{v}" for v in VARIANTS for stage in ("evaluate", "build-engine",
-                                                                                "validate"))}
+STAGES = stage_names(logged=True)  # each followed by its log task
 # the ONNX evaluations run ONNX Runtime's CPU build: no GPU for them
-GPU_TASKS = {"train", "retrain-fp32", "finetune-fp32", "retrain-qat", "evaluate-unpruned",
-             *(f"{stage}-{v}" for v in VARIANTS for stage in ("build-engine", "validate"))}
-TRAINING_TASKS = {"train", "retrain-fp32", "finetune-fp32", "retrain-qat"}
-LIGHT_TASKS = {"resolve-spec", "start-tracking", "finish-tracking", "fingerprint-data", "gpu-placement"}  # + log-*
-CACHED_TASKS = STAGES | {"gpu-placement"}  # gpu-placement: a pure function of two parameters
+GPU_TASKS = stage_names(runs=("training", "gpu"))
+TRAINING_TASKS = stage_names(runs=("training",))
+LIGHT_TASKS = {"resolve-spec", "start-tracking", "finish-tracking", "gpu-placement",
+               *stage_names(runs=("light",))}  # + log-*
+CACHED_TASKS = {row.name for row in STAGE_ROWS if not row.per_run} | {"gpu-placement"}  # a function of parameters
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +63,7 @@ def test_dag_shape(compiled):
     handler = spec["components"][root["exit-handler-1"]["componentRef"]["name"]]["dag"]["tasks"]
     logged = {f"log-{stage}" for stage in STAGES}
     assert {task["taskInfo"]["name"] for task in handler.values()} == (
-        STAGES | logged | {"resolve-spec", "start-tracking", "fingerprint-data", "gpu-placement", "compare",
-                           "register"})
+        {row.name for row in STAGE_ROWS} | logged | {"resolve-spec", "start-tracking", "gpu-placement"})
     tasks = _all_tasks(spec)
 
     def upstream(name):
@@ -227,9 +224,9 @@ def test_cache_pvc_option(tmp_path):
                    and "executorLabel" in spec["components"][task["componentRef"]["name"]]}
     mounted = {name for name, executor in executor_of.items() if k8s[executor].get("pvcMount")}
     # the stages that read the data set
-    assert mounted == {"fingerprint-data", "prepare-data", "train", *TRAINING_TASKS, "ptq", "evaluate-unpruned",
-                       "export-fp32", "export-qat",
-                       *(f"{stage}-{v}" for v in VARIANTS for stage in ("evaluate", "validate"))}
+    assert mounted == {row.name for row in STAGE_ROWS if row.reads_data}
+    assert mounted >= {"fingerprint-data", "prepare-data", *TRAINING_TASKS, "evaluate-unpruned", "export-fp32", "ptq",
+                       *(f"validate-{v}" for v in VARIANTS)}  # the engine builds do not
     assert k8s[executor_of["train"]]["pvcMount"][0]["mountPath"] == "/var/cache/qatpipe"
 
 

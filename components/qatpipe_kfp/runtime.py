@@ -21,6 +21,31 @@ CREDENTIAL_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_U
 log = logging.getLogger("qatpipe")
 
 
+def _spec_views():
+    """resolve-spec's outputs: the full spec, a view per row of qatpipe.spec.STAGE_SECTIONS, the registry name.
+    Its return annotation names this type, so a new view is a new output without an edit there."""
+    from typing import NamedTuple
+
+    from qatpipe.spec import STAGE_SECTIONS, spec_output_name
+
+    return NamedTuple("SpecViews", [("spec", str), *((spec_output_name(view), str) for view in STAGE_SECTIONS),
+                                    ("registry_name", str)])
+
+
+SpecViews = _spec_views()
+
+
+def spec_views_doc() -> str:
+    """The Returns section of resolve-spec's docstring (KFP shows it as the outputs' descriptions)."""
+    from qatpipe.spec import STAGE_SECTIONS, spec_output_name
+
+    lines = ["", "    Returns:", "        spec: The full resolved spec, as YAML."]
+    lines += [f"        {spec_output_name(view)}: The {view} view (sections {', '.join(sections)}), as YAML."
+              for view, sections in STAGE_SECTIONS.items()]
+    lines.append("        registry_name: The name of the MLflow registered model (tracking.registered_model).")
+    return "\n".join(lines) + "\n"
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
 

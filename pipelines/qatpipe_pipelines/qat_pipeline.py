@@ -10,10 +10,8 @@ fingerprint data → prepare data → train (unpruned) → evaluate (unpruned) a
 → compare (FP32 / PTQ / QAT table, pruning block, gate) → register (each variant an MLflow model; the QAT one
   a registry version: alias champion when it passed the gate, challenger when not).
 
-Adding a stage: a component folder under components/qatpipe_kfp/, its spec sections in
-qatpipe.spec.STAGE_SECTIONS (and its output in resolve-spec's signature), then here one call wrapped in
-`run.cpu(...)` or `run.gpu(...)`, and `run.logged(...)` for its tracking record (in the pipeline function or a
-method of `_Stages`).
+The stages are the rows of stage_table.py: a task per row, each followed by the log task of its tracking
+record. Adding a stage is its component folder and its row there.
 """
 
 # no `from __future__ import annotations`: KFP reads the pipeline signature's annotations as types
@@ -22,26 +20,16 @@ from typing import List
 
 from kfp import dsl, kubernetes
 
-from qatpipe_kfp.build_engine.component import build_engine
-from qatpipe_kfp.compare.component import compare
-from qatpipe_kfp.evaluate.component import evaluate
-from qatpipe_kfp.export.component import export
 from qatpipe_kfp.finish_tracking.component import finish_tracking
-from qatpipe_kfp.fingerprint_data.component import fingerprint_data
 from qatpipe_kfp.gpu_placement.component import gpu_placement
 from qatpipe_kfp.log_stage.component import log_stage
-from qatpipe_kfp.prepare_data.component import prepare_data
-from qatpipe_kfp.prune.component import prune
-from qatpipe_kfp.ptq.component import ptq
 from qatpipe_kfp.resolve_spec.component import resolve_spec
-from qatpipe_kfp.register.component import register
-from qatpipe_kfp.retrain.component import retrain
 from qatpipe_kfp.runtime import CREDENTIAL_KEYS
 from qatpipe_kfp.settings import ENGINE_IMAGE, TRAINING_IMAGE
 from qatpipe_kfp.start_tracking.component import start_tracking
-from qatpipe_kfp.train.component import train
+from qatpipe.spec import spec_output_name
 from qatpipe.tracking.live import KFP_RUN_ID_ENVS
-from qatpipe_kfp.validate.component import validate
+from qatpipe_pipelines.stage_table import STAGES, From, Param, Stage
 
 PIPELINE_NAME = "qatpipe"
 CACHE_MOUNT_PATH = "/var/cache/qatpipe"
@@ -139,89 +127,34 @@ class _TaskSettings:
         return self.gpu(task, size="training")
 
 
-class _Stages:
-    """The stage tasks of one pipeline run, each wired to its spec view, the prepared data set and the MLflow
-    run, and followed by the log task of its tracking record. Made inside the pipeline function (tasks are
-    created in its context); the data set is prepared on construction, as every later stage reads it."""
+def _input(value, tasks: dict[str, dsl.PipelineTask], params: dict):
+    if isinstance(value, From):
+        return tasks[value.task].outputs[value.output]
+    return params[value.name] if isinstance(value, Param) else value
 
-    def __init__(self, run: _TaskSettings, specs: dsl.PipelineTask, tracking: dsl.PipelineTask, scale_out: dict,
-                 mpijob: bool):
-        self.run, self.specs, self.tracking, self.scale_out, self.mpijob = run, specs, tracking, scale_out, mpijob
-        self.parent_run_id = tracking.outputs["Output"]
-        # the data as it is now (S3 listing, files' digests) keys prepare-data's cache, beside the spec
-        fingerprint = run.cpu(fingerprint_data(data_spec=specs.outputs["data_spec"]), network=True, per_run=True,
-                              reads_data=True, size="light")
-        data = run.cpu(prepare_data(data_spec=specs.outputs["data_spec"], data_fingerprint=fingerprint.output),
-                       network=True, reads_data=True)
-        run.logged(data.outputs["dataset"], self.parent_run_id, "log-prepare-data")
-        self.dataset = data.outputs["dataset"]
 
-    def trained(self) -> dsl.PipelineTask:
-        task = self.run.training(train(train_spec=self.specs.outputs["train_spec"], dataset=self.dataset,
-                                       **self.scale_out), self.mpijob)
-        task.after(self.tracking)  # its live curves need the MLflow run; an ordering, not a cache key
-        self.run.logged(task.outputs["model"], self.parent_run_id, "log-train")
-        return task
-
-    def retrained(self, pruned) -> dict[str, dsl.PipelineTask]:
-        """{"fp32": the FP32 baseline, "qat": the QAT model}. The FP32 retrain of the pruned model comes first;
-        after it, as `qat.start` says (stages/retrain_plan.py, plan_retrain), the QAT retrain of the pruned model or
-        QAT fine-tuning of the FP32 retrain's model, and the baseline: the FP32 retrain's model handed on, or
-        fine-tuned as long as QAT in FP32. The spec is read at run time and KFP's DAG is fixed, so both orders
-        share this shape: under TAO's order the QAT retrain waits for the FP32 one it does not use."""
-        first = self._retrain("retrain-fp32", "retrain_spec", False, pruned)
-        return {"fp32": self._retrain("finetune-fp32", "retrain_qat_spec", False, pruned, first.outputs["model"]),
-                "qat": self._retrain("retrain-qat", "retrain_qat_spec", True, pruned, first.outputs["model"])}
-
-    def _retrain(self, name: str, view: str, qat: bool, pruned, start=None) -> dsl.PipelineTask:
-        task = self.run.training(retrain(retrain_spec=self.specs.outputs[view], qat=qat, dataset=self.dataset,
-                                         pruned=pruned, **({"start": start} if start is not None else {}),
-                                         **self.scale_out), self.mpijob)
-        task.set_display_name(name).after(self.tracking)
-        self.run.logged(task.outputs["model"], self.parent_run_id, f"log-{name}")
-        return task
-
-    def evaluated(self, name: str, model, keras: bool = False) -> dsl.PipelineTask:
-        # a Keras model runs on TensorFlow's GPU; an ONNX one on ONNX Runtime's CPU build
-        task = evaluate(evaluate_spec=self.specs.outputs["evaluate_spec"], variant=name, dataset=self.dataset,
-                        model=model)
-        task = self.run.gpu(task) if keras else self.run.cpu(task, reads_data=True)
-        task.set_display_name(f"evaluate-{name}")
-        self.run.logged(task.outputs["results"], self.parent_run_id, f"log-evaluate-{name}")
-        return task
-
-    def exported(self, name: str, model) -> dsl.PipelineTask:
-        task = self.run.cpu(export(export_spec=self.specs.outputs["export_spec"], variant=name, dataset=self.dataset,
-                                   model=model), reads_data=True)
-        task.set_display_name(f"export-{name}")
-        self.run.logged(task.outputs["onnx_model"], self.parent_run_id, f"log-export-{name}")
-        return task
-
-    def onnx_models(self, retrained: dict[str, dsl.PipelineTask]) -> dict:
-        """The three variants as ONNX: FP32 and QAT exported, PTQ calibrated from the FP32 one."""
-        fp32_onnx = self.exported("fp32", retrained["fp32"].outputs["model"])
-        qat_onnx = self.exported("qat", retrained["qat"].outputs["model"])
-        calibrated = self.run.cpu(ptq(ptq_spec=self.specs.outputs["ptq_spec"], dataset=self.dataset,
-                                      fp32_onnx=fp32_onnx.outputs["onnx_model"]), reads_data=True)
-        self.run.logged(calibrated.outputs["int8_onnx"], self.parent_run_id, "log-ptq")
-        return {"fp32": fp32_onnx.outputs["onnx_model"], "ptq": calibrated.outputs["int8_onnx"],
-                "qat": qat_onnx.outputs["onnx_model"]}
-
-    def deployed(self, onnx_models: dict, baseline, gpu_type) -> tuple[dict, dict]:
-        """(engines, validations): an engine per variant, validated by running it against the FP32 baseline."""
-        engines, validations = {}, {}
-        for name, model in onnx_models.items():
-            built = self.run.gpu(build_engine(engine_spec=self.specs.outputs["engine_spec"], variant=name,
-                                              onnx_model=model, gpu_type=gpu_type), reads_data=False, engine=True)
-            built.set_display_name(f"build-engine-{name}")
-            self.run.logged(built.outputs["engine"], self.parent_run_id, f"log-build-engine-{name}")
-            checked = self.run.gpu(validate(validate_spec=self.specs.outputs["validate_spec"], variant=name,
-                                            dataset=self.dataset, engine=built.outputs["engine"], onnx_model=model,
-                                            baseline=baseline), engine=True)
-            checked.set_display_name(f"validate-{name}")
-            self.run.logged(checked.outputs["results"], self.parent_run_id, f"log-validate-{name}")
-            engines[name], validations[name] = built, checked
-        return engines, validations
+def _stage_task(row: Stage, run: _TaskSettings, tasks: dict, params: dict, scale_out: dict,
+                mpijob: bool) -> dsl.PipelineTask:
+    """The task of one stage_table row, placed as its row says, with the log task of its tracking record."""
+    inputs = {name: _input(value, tasks, params) for name, value in row.inputs.items()}
+    if row.spec_input:
+        view = row.view or row.spec_input.removesuffix("_spec")
+        inputs[row.spec_input] = tasks["resolve-spec"].outputs[spec_output_name(view)]
+    if row.runs == "training":
+        inputs.update(scale_out)
+    task = row.component(**inputs).set_display_name(row.name)
+    for name in row.after:
+        task.after(tasks[name])
+    if row.runs == "training":
+        run.training(task, mpijob)
+    elif row.runs == "gpu":
+        run.gpu(task, reads_data=row.reads_data, engine=row.engine)
+    else:
+        run.cpu(task, network=row.network, per_run=row.per_run, reads_data=row.reads_data, engine=row.engine,
+                size="light" if row.runs == "light" else "cpu_stage")
+    if row.logs:
+        run.logged(task.outputs[row.logs], tasks["start-tracking"].outputs["Output"], f"log-{row.name}")
+    return task
 
 
 def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWORK_RETRIES,
@@ -343,33 +276,10 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             tracking = run.cpu(start_tracking(spec=specs.outputs["spec"], run_name=run_name,
                                               kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_ui_url=kfp_ui_url),
                                network=True, per_run=True, size="light")
-            dag = _Stages(run, specs, tracking, scale_out, mpijob)
-
-            trained = dag.trained()
-            unpruned_eval = dag.evaluated("unpruned", trained.outputs["model"], keras=True)
-            pruned = run.cpu(prune(prune_spec=specs.outputs["prune_spec"], model=trained.outputs["model"]))
-            run.logged(pruned.outputs["pruned"], dag.parent_run_id, "log-prune")
-            retrained = dag.retrained(pruned.outputs["pruned"])
-            onnx_models = dag.onnx_models(retrained)
-            evaluations = {name: dag.evaluated(name, model) for name, model in onnx_models.items()}
-            engines, validations = dag.deployed(onnx_models, evaluations["fp32"].outputs["results"], gpu_type)
-
-            compared = run.cpu(compare(parent_run_id=dag.parent_run_id, fp32=validations["fp32"].outputs["results"],
-                                       ptq=validations["ptq"].outputs["results"],
-                                       qat=validations["qat"].outputs["results"],
-                                       unpruned=unpruned_eval.outputs["results"], pruned=pruned.outputs["pruned"]),
-                               network=True, per_run=True)
-
-            # every variant as an MLflow model; the QAT one registered, as champion only when it passed the gate;
-            # only after compare succeeded, so a run that could not compare its variants registers nothing
-            registered = run.cpu(register(parent_run_id=dag.parent_run_id, spec=specs.outputs["spec"],
-                                          kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_ui_url=kfp_ui_url,
-                                          dataset=dag.dataset, fp32_onnx=onnx_models["fp32"],
-                                          ptq_onnx=onnx_models["ptq"], qat_onnx=onnx_models["qat"],
-                                          qat_engine=engines["qat"].outputs["engine"],
-                                          **{f"{name}_validation": validations[name].outputs["results"]
-                                             for name in ("fp32", "ptq", "qat")}), network=True, per_run=True)
-            registered.after(compared)
+            tasks = {"resolve-spec": specs, "start-tracking": tracking}
+            params = {"gpu_type": gpu_type, "kfp_ui_url": kfp_ui_url}
+            for row in STAGES:
+                tasks[row.name] = _stage_task(row, run, tasks, params, scale_out, mpijob)
 
     return qat_pipeline
 
