@@ -135,3 +135,19 @@ def test_unknown_kind_and_mismatched_classes_are_refused(tmp_path, tiny_spec):
     with pytest.raises(SpecError, match=r"not the classes of the synthetic data set 'glyphs'.*'zero', 'one'"):
         prepare_dataset(parse_spec(data), tmp_path / "prepared")
     assert not (tmp_path / "prepared" / "train").exists()
+
+
+def test_glyphs_shift_keeps_the_train_split_and_prints_val_in_unseen_fonts(tmp_path):
+    """The style-shift set (issue 36's measurement): train byte-identical to glyphs', val in other fonts only."""
+    from qatpipe.data.synth import detail
+
+    for kind in ("glyphs", "glyphs_shift"):
+        write_synthetic_dataset(tmp_path / kind, num_train=3, num_val=3, seed=5, kind=kind, workers=1)
+    for path in sorted((tmp_path / "glyphs" / "train").rglob("*.*")):
+        assert path.read_bytes() == (tmp_path / "glyphs_shift" / "train" / path.relative_to(
+            tmp_path / "glyphs" / "train")).read_bytes()
+    val = sorted((tmp_path / "glyphs" / "val" / "images").iterdir())
+    assert all(p.read_bytes() != (tmp_path / "glyphs_shift" / "val" / "images" / p.name).read_bytes() for p in val)
+    assert detail.GLYPH_FONT not in detail.SHIFTED_GLYPH_FONTS
+    for name in detail.SHIFTED_GLYPH_FONTS:  # every font has the digits
+        assert detail._font(40, name).getbbox("0123456789")[2] > 40

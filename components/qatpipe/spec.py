@@ -32,9 +32,10 @@ class ImageSize(_Section):
 class SyntheticDataSpec(_Section):
     """The embedded data set the pipeline generates when the spec names no train/val folders."""
 
-    kind: Literal["shapes", "glyphs", "photos"] = Field(
+    kind: Literal["shapes", "glyphs", "glyphs_shift", "photos"] = Field(
         "shapes", description="shapes: car/pedestrian/cyclist told apart by outline; glyphs: ten digits on tiles "
-        "of one outline; photos: ten textures on real photographs (data/synth/detail.py); dataset.classes must "
+        "of one outline; glyphs_shift: glyphs whose val split is printed in fonts train never shows; photos: ten "
+        "textures on real photographs (data/synth/detail.py); dataset.classes must "
         "name the kind's classes")
     train_images: int = Field(2000, ge=1)
     val_images: int = Field(300, ge=1)

@@ -4,7 +4,7 @@ outline, size and aspect ratio, which a detector can use without learning what i
 - `glyphs`: ten digit classes (`zero` ... `nine`) printed on tiles of one outline (a rounded square of
   random colour, 20-60 px), slightly rotated, on the cluttered procedural backgrounds of the shapes set;
   tiles printed with letters are unlabelled distractors, so a detector must read the glyph even to say
-  "object".
+  "object". `glyphs_shift` is the same but for its val split, printed in fonts the train split never shows.
 - `photos`: ten texture classes (stripes in three directions, crosses, checker, dots, rings, grid, pinwheel,
   waves) filling discs or rounded squares (the outline is drawn at random, whatever the class) of 20-60 px,
   in two random colours at a random period and phase, on random crops of real photographs (the photos that
@@ -106,22 +106,31 @@ def _label(cls: str, box: tuple[int, int, int, int]) -> dict:
 # ------------------------------------------------------------------------------------------ glyphs
 
 
-@functools.lru_cache(maxsize=64)
-def _font(size: int) -> ImageFont.FreeTypeFont:
-    import matplotlib  # ships the DejaVu fonts; already a dependency (plots)
+# fonts that matplotlib ships (already a dependency, for plots): `glyphs` prints in the first; the val split of
+# `glyphs_shift` in the others, which its train split never shows (a style shift: serif, italic, monospace)
+GLYPH_FONT = "DejaVuSans-Bold.ttf"
+SHIFTED_GLYPH_FONTS = ("DejaVuSerif-BoldItalic.ttf", "STIXGeneralBol.ttf", "DejaVuSansMono-Oblique.ttf",
+                       "cmss10.ttf")
 
-    return ImageFont.truetype(f"{matplotlib.get_data_path()}/fonts/ttf/DejaVuSans-Bold.ttf", size)
+
+@functools.lru_cache(maxsize=256)
+def _font(size: int, name: str = GLYPH_FONT) -> ImageFont.FreeTypeFont:
+    import matplotlib
+
+    return ImageFont.truetype(f"{matplotlib.get_data_path()}/fonts/ttf/{name}", size)
 
 
-def _tile(rng: np.random.Generator, glyph: str, w: float, h: float) -> np.ndarray:
+def _tile(rng: np.random.Generator, glyph: str, w: float, h: float, fonts: tuple[str, ...] = (GLYPH_FONT,)
+          ) -> np.ndarray:
     """A rounded tile of w x h px with `glyph` printed on it, slightly rotated: (H, W, 4) floats."""
+    font_name = fonts[int(rng.integers(len(fonts)))] if len(fonts) > 1 else fonts[0]
     tile_colour, ink = _colour_pair(rng)
     big_w, big_h = int(round(w * _SS)), int(round(h * _SS))
     image = Image.new("RGBA", (big_w, big_h), (0, 0, 0, 0))
     draw = ImageDraw.Draw(image)
     draw.rounded_rectangle((0, 0, big_w - 1, big_h - 1), radius=min(big_w, big_h) * rng.uniform(0.1, 0.3),
                            fill=(*(int(v) for v in tile_colour), 255))
-    font = _font(max(6, int(min(big_w, big_h) * rng.uniform(0.6, 0.8))))
+    font = _font(max(6, int(min(big_w, big_h) * rng.uniform(0.6, 0.8))), font_name)
     glyph_layer = Image.new("RGBA", (big_w, big_h), (0, 0, 0, 0))
     ImageDraw.Draw(glyph_layer).text((big_w / 2 + rng.uniform(-0.05, 0.05) * big_w, big_h / 2), glyph,
                                      font=font, anchor="mm", fill=(*(int(v) for v in ink), 255))
@@ -135,8 +144,9 @@ def _tile(rng: np.random.Generator, glyph: str, w: float, h: float) -> np.ndarra
 
 
 def generate_glyphs(rng: np.random.Generator, height: int, width: int,
-                    object_px: tuple[float, float] = DETAIL_OBJECT_PX) -> tuple[np.ndarray, list[dict]]:
-    """One `glyphs` image: (uint8 HxWx3, labelled objects)."""
+                    object_px: tuple[float, float] = DETAIL_OBJECT_PX, fonts: tuple[str, ...] = (GLYPH_FONT,)
+                    ) -> tuple[np.ndarray, list[dict]]:
+    """One `glyphs` image: (uint8 HxWx3, labelled objects); its tiles printed in one of `fonts`."""
     scale = height / 192.0
     canvas = cluttered_background(rng, height, width, scale)  # the shapes set's backgrounds
     taken, objects = [], []
@@ -149,7 +159,7 @@ def generate_glyphs(rng: np.random.Generator, height: int, width: int,
             continue
         k = int(rng.integers(len(GLYPH_CLASSES)))
         glyph = _GLYPHS[k] if labelled else _DISTRACTOR_GLYPHS[int(rng.integers(len(_DISTRACTOR_GLYPHS)))]
-        box = _composite(canvas, _tile(rng, glyph, w, h), *spot)
+        box = _composite(canvas, _tile(rng, glyph, w, h, fonts), *spot)
         taken.append(box)
         if labelled:
             objects.append(_label(GLYPH_CLASSES[k], box))

@@ -6,6 +6,7 @@ is byte-identical for the same arguments, whatever the order or number of worker
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
@@ -202,7 +203,9 @@ def _write_split(
 
 def _generate_and_write(job: _Job) -> list[tuple[str, int, float]]:
     rng = np.random.default_rng([job.seed, job.split_id, job.index])
-    image, objects = KINDS[job.kind].generate(rng, job.height, job.width, job.object_height_px)
+    kind = KINDS[job.kind]
+    generate = kind.generate_val if job.split_id == 1 and kind.generate_val else kind.generate
+    image, objects = generate(rng, job.height, job.width, job.object_height_px)
     buf = BytesIO()
     Image.fromarray(image, "RGB").save(buf, "JPEG", quality=_JPEG_QUALITY)
     stem = f"{job.index:06d}"
@@ -229,10 +232,13 @@ class SyntheticKind:
     classes: tuple[str, ...]
     generate: Callable  # (rng, height, width, object_px) -> (uint8 HxWx3 image, objects)
     object_px: tuple[float, float]  # default (min, max) object size at a 192-px-high image
+    generate_val: Callable | None = None  # the val split's, when it differs from train's (a style shift)
 
 
 KINDS = {
     "shapes": SyntheticKind(shapes.SYNTH_CLASSES, shapes.generate_shapes, shapes.DEFAULT_OBJECT_HEIGHT_PX),
     "glyphs": SyntheticKind(detail.GLYPH_CLASSES, detail.generate_glyphs, detail.DETAIL_OBJECT_PX),
+    "glyphs_shift": SyntheticKind(detail.GLYPH_CLASSES, detail.generate_glyphs, detail.DETAIL_OBJECT_PX,
+                                  functools.partial(detail.generate_glyphs, fonts=detail.SHIFTED_GLYPH_FONTS)),
     "photos": SyntheticKind(detail.TEXTURE_CLASSES, detail.generate_photos, detail.DETAIL_OBJECT_PX),
 }
