@@ -24,8 +24,8 @@ def _load(args):
     return with_default_dataset(load_spec_uri(args.experiment_spec, args.overrides))
 
 
-def _add_spec_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-e", "--experiment-spec", required=True,
+def _add_spec_args(parser: argparse.ArgumentParser, *aliases: str) -> None:
+    parser.add_argument("-e", "--experiment-spec", *aliases, required=True,
                         help="spec YAML file, s3://bucket/key, or a bundled spec name (default, tiny)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a spec key, e.g. --set train.epochs=5 (repeatable)")
@@ -111,6 +111,21 @@ def cmd_train(args) -> int:
     summary = train(spec, args.results_dir, use_amp=True if args.use_amp else None,
                     stage_name=args.stage_name or "train")
     log.info("training done: %s", json.dumps({k: summary[k] for k in ("model", "images_per_second", "wall_seconds")}))
+    return 0
+
+
+def cmd_pretrain(args) -> int:
+    from qatpipe.data.prepare import with_default_dataset
+    from qatpipe.spec_sources import load_spec_uri
+    from qatpipe.stages.pretrain import pretrain
+
+    spec = load_spec_uri(args.experiment_spec, args.overrides)
+    if not spec.pretrain.data:  # dataset.train's crops: a spec naming no data set gets its synthetic one, as train
+        spec = with_default_dataset(spec)
+    summary = pretrain(spec, args.results_dir, use_amp=True if args.use_amp else None)
+    print(f"{summary['weights']}  {summary['backbone']}  val top-1 {summary['top1']:.4f} on {summary['val_crops']} "
+          f"crops (chance {summary['chance']:.4f})  {summary['num_classes']} classes, {summary['crops']} crops of "
+          f"{summary['images']} images")  # the answer, for scripts
     return 0
 
 
@@ -337,11 +352,23 @@ def _add_data_commands(sub) -> None:
 
 
 def _add_training_commands(sub) -> None:
-    """`qatpipe train | evaluate | retrain`: the stages that run a Keras model."""
+    """`qatpipe train | pretrain | evaluate | retrain`: the stages that run a Keras model."""
     train = sub.add_parser("train", help="train the spec's detector (FP32; resumes from checkpoints)")
     _add_spec_args(train)
     _add_training_args(train)
     train.set_defaults(func=cmd_train, writes=lambda a: a.results_dir)
+
+    pretrain = sub.add_parser(
+        "pretrain", help="pretrain the spec's backbone as a classifier of object crops or image folders "
+        "(model.pretrained takes RESULTS/weights.keras)",
+        description="Settings: the spec's `pretrain` section (data, crop_size, epochs, ...); docs/pretrain.md.")
+    _add_spec_args(pretrain, "--spec")
+    pretrain.add_argument("-r", "--results-dir", "-o", "--output", dest="results_dir", required=True, type=Path,
+                          help="weights.keras, classes.json, pretrain_summary.json, pretrain_log.csv go here")
+    pretrain.add_argument("--use-amp", action="store_true",
+                          help="mixed precision (pretrain.use_amp): float16 on a GPU, bfloat16 on a CPU with "
+                               "AMX/AVX512-BF16")
+    pretrain.set_defaults(func=cmd_pretrain, writes=lambda a: a.results_dir)
 
     evaluate = sub.add_parser("evaluate", help="mAP of a model (.keras in TensorFlow, .onnx in ONNX Runtime)")
     _add_spec_args(evaluate)
