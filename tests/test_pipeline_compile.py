@@ -77,7 +77,9 @@ def test_dag_shape(compiled):
     assert upstream("prepare-data") == {"fingerprint-data"}
     assert tasks["prepare-data"]["inputs"]["parameters"]["data_fingerprint"]["taskOutputParameter"] == {
         "producerTask": "fingerprint-data", "outputParameterKey": "Output"}
-    assert upstream("train") == {"prepare-data", "start-tracking"}  # its live curves need the MLflow run
+    # the pretrain stage runs only where the spec asks for it (at run time); train reads its weights then
+    assert upstream("pretrain") == {"prepare-data"}
+    assert upstream("train") == {"prepare-data", "pretrain", "start-tracking"}  # its live curves need the MLflow run
     assert upstream("evaluate-unpruned") == {"prepare-data", "train"}
     # TAO's recipe: prune the trained model, retrain it (FP32); then, as qat.start says at run time, QAT from
     # the pruned model or fine-tuning the FP32 retrain's, and the FP32 baseline handed on or fine-tuned alike

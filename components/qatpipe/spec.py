@@ -165,13 +165,17 @@ class LossSpec(_Section):
         "averaged over those cells and added to the coverage loss: it makes the classes compete where an object "
         "is, without moving coverage as a whole; 0 leaves TAO's per-class sigmoid loss alone (docs/recipe.md)")
 
+PIPELINE_PRETRAINED = "pipeline:pretrain"  # model.pretrained: the weights of the pipeline run's own pretrain stage
+
+
 class _ArchitectureSpec(_Section):
     """What every architecture's model section has: where its backbone's weights start (docs/pretrained.md)."""
 
     pretrained: str | None = Field(
         None, description="weights the backbone starts from, matched by layer name: a .keras or .h5 file (a "
         "path or s3://), e.g. qatpipe pretrain's weights.keras, or keras:imagenet (tf_keras.applications' "
-        "ImageNet weights; mobilenet_v2 and efficientnet_b0). None: random weights")
+        "ImageNet weights; mobilenet_v2 and efficientnet_b0), or pipeline:pretrain (in a pipeline run, the "
+        "weights its pretrain stage writes; that stage runs only then). None: random weights")
     freeze_blocks: list[int] = Field(
         default_factory=list, description="backbone blocks whose weights stay as loaded in train and every "
         "retrain (TAO's freeze_blocks; each backbone's block numbers are in docs/pretrained.md)")
@@ -419,16 +423,30 @@ class EngineSpec(_Section):
 
 class PretrainSpec(_Section):
     """qatpipe pretrain: the backbone trained as a classifier of object crops (and background crops) or of a
-    class-per-folder image tree; model.pretrained takes the weights it writes (stages/pretrain.py)."""
+    class-per-folder image tree; model.pretrained takes the weights it writes (stages/pretrain.py,
+    docs/pretrain.md)."""
 
     data: list[str] = Field(
         default_factory=list, description="KITTI folders (each labelled object cropped) or class-per-folder image "
         "trees, local or s3://; empty: the spec's dataset.train")
-    crop_size: int = Field(64, ge=32, description="crops are resized to this square, a multiple of 32")
+    crop_size: int = Field(64, ge=32, multiple_of=32, description="crops are resized to this square, a multiple "
+                           "of 32")
+    crop_margin: float = Field(0.1, ge=0, le=1, description="an object's box grows by this fraction of its width "
+                               "and height on each side before it is cropped (context around the object)")
+    min_box_size: float = Field(8.0, ge=1, description="objects whose box has a side shorter than this (pixels) "
+                                "are not cropped")
+    background_crops: int = Field(1, ge=0, description="random crops per KITTI image, class `background`, each of "
+                                  "the size of one of the data set's objects and overlapping no labelled box")
+    background_max_iou: float = Field(0.1, ge=0, lt=1, description="a background crop's largest IoU with any "
+                                      "labelled box")
     epochs: int = Field(8, ge=1)
     batch_size: int = Field(64, ge=1)
-    learning_rate: float = Field(1e-3, gt=0)
-    val_fraction: float = Field(0.1, gt=0, lt=1, description="crops held back for the top-1 figure")
+    learning_rate: float = Field(1e-3, gt=0, description="Adam's peak learning rate, in train's soft-start "
+                                 "annealing schedule: up from 1/100 of it over the first 10% of the steps, down "
+                                 "again from 70%")
+    val_fraction: float = Field(0.1, gt=0, lt=1, description="share of the images whose crops are held back for "
+                                "the top-1 figure")
+    use_amp: bool = Field(False, description="mixed precision, as train.use_amp")
     seed: int = 0
 
 
@@ -647,6 +665,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "ptq": ("dataset", "model", "evaluate", "ptq"),
     "engine": ("dataset", "model", "engine"),
     "validate": ("dataset", "model", "evaluate", "engine", "validate"),
+    "pretrain": ("dataset", "model", "pretrain"),
 }
 
 

@@ -19,6 +19,7 @@ from qatpipe_kfp.evaluate.component import evaluate
 from qatpipe_kfp.export.component import export
 from qatpipe_kfp.fingerprint_data.component import fingerprint_data
 from qatpipe_kfp.prepare_data.component import prepare_data
+from qatpipe_kfp.pretrain.component import pretrain
 from qatpipe_kfp.prune.component import prune
 from qatpipe_kfp.ptq.component import ptq
 from qatpipe_kfp.register.component import register
@@ -75,7 +76,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("fingerprint-data", fingerprint_data, runs="light", network=True, per_run=True, reads_data=True),
     Stage("prepare-data", prepare_data, {"data_fingerprint": From("fingerprint-data")}, network=True,
           reads_data=True, logs="dataset"),
-    Stage("train", train, {"dataset": DATASET}, **TRAINING),
+    # the backbone as a classifier of the data's crops, when model.pretrained is pipeline:pretrain (else skipped)
+    Stage("pretrain", pretrain, {"dataset": DATASET}, runs="gpu", reads_data=True, logs="weights"),
+    Stage("train", train, {"dataset": DATASET, "pretrained": From("pretrain", "weights")}, **TRAINING),
     # a Keras model runs on TensorFlow's GPU; the ONNX ones below on ONNX Runtime's CPU build
     Stage("evaluate-unpruned", evaluate, {"variant": "unpruned", "dataset": DATASET, "model": From("train", "model")},
           runs="gpu", reads_data=True, logs="results"),

@@ -213,6 +213,11 @@ def _stage_local_data(spec: ExperimentSpec, shared: Path) -> ExperimentSpec:
             target.with_name(f".{split}.partial").rename(target)
         setattr(spec.dataset, split, str(target))
     spec.dataset.cache_dir = str(shared.parent / "dataset-cache")
+    pretrained = spec.model.pretrained
+    if pretrained and ":" not in pretrained and Path(pretrained).is_file():  # a local weights file goes along too
+        target = shared / f"pretrained{Path(pretrained).suffix}"
+        shutil.copyfile(pretrained, target)
+        spec.model.pretrained = str(target)
     return spec
 
 

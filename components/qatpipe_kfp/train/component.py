@@ -8,7 +8,8 @@ from qatpipe_kfp.settings import component
 
 
 @component
-def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metrics: Output[Metrics],
+def train(train_spec: str, dataset: Input[Dataset], pretrained: Input[Model], model: Output[Model],
+          metrics: Output[Metrics],
           tensorboard: Output[Artifact],
           gpus: int = 1, workers: int = 1, mpijob_api_version: str = "v2beta1", launcher: str = "mpijob",
           training_image: str = "", credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [],
@@ -21,6 +22,8 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
         train_spec: The spec's train view (sections dataset, model, augmentation, train, evaluate), as YAML; its
             data paths are replaced by the prepared data set's.
         dataset: The prepared data set (prepare-data's `dataset`).
+        pretrained: The pretrain stage's folder: where model.pretrained is pipeline:pretrain, the backbone starts
+            from its weights.keras (skipped otherwise, and model.pretrained is read as it is).
         gpus: Horovod processes per node, one per GPU.
         workers: Nodes; above 1 the training runs as an MPIJob.
         mpijob_api_version: The MPIJob API version: v2beta1 (mpi-operator) or v1 (Kubeflow Training Operator).
@@ -42,7 +45,10 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
         tensorboard: The TensorBoard event files of the training (a Kubeflow Tensorboard can read its URI); kept
             out of the Model artifact, which every later stage downloads.
     """
+    from pathlib import Path
+
     from qatpipe.data.prepare import spec_with_prepared_dataset
+    from qatpipe.spec import PIPELINE_PRETRAINED
     from qatpipe.stages.scale_out import run_training_stage
     from qatpipe.tracking.live import parent_run_from_kfp
     from qatpipe.stages.train import summary_metrics
@@ -51,6 +57,8 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
 
     with stage("train"):
         spec = spec_with_prepared_dataset(load_stage_spec(train_spec), dataset.path)
+        if spec.model.pretrained == PIPELINE_PRETRAINED:
+            spec.model.pretrained = str(Path(pretrained.path) / pretrained.metadata.get("file", "weights.keras"))
         parent_run_from_kfp()  # live training curves in MLflow (tracking/live.py)
         cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
                                    mpijob_api_version, launcher)

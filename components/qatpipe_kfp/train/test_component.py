@@ -10,7 +10,8 @@ SCALE_OUT_INPUTS = {"gpus": "Integer", "workers": "Integer", "mpijob_api_version
 def test_interface():
     spec = train.component_spec
     assert {k: v.type for k, v in spec.inputs.items()} == {"train_spec": "String",
-                                                           "dataset": "system.Dataset@0.0.1", **SCALE_OUT_INPUTS}
+                                                           "dataset": "system.Dataset@0.0.1",
+                                                           "pretrained": "system.Model@0.0.1", **SCALE_OUT_INPUTS}
     # one process on one node unless the pipeline says otherwise
     assert spec.inputs["gpus"].default == 1 and spec.inputs["workers"].default == 1
     assert {k: v.type for k, v in spec.outputs.items()} == {"model": "system.Model@0.0.1",
