@@ -250,6 +250,32 @@ def resolve_dataset_dir(uri: str, cache_dir: str | Path) -> Path:
     return local
 
 
+def download_s3_file(uri: str, cache_dir: str | Path, *, client=None) -> Path:
+    """One object (a weights file, say) cached at ``cache_dir/s3/<bucket>/<key>``; downloaded again only when
+    its size or ETag changed."""
+    bucket, key = parse_s3_uri(uri)
+    if not key:
+        raise StorageError(f"{uri}: names a bucket, not a file (expected s3://bucket/path/to/file)")
+    client = client or s3_client()
+    target = _safe_join(Path(cache_dir) / "s3", f"{bucket}/{key}")
+    etag_file = target.with_name(target.name + ".etag")
+    with s3_errors(uri, client):
+        try:
+            head = client.head_object(Bucket=bucket, Key=key)
+        except ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code", "")) in ("404", "NoSuchKey", "NoSuchBucket"):
+                raise StorageError(f"no such object: {uri} (endpoint: {_describe_endpoint(client)})") from exc
+            raise
+        if (target.is_file() and target.stat().st_size == head["ContentLength"] and etag_file.is_file()
+                and etag_file.read_text() == head["ETag"]):
+            log.info("%s: cached at %s", uri, target)
+            return target
+        size, etag = _download(client, bucket, key, target)
+    etag_file.write_text(etag)
+    log.info("downloaded %s to %s (%.1f MB)", uri, target, size / 1e6)
+    return target
+
+
 def upload_dir(local_dir: str | Path, uri: str, *, client=None) -> int:
     """Upload every file under ``local_dir`` to ``uri``; returns the number of files."""
     bucket, prefix = parse_s3_uri(uri)
