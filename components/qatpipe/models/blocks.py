@@ -9,6 +9,7 @@ import tf_keras as keras
 # training 8-filter convolutions at 192x320; 16 filters train fine.
 DIVISOR = 8
 MIN_FILTERS = 16
+BN_EPSILON = 1e-5  # TAO's; Keras Applications' 1e-3 is converted when their weights load (models/pretrained.py)
 
 
 def scaled_filters(filters: int, width: float) -> int:
@@ -36,4 +37,4 @@ def depthwise(kernel, strides, name, regularizer):
 
 
 def bn(name):
-    return keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name)
+    return keras.layers.BatchNormalization(momentum=0.9, epsilon=BN_EPSILON, name=name)

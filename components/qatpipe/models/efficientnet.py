@@ -11,8 +11,11 @@ depth is left out. `model.backbone.width` multiplies every filter count (Efficie
 
 from __future__ import annotations
 
+import re
+
 import tf_keras as keras
 
+from qatpipe.models.backbones import KerasApplication
 from qatpipe.models.blocks import bn, conv, depthwise, scaled_filters
 
 # kernel, expansion, output channels, repeats, first stride; the 192-channel stage's stride 2 is 1 here
@@ -20,6 +23,10 @@ STAGES = ((3, 1, 16, 1, 1), (3, 6, 24, 2, 2), (5, 6, 40, 2, 2), (3, 6, 80, 3, 2)
           (5, 6, 192, 4, 1), (3, 6, 320, 1, 1))
 STEM_FILTERS = 32
 SE_RATIO = 0.25
+STEM_LAYERS = ("stem_conv", "stem_bn", "stem_activation")
+# model.freeze_blocks: 0 the stem (stem_conv, stem_bn), 1-7 the seven stages of STAGES (block1a_* .. block7a_*)
+FREEZE_BLOCKS = tuple(range(len(STAGES) + 1))
+_STAGE_LAYER = re.compile(r"^block(\d+)[a-z]+_")
 
 
 def _mbconv(x, kernel, expansion, filters, stride, name, regularizer):
@@ -48,15 +55,33 @@ def _mbconv(x, kernel, expansion, filters, stride, name, regularizer):
 
 def build(inputs, backbone, regularizer):
     """Feature map at stride 16 of `inputs`; `backbone` is the spec's model.backbone."""
-    x = conv(scaled_filters(STEM_FILTERS, backbone.width), 3, 2, "stem_conv", regularizer)(inputs)
-    x = bn("stem_bn")(x)
-    x = keras.layers.Activation("swish", name="stem_activation")(x)
+    conv_name, bn_name, activation_name = STEM_LAYERS
+    x = conv(scaled_filters(STEM_FILTERS, backbone.width), 3, 2, conv_name, regularizer)(inputs)
+    x = bn(bn_name)(x)
+    x = keras.layers.Activation("swish", name=activation_name)(x)
     for stage, (kernel, expansion, filters, repeats, stride) in enumerate(STAGES, start=1):
         for repeat in range(repeats):
             name = f"block{stage}{chr(ord('a') + repeat)}_"
             x = _mbconv(x, kernel, expansion, scaled_filters(filters, backbone.width),
                         stride if repeat == 0 else 1, name, regularizer)
     return x
+
+
+def block_of(layer_name: str) -> int | None:
+    """The freeze_blocks number of a backbone layer; None for a layer outside the backbone."""
+    if layer_name in STEM_LAYERS:
+        return 0
+    match = _STAGE_LAYER.match(layer_name)
+    return int(match.group(1)) if match and 1 <= int(match.group(1)) <= len(STAGES) else None
+
+
+# keras:imagenet: Keras' EfficientNetB0 has the same layer names and reads images in [0, 255] (its own
+# Rescaling and Normalization layers, which have no layer here, nor have top_conv and top_bn)
+KERAS_APPLICATION = KerasApplication(
+    build=lambda width, weights: keras.applications.EfficientNetB0(
+        input_shape=(224, 224, 3), include_top=False, weights=weights),
+    widths=(1.0,), rename=lambda name: name, preprocess=lambda image: 255.0 * image, stem=STEM_LAYERS[:2],
+)
 
 
 def label(backbone) -> str:

@@ -1,10 +1,13 @@
 """ResNet backbones of TAO's DetectNet_v2: stride 16, configurable depth and width.
 
 Layer names follow TAO (`conv1`, `block_2a_conv_1`, `block_2a_bn_shortcut`, ...) so that pruning and
-quantization rules can address layers by name.
+quantization rules can address layers by name, and TAO's pretrained ResNet files load by name
+(docs/pretrained.md).
 """
 
 from __future__ import annotations
+
+import re
 
 import tf_keras as keras
 
@@ -14,6 +17,10 @@ BLOCKS_PER_STAGE = {10: (1, 1, 1, 1), 18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}
 STAGE_FILTERS = (64, 128, 256, 512)
 # conv1 /2, max-pool /2, stage 2 /2, stage 3 /2; stage 4 keeps stride 1 (TAO's DetectNet_v2) -> /16
 STAGE_STRIDES = (1, 2, 2, 1)
+STEM_LAYERS = ("conv1", "bn_conv1", "activation_1", "max_pool_1")
+# model.freeze_blocks, TAO's numbers: 0 the stem (conv1, bn_conv1), 1-4 the four stages (block_1a_* ...)
+FREEZE_BLOCKS = (0, 1, 2, 3, 4)
+_STAGE_LAYER = re.compile(r"^block_(\d)[a-z]_")
 
 
 def _basic_block(x, filters, strides, name, regularizer, projection):
@@ -36,10 +43,11 @@ def resnet_backbone(inputs, depth: int, width: float, regularizer=None, all_proj
         raise ValueError(f"ResNet depth must be one of {sorted(BLOCKS_PER_STAGE)}, got {depth}")
     # ResNet's own rounding (TAO's): down to a multiple of 8, at least MIN_FILTERS
     filters = [max(MIN_FILTERS, int(round(f * width / 8)) * 8) for f in STAGE_FILTERS]
-    x = conv(filters[0], 7, 2, "conv1", regularizer)(inputs)
-    x = bn("bn_conv1")(x)
-    x = keras.layers.Activation("relu", name="activation_1")(x)
-    x = keras.layers.MaxPooling2D(3, strides=2, padding="same", name="max_pool_1")(x)
+    conv_name, bn_name, relu_name, pool_name = STEM_LAYERS
+    x = conv(filters[0], 7, 2, conv_name, regularizer)(inputs)
+    x = bn(bn_name)(x)
+    x = keras.layers.Activation("relu", name=relu_name)(x)
+    x = keras.layers.MaxPooling2D(3, strides=2, padding="same", name=pool_name)(x)
     for stage, (blocks, stage_filters, stride) in enumerate(
         zip(BLOCKS_PER_STAGE[depth], filters, STAGE_STRIDES), start=1
     ):
@@ -55,6 +63,14 @@ def resnet_backbone(inputs, depth: int, width: float, regularizer=None, all_proj
 def build(inputs, backbone, regularizer):
     """The registry's entry (models/backbones.py): `backbone` is the spec's model.backbone."""
     return resnet_backbone(inputs, backbone.depth, backbone.width, regularizer, backbone.all_projections)
+
+
+def block_of(layer_name: str) -> int | None:
+    """The freeze_blocks number of a backbone layer; None for a layer outside the backbone."""
+    if layer_name in STEM_LAYERS:
+        return 0
+    match = _STAGE_LAYER.match(layer_name)
+    return int(match.group(1)) if match else None
 
 
 def label(backbone) -> str:
