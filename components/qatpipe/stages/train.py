@@ -25,6 +25,7 @@ SUMMARY_FILE = "train_summary.json"
 LOG_FILE = "training_log.csv"
 WORLD_FILE = "world.json"  # how many data-parallel processes wrote the checkpoints
 TENSORBOARD_DIR = "tensorboard"  # the event files of Keras's TensorBoard callback
+PRETRAINED_REPORT = "pretrained_report.json"  # what model.pretrained loaded (models/pretrained.py's LoadReport)
 
 
 # What a checkpoint's weights, optimizer state and data stream depend on: resuming across a change of any of
@@ -32,7 +33,7 @@ TENSORBOARD_DIR = "tensorboard"  # the event files of Keras's TensorBoard callba
 _RESUME_MUST_MATCH = (
     "model.arch", "model.backbone", "model.regularizer", "model.loss", "model.target", "dataset.classes",
     "dataset.train", "dataset.image_size", "augmentation", "train.batch_size", "train.seed", "train.optimizer",
-    "train.momentum", "train.learning_rate", "qat",
+    "train.momentum", "train.learning_rate", "qat", "model.freeze_blocks", "model.freeze_bn",
 )
 
 # model.loss keys added after checkpoints were written, and what a spec.yaml without them trained with
@@ -117,6 +118,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
 
     from qatpipe.data.pipeline import steps_per_epoch, train_dataset
     from qatpipe.models import get_architecture
+    from qatpipe.models.pretrained import check_freeze_blocks, freeze, load_pretrained
     from qatpipe.tracking.live import live_curves
     from qatpipe.training.callbacks import CheckpointEveryN, EpochLog, ProgressLogger
     from qatpipe.training.distributed import init_world
@@ -133,11 +135,21 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     precision = configure_precision(spec.train.use_amp if use_amp is None else use_amp)
     keras.utils.set_random_seed(spec.train.seed)
 
+    # checked before the data: a bad weights file or block number fails the run before any epoch
+    pretrained = _pretrained_file(spec, results_dir) if model is None else None
+    check_freeze_blocks(spec.model.backbone, spec.model.freeze_blocks)
     samples = load_split(spec, "train")
     arch = get_architecture(spec)
-    model = model if model is not None else arch.build_model()  # a new model takes the global policy
+    if model is None:
+        model = arch.build_model()  # a new model takes the global policy
+        if pretrained:
+            report = load_pretrained(model, spec.model.pretrained, spec.model.backbone, resolved=pretrained)
+            if world.is_chief:
+                write_json(results_dir / PRETRAINED_REPORT, report.to_dict())
     if model_policy(model) != precision.policy:  # a loaded (pruned) model keeps the one it was built under
         model = cast_model(model, precision.policy)
+    # frozen blocks stay frozen in every retrain, QAT too: layers are found by name
+    freeze(model, spec.model.backbone, spec.model.freeze_blocks, spec.model.freeze_bn)
 
     steps = steps_per_epoch(len(samples), spec.train.batch_size, world.size)
     # the optimizer the model trains with (under Horovod, the wrapper that averages gradients) is the one
@@ -223,6 +235,20 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     _write_tracking_record(spec, results_dir, summary, stage_name)
     log.info("model saved: %s (%d params)", model_path, summary["params"])
     return summary
+
+
+def _pretrained_file(spec: ExperimentSpec, results_dir: Path) -> str | None:
+    """model.pretrained checked and made local (an s3:// file downloaded), for a new model; None when it is
+    not set or the run resumes from a checkpoint (whose weights win)."""
+    from qatpipe.models.pretrained import resolve_pretrained
+    from qatpipe.training.checkpoints import checkpoint_prefixes
+
+    if not spec.model.pretrained:
+        return None
+    if checkpoint_prefixes(results_dir / CHECKPOINT_DIR):
+        log.info("model.pretrained is not loaded: the run resumes from its checkpoint")
+        return None
+    return resolve_pretrained(spec.model.pretrained, spec.model.backbone, spec.dataset.cache_dir)
 
 
 def _resume(spec: ExperimentSpec, results_dir: Path, checkpoint, latest: str | None, epoch_var, world) -> int:
@@ -315,7 +341,8 @@ def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dic
     StageRecord(
         stage=stage_name, params={**flatten(sections), "precision": summary["precision"]}, metrics=metrics,
         history=history_from_csv(results_dir / LOG_FILE),
-        artifacts=[MODEL_FILE, LOG_FILE, SUMMARY_FILE, SPEC_FILE],
+        artifacts=[MODEL_FILE, LOG_FILE, SUMMARY_FILE, SPEC_FILE,
+                   *([PRETRAINED_REPORT] if (results_dir / PRETRAINED_REPORT).is_file() else [])],
         tags={"qatpipe.kept": summary["kept"], **(findings_tags(diagnostics["findings"]) if diagnostics else {})},
     ).write(results_dir)
 
