@@ -192,7 +192,7 @@ def read_kitti_dataset(
         if not label_path.is_file():
             raise DataError(label_path, f"label file not found for image {shown(image_path.name)}")
         if not follow_symlinks:
-            _check_inside(root, (image_path, label_path), key)
+            check_inside(root, (image_path, label_path), key)
         width, height = read_image_size(image_path, verify=verify_images)
         boxes, classes = parse_label_file(label_path, class_map, width, height, tolerance)
         samples.append(KittiSample(image_path, label_path, height, width, boxes, classes))
@@ -205,7 +205,7 @@ def read_kitti_dataset(
     return samples
 
 
-def _check_inside(root: Path, paths: tuple[Path, ...], key: str) -> None:
+def check_inside(root: Path, paths: tuple[Path, ...], key: str) -> None:
     """Refuse a file that resolves outside the data set folder `root` (resolved): a link must not make the
     pipeline read, and echo, files elsewhere on the machine."""
     for path in paths:

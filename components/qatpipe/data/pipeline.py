@@ -18,11 +18,11 @@ from qatpipe.models.base import DetectorArchitecture
 from qatpipe.spec import AugmentationSpec, ExperimentSpec
 
 _GREY = 0.5  # fill for the area a zoom-out or shift reveals
-_PARALLEL_CALLS = max(2, min(8, os.cpu_count() or 2))
+PARALLEL_CALLS = max(2, min(8, os.cpu_count() or 2))
 _PREFETCH_BATCHES = 2
 
 
-def _finish(ds: tf.data.Dataset) -> tf.data.Dataset:
+def prefetched(ds: tf.data.Dataset) -> tf.data.Dataset:
     """Prefetch, with tf.data autotuning off.
 
     Autotuning buys nothing here (decoding runs ~10x faster than a training step), and with it on, TF 2.21
@@ -161,8 +161,8 @@ def train_dataset(
         return image, arch.encode(boxes, classes)
 
     ds = tf.data.Dataset.range(initial_epoch, train.epochs).flat_map(epoch_indices)
-    ds = ds.map(load, num_parallel_calls=_PARALLEL_CALLS, deterministic=True)
-    return _finish(ds.batch(train.batch_size, drop_remainder=True)), steps
+    ds = ds.map(load, num_parallel_calls=PARALLEL_CALLS, deterministic=True)
+    return prefetched(ds.batch(train.batch_size, drop_remainder=True)), steps
 
 
 def eval_dataset(samples: list[KittiSample], spec: ExperimentSpec, batch_size: int | None = None) -> tf.data.Dataset:
@@ -174,8 +174,8 @@ def eval_dataset(samples: list[KittiSample], spec: ExperimentSpec, batch_size: i
         image = decode_image_file(path)
         return tf.image.resize(image, (size.height, size.width))
 
-    ds = tf.data.Dataset.from_tensor_slices(paths).map(load, num_parallel_calls=_PARALLEL_CALLS)
-    return _finish(ds.batch(batch_size or spec.evaluate.batch_size))
+    ds = tf.data.Dataset.from_tensor_slices(paths).map(load, num_parallel_calls=PARALLEL_CALLS)
+    return prefetched(ds.batch(batch_size or spec.evaluate.batch_size))
 
 
 def eval_targets(samples: list[KittiSample], spec: ExperimentSpec, arch: DetectorArchitecture,
@@ -191,5 +191,5 @@ def eval_targets(samples: list[KittiSample], spec: ExperimentSpec, arch: Detecto
     limits = np.array([size.width, size.height] * 2, np.float32)
     boxes = np.clip(packed["boxes"] * scale[:, None, :], 0, limits)  # as training clips them (padding stays 0)
     ds = tf.data.Dataset.from_tensor_slices((boxes, packed["classes"])).map(
-        arch.encode, num_parallel_calls=_PARALLEL_CALLS)
-    return _finish(ds.batch(batch_size or spec.evaluate.batch_size))
+        arch.encode, num_parallel_calls=PARALLEL_CALLS)
+    return prefetched(ds.batch(batch_size or spec.evaluate.batch_size))

@@ -21,7 +21,7 @@ COVERAGE = "output_cov"
 BBOX = "output_bbox"
 
 
-def _regularizer(spec: ExperimentSpec):
+def weight_regularizer(spec: ExperimentSpec):
     reg = spec.model.regularizer
     if reg.type == "none" or reg.weight == 0:
         return None
@@ -47,7 +47,7 @@ class DetectNetV2(DetectorArchitecture):
     def build_model(self) -> keras.Model:
         backbone = self.spec.model.backbone
         module = backbone_module(backbone.name)
-        regularizer = _regularizer(self.spec)
+        regularizer = weight_regularizer(self.spec)
         inputs = keras.Input((self.height, self.width, 3), name=INPUT_NAME)
         features = module.build(inputs, backbone, regularizer)
         bbox = keras.layers.Conv2D(4 * self.num_classes, 1, name="conv_bbox", kernel_regularizer=regularizer)(

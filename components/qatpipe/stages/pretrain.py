@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from qatpipe.data.kitti import IMAGE_EXTENSIONS, ClassMap, _check_inside, read_image_size, read_kitti_dataset
+from qatpipe.boxes import iou_matrix
+from qatpipe.data.kitti import IMAGE_EXTENSIONS, ClassMap, check_inside, read_image_size, read_kitti_dataset
 from qatpipe.data.storage import resolve_dataset_dir
 from qatpipe.errors import DataError, QatpipeError, SpecError, shown
 from qatpipe.fileio import write_json
@@ -146,14 +147,7 @@ def _normalised(box, width: int, height: int) -> tuple[float, float, float, floa
 
 def box_iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
     """IoU of one x1 y1 x2 y2 box with each of `boxes` (N, 4)."""
-    if not len(boxes):
-        return np.zeros((0,), np.float64)
-    ix = np.clip(np.minimum(box[2], boxes[:, 2]) - np.maximum(box[0], boxes[:, 0]), 0, None)
-    iy = np.clip(np.minimum(box[3], boxes[:, 3]) - np.maximum(box[1], boxes[:, 1]), 0, None)
-    inter = ix * iy
-    area = (box[2] - box[0]) * (box[3] - box[1])
-    areas = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
-    return inter / np.maximum(area + areas - inter, 1e-9)
+    return iou_matrix(np.asarray(box, np.float64)[None], np.asarray(boxes, np.float64).reshape(-1, 4))[0]
 
 
 def kitti_crops(folder: Path, spec: ExperimentSpec, key: str) -> tuple[int, list[Crop]]:
@@ -225,7 +219,7 @@ def folder_crops(folder: Path, spec: ExperimentSpec, key: str) -> list[Crop]:
         raise DataError(folder, f"{key}: no images: {hint}")
     if not spec.dataset.follow_symlinks:
         for path, _ in found:
-            _check_inside(root, (path,), key)
+            check_inside(root, (path,), key)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         for index, _ in enumerate(pool.map(read_image_size, (path for path, _ in found)), start=1):
             if index % 2000 == 0:
@@ -276,13 +270,13 @@ def build_classifier(spec: ExperimentSpec, num_classes: int, crop_size: int | No
 
     from qatpipe.models.backbones import backbone_module
     from qatpipe.models.base import INPUT_NAME
-    from qatpipe.models.detectnet_v2 import _regularizer
+    from qatpipe.models.detectnet_v2 import weight_regularizer
 
     backbone = spec.model.backbone
     module = backbone_module(backbone.name)
     size = crop_size or spec.pretrain.crop_size
     inputs = keras.Input((size, size, 3), name=INPUT_NAME)
-    features = module.build(inputs, backbone, _regularizer(spec))
+    features = module.build(inputs, backbone, weight_regularizer(spec))
     pooled = keras.layers.GlobalAveragePooling2D(name=POOL_LAYER)(features)
     # float32 logits keep the loss stable under mixed precision
     logits = keras.layers.Dense(num_classes, name=LOGITS_LAYER, dtype="float32")(pooled)
@@ -304,7 +298,7 @@ def crop_dataset(crops: list[Crop], class_ids: dict[str, int], crop_size: int, b
     and a small colour jitter per crop; crops are decoded once and kept in memory when they fit in CACHE_BYTES."""
     import tensorflow as tf
 
-    from qatpipe.data.pipeline import _PARALLEL_CALLS, _finish, decode_image_file
+    from qatpipe.data.pipeline import PARALLEL_CALLS, decode_image_file, prefetched
 
     n = len(crops)
     paths = tf.constant([crop.image for crop in crops])
@@ -331,20 +325,20 @@ def crop_dataset(crops: list[Crop], class_ids: dict[str, int], crop_size: int, b
 
     ds = tf.data.Dataset.range(n)
     if cached:
-        ds = ds.map(load, num_parallel_calls=_PARALLEL_CALLS, deterministic=True).cache()
+        ds = ds.map(load, num_parallel_calls=PARALLEL_CALLS, deterministic=True).cache()
         if training:
             ds = ds.shuffle(n, seed=seed, reshuffle_each_iteration=True)
     else:
         if training:
             ds = ds.shuffle(n, seed=seed, reshuffle_each_iteration=True)
-        ds = ds.map(load, num_parallel_calls=_PARALLEL_CALLS, deterministic=True)
+        ds = ds.map(load, num_parallel_calls=PARALLEL_CALLS, deterministic=True)
     if training:
         pairs = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
         ds = tf.data.Dataset.zip((ds, pairs)).map(lambda example, pair: augment(*example, pair),
-                                                  num_parallel_calls=_PARALLEL_CALLS, deterministic=True)
+                                                  num_parallel_calls=PARALLEL_CALLS, deterministic=True)
     else:
         ds = ds.map(lambda crop, label: (tf.image.convert_image_dtype(crop, tf.float32), label))
-    return _finish(ds.batch(batch_size))
+    return prefetched(ds.batch(batch_size))
 
 
 # --------------------------------------------------------------------------------------------------- stage
