@@ -21,7 +21,7 @@ SECTION = "## Using the stages like TAO"
 # README line (a fragment of it) -> why it does not run here
 NOT_RUN = {"--set ptq.tool=modelopt": "Model Optimizer runs in its own environment: test_ptq_modelopt.py"}
 # what the walkthrough must show; a README that loses one of these fails the test
-VERBS = {"train", "evaluate", "prune", "retrain", "export", "ptq", "build-engine", "bench-engine", "validate",
+VERBS = {"pretrain", "train", "evaluate", "prune", "retrain", "export", "ptq", "build-engine", "bench-engine", "validate",
          "spec show", "data synth"}
 # every `-e` command gets these: one epoch each without validation during training, 32 + 16 synthetic images
 # (made once, cached in the folder), and a gate that passes whatever one epoch learnt (the gate itself:
