@@ -89,15 +89,11 @@ class _OpenClassMap(ClassMap):
     (appended to `classes`, a list here), after dataset.class_mapping and dataset.ignore_classes."""
 
     def class_id(self, name: str) -> int | None:
-        key = name.lower()
-        if key in self.ignored:
-            return None
-        target = self.mapping.get(key, name)
-        for index, known in enumerate(self.classes):
-            if known.lower() == target.lower():
-                return index
-        self.classes.append(target)
-        return len(self.classes) - 1
+        try:
+            return super().class_id(name)
+        except KeyError:
+            self.classes.append(self.mapping.get(name.lower(), name))
+            return len(self.classes) - 1
 
 
 def _class_map(spec: ExperimentSpec) -> _OpenClassMap:
