@@ -412,6 +412,7 @@ def _add_prune_command(sub) -> None:
 
 def _add_deployment_commands(sub) -> None:
     """`qatpipe export | ptq | build-engine | bench-engine | validate`: a trained model to a validated engine."""
+    from qatpipe.engines import BACKENDS
     from qatpipe.spec import EngineSpec, field_choices
 
     export = sub.add_parser("export", help="export a model to ONNX (tf2onnx), checked in ONNX Runtime")
@@ -426,7 +427,7 @@ def _add_deployment_commands(sub) -> None:
     engine = sub.add_parser("build-engine", help="build an inference engine from an ONNX model",
                             description="Settings: the spec's `engine` section (batch profile, workspace, fp16).")
     _add_model_conversion_args(engine, "the ONNX model", "the engine folder to write")
-    engine.add_argument("--backend", choices=field_choices(EngineSpec, "backend"),
+    engine.add_argument("--backend", choices=("auto", *BACKENDS),
                         help="default: engine.backend (auto: TensorRT with a GPU, else ONNX Runtime)")
     engine.set_defaults(func=cmd_build_engine, writes=lambda a: a.output)
 

@@ -396,7 +396,8 @@ class EngineBenchSpec(_Section):
 class EngineSpec(_Section):
     """Engine build: TensorRT with a GPU, ONNX Runtime anywhere (`auto` picks)."""
 
-    backend: Literal["auto", "tensorrt", "onnxruntime"] = "auto"
+    backend: str = Field("auto", description="auto, or a backend of engines/__init__.py's BACKENDS (tensorrt, "
+                                             "onnxruntime)")
     min_batch: int = Field(1, ge=1, description="TensorRT optimisation profile for the dynamic batch")
     opt_batch: int = Field(8, ge=1)
     max_batch: int = Field(16, ge=1)
@@ -418,6 +419,14 @@ class EngineSpec(_Section):
         if not self.min_batch <= self.opt_batch <= self.max_batch:
             raise ValueError(f"engine: need min_batch <= opt_batch <= max_batch, got {self.min_batch}, "
                              f"{self.opt_batch}, {self.max_batch}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> "EngineSpec":
+        from qatpipe.engines import BACKENDS
+
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r} is not an engine backend: one of auto, {', '.join(BACKENDS)}")
         return self
 
 
