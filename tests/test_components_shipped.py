@@ -7,6 +7,7 @@ mistake and still pass; here such a body fails. train and evaluate run this way 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,37 @@ def test_light_components_run_from_their_shipped_source(tmp_path, monkeypatch, e
         "synthetic/train", "synthetic/val"}
 
 
+@pytest.mark.timeout(900)
+def test_train_starts_from_the_runs_own_pretrain_stage(tmp_path, monkeypatch):
+    """model.pretrained: pipeline:pretrain through kfp.local, as the pipeline wires it: the pretrain stage trains
+    the backbone on the prepared set's crops, and train loads its weights.keras (its report says what loaded)."""
+    from qatpipe_kfp.pretrain.component import pretrain
+    from qatpipe_kfp.train.component import train
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    overrides = ["dataset.synthetic.train_images=24", "dataset.synthetic.val_images=4", "train.epochs=1",
+                 "train.validation_interval=0", "model.pretrained=pipeline:pretrain", "pretrain.epochs=1"]
+
+    @dsl.pipeline
+    def pretrained_start():
+        specs = resolve_spec(spec_uri="tiny", overrides=overrides)
+        data = prepare_data(data_spec=specs.outputs["data_spec"])
+        weights = pretrain(pretrain_spec=specs.outputs["pretrain_spec"], dataset=data.outputs["dataset"])
+        train(train_spec=specs.outputs["train_spec"], dataset=data.outputs["dataset"],
+              pretrained=weights.outputs["weights"])
+
+    local.init(local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "kfp"))
+    pretrained_start()
+
+    (summary,) = (tmp_path / "kfp").rglob("pretrain_summary.json")
+    assert json.loads(summary.read_text())["crops"] > 24  # objects and background crops of 24 images
+    (report,) = (tmp_path / "kfp").rglob("pretrained_report.json")
+    loaded = json.loads(report.read_text())
+    assert loaded["source"].endswith("weights.keras") and summary.parent.name in loaded["source"]
+    assert len(loaded["loaded"]) > 10 and loaded["random_backbone"] == [] and loaded["skipped"] == []
+
+
 def test_compiled_components_describe_every_input_and_output():
     """The KFP UI shows each component input's and output's description, which KFP parses from the component's
     docstring: inputs from `Args:`, and outputs (return values and `Output[...]` artifacts alike) only from
@@ -106,7 +138,11 @@ def test_every_component_folder_has_metadata_matching_its_function():
 
     root = Path(__file__).resolve().parents[1] / "components" / "qatpipe_kfp"
     folders = sorted(f for f in root.iterdir() if (f / "component.py").is_file())
-    assert len(folders) == 17
+    # every folder is a component of the compiled pipeline, and every component there has its folder
+    compiled = next(yaml.safe_load_all((root.parents[1] / "pipelines" / "qat_pipeline.yaml").read_text()))
+    used = {re.sub(r"-\d+$", "", name.removeprefix("comp-")).replace("-", "_")
+            for name, component in compiled["components"].items() if "dag" not in component}
+    assert {folder.name for folder in folders} == used
     for folder in folders:
         assert {"README.md", "metadata.yaml", "test_component.py"} <= {p.name for p in folder.iterdir()}, folder.name
         metadata = yaml.safe_load((folder / "metadata.yaml").read_text())

@@ -8,10 +8,9 @@ from qatpipe_kfp.settings import component
 
 @component
 def pretrain(pretrain_spec: str, dataset: Input[Dataset], weights: Output[Model], metrics: Output[Metrics]):
-    """Pretrain the detector's backbone as a classifier of the data set's object and background crops, when the
-    spec asks for it.
+    """Pretrain the detector's backbone as a classifier of the data's object crops, when the spec asks for it.
 
-    Runs only when the spec's model.pretrained is `pipeline:pretrain`: train then starts from these weights. Any
+    The classes are the data set's, plus background crops. Runs only when the spec's model.pretrained is `pipeline:pretrain`: train then starts from these weights. Any
     other value (none, a file, keras:imagenet) skips it in a second, and train reads model.pretrained itself.
 
     Args:
