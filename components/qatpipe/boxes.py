@@ -1,6 +1,7 @@
 """Box maths in NumPy, shared by the detectors' decoders and the metrics: IoU, non-maximum suppression, TAO's DBSCAN
-clustering, and the boxes a grid head's cells predict. No TensorFlow here, so that metrics/ and the decoders run
-wherever NumPy does (an SSD's prior-box encoding and decoding belong here too)."""
+clustering, the boxes a grid head's cells predict, and SSD's prior boxes with their offset encoding. No
+TensorFlow here, so that metrics/ and the decoders run wherever NumPy does (models/ssd.py mirrors `encode_offsets`
+in TensorFlow for the tf.data targets, and export/ssd_boxes.py as ONNX ops)."""
 
 from __future__ import annotations
 
@@ -81,4 +82,86 @@ def dbscan_cluster(
     return out_boxes[order], out_scores[order]
 
 
-__all__ = ["cell_boxes", "dbscan_cluster", "iou_matrix", "nms"]
+# ------------------------------------------------------------------------------------------------- SSD
+
+
+def prior_boxes(image_hw: tuple[int, int], map_hws: list[tuple[int, int]], scales: list[float],
+                ratios: list[list[float]], two_boxes_for_ar1: bool, clip: bool) -> np.ndarray:
+    """SSD's priors (P, 4) as centre x, centre y, width, height, fractions of the image: map by map, cell by cell
+    (row-major), then per aspect ratio (the second ar-1 box right after the first), the order of the heads'
+    reshaped outputs. A prior of map k is scales[k] x the image's shorter side, w/h = the ratio; the second
+    ar-1 box is sqrt(scales[k] x scales[k+1]) (TAO, Liu et al. 2016)."""
+    height, width = image_hw
+    side = min(height, width)
+    out = []
+    for k, (map_h, map_w) in enumerate(map_hws):
+        sizes = []  # (w, h) in pixels of each prior of one cell
+        for ratio in ratios[k]:
+            sizes.append((scales[k] * side * np.sqrt(ratio), scales[k] * side / np.sqrt(ratio)))
+            if ratio == 1.0 and two_boxes_for_ar1:
+                extra = np.sqrt(scales[k] * scales[k + 1]) * side
+                sizes.append((extra, extra))
+        wh = np.array(sizes, np.float64) / [width, height]
+        cy, cx = np.meshgrid((np.arange(map_h) + 0.5) / map_h, (np.arange(map_w) + 0.5) / map_w, indexing="ij")
+        centres = np.stack([cx.ravel(), cy.ravel()], axis=1)  # (cells, 2)
+        cells = np.concatenate([np.repeat(centres, len(wh), axis=0), np.tile(wh, (len(centres), 1))], axis=1)
+        out.append(cells)
+    priors = np.concatenate(out).astype(np.float32)
+    if clip:
+        priors = corners_to_centres(np.clip(centres_to_corners(priors), 0.0, 1.0))
+    return priors
+
+
+def priors_per_cell(ratios: list[float], two_boxes_for_ar1: bool) -> int:
+    return len(ratios) + (1 if two_boxes_for_ar1 and 1.0 in ratios else 0)
+
+
+def centres_to_corners(boxes: np.ndarray) -> np.ndarray:
+    """cx cy w h -> x1 y1 x2 y2 (last axis)."""
+    half = boxes[..., 2:] / 2
+    return np.concatenate([boxes[..., :2] - half, boxes[..., :2] + half], axis=-1)
+
+
+def corners_to_centres(boxes: np.ndarray) -> np.ndarray:
+    """x1 y1 x2 y2 -> cx cy w h (last axis)."""
+    return np.concatenate([(boxes[..., :2] + boxes[..., 2:]) / 2, boxes[..., 2:] - boxes[..., :2]], axis=-1)
+
+
+def encode_offsets(boxes: np.ndarray, priors: np.ndarray, variances) -> np.ndarray:
+    """Boxes (..., 4) cx cy w h against priors (..., 4) -> the offsets the box head regresses: the centre shift
+    in prior sizes and the log size ratio, each divided by its variance (SSD's encoding, TAO's variances)."""
+    v = np.asarray(variances, np.float32)
+    return np.concatenate([(boxes[..., :2] - priors[..., :2]) / priors[..., 2:] / v[:2],
+                           np.log(np.maximum(boxes[..., 2:], 1e-8) / priors[..., 2:]) / v[2:]], axis=-1)
+
+
+def decode_offsets(offsets: np.ndarray, priors: np.ndarray, variances) -> np.ndarray:
+    """The inverse of `encode_offsets`: offsets (..., 4) -> boxes cx cy w h."""
+    v = np.asarray(variances, np.float32)
+    return np.concatenate([priors[..., :2] + offsets[..., :2] * v[:2] * priors[..., 2:],
+                           priors[..., 2:] * np.exp(np.clip(offsets[..., 2:] * v[2:], -10.0, 10.0))], axis=-1)
+
+
+def per_class_nms(boxes: np.ndarray, scores: np.ndarray, confidence_threshold: float, top_k: int, nms_iou: float,
+                  max_detections: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One image's boxes (P, 4) and class scores (P, C) -> kept boxes, scores and class ids, best first: per
+    class the priors above the threshold, its top_k, greedy NMS; then the best max_detections overall."""
+    kept_boxes, kept_scores, kept_classes = [], [], []
+    for c in range(scores.shape[1]):
+        candidates = np.nonzero(scores[:, c] > confidence_threshold)[0]
+        if len(candidates) == 0:
+            continue
+        candidates = candidates[np.argsort(-scores[candidates, c], kind="stable")[:top_k]]
+        class_boxes, class_scores = nms(boxes[candidates], scores[candidates, c], nms_iou)
+        kept_boxes.append(class_boxes)
+        kept_scores.append(class_scores)
+        kept_classes.append(np.full(len(class_scores), c, np.int32))
+    if not kept_scores:
+        return np.zeros((0, 4), np.float32), np.zeros(0, np.float32), np.zeros(0, np.int32)
+    boxes, scores, classes = (np.concatenate(kept_boxes), np.concatenate(kept_scores), np.concatenate(kept_classes))
+    order = np.argsort(-scores, kind="stable")[:max_detections]
+    return boxes[order].astype(np.float32), scores[order].astype(np.float32), classes[order]
+
+
+__all__ = ["cell_boxes", "centres_to_corners", "corners_to_centres", "dbscan_cluster", "decode_offsets",
+           "encode_offsets", "iou_matrix", "nms", "per_class_nms", "prior_boxes", "priors_per_cell"]

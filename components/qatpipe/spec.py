@@ -25,8 +25,9 @@ class _Section(BaseModel):
 
 
 class ImageSize(_Section):
-    height: int = Field(192, ge=32, description="network input height (multiple of the output stride)")
-    width: int = Field(320, ge=32, description="network input width (multiple of the output stride)")
+    height: int = Field(192, ge=32, description="network input height (a multiple of the model's largest "
+                                                "stride: 16 for detectnet_v2)")
+    width: int = Field(320, ge=32, description="network input width (a multiple of the model's largest stride)")
 
 
 class SyntheticDataSpec(_Section):
@@ -194,11 +195,125 @@ class DetectNetV2Spec(_ArchitectureSpec):
     decoder: DecoderSpec = Field(default_factory=DecoderSpec)
     loss: LossSpec = Field(default_factory=LossSpec)
 
+    @property
+    def size_multiple(self) -> int:
+        """dataset.image_size must be a multiple of this: the output grid's stride."""
+        return OUTPUT_STRIDE
+
+
+# ---------------------------------------------------------------------------------------------- SSD
+
+
+class SsdPriorSpec(_Section):
+    """SSD's feature maps and their prior (anchor) boxes, with TAO's keys (models/ssd.py, docs/ssd.md).
+
+    One feature map per stride in `feature_strides`: the backbone's at 8 and 16, extra stride-2 layers above.
+    A map's priors are centred on its cells; their size is scale x the image's shorter side, shaped by each
+    aspect ratio (w/h); with two_boxes_for_ar1 a second square prior of sqrt(scale_k x scale_k+1) follows."""
+
+    feature_strides: list[Literal[8, 16, 32, 64, 128]] = Field(
+        default_factory=lambda: [8, 16, 32, 64], min_length=1,
+        description="the maps' strides, increasing: 8 and 16 come from the backbone, larger ones from extra "
+        "stride-2 layers")
+    scales: list[float] = Field(
+        default_factory=lambda: [0.08, 0.18, 0.36, 0.6, 0.9],
+        description="prior size per map as a fraction of the image's shorter side, one per map plus one more "
+        "(the last map's second ar-1 prior); increasing, in (0, 1]")
+    aspect_ratios_global: list[float] = Field(
+        default_factory=lambda: [1.0, 2.0, 0.5], description="prior width/height ratios of every map (TAO)")
+    aspect_ratios: list[list[float]] | None = Field(
+        None, description="per-map aspect ratios instead of aspect_ratios_global, one list per map (TAO)")
+    two_boxes_for_ar1: bool = Field(True, description="a second, larger square prior per cell (TAO)")
+    variances: list[float] = Field(
+        default_factory=lambda: [0.1, 0.1, 0.2, 0.2], min_length=4, max_length=4,
+        description="the box offsets' divisors: centre x, y, log width, log height (TAO)")
+    clip_boxes: bool = Field(False, description="clip the priors to the image (TAO)")
+    extra_filters: int = Field(256, ge=8, description="channels of the extra stride-2 layers")
+    fpn: bool = Field(False, description="a top-down path: each map adds its upsampled coarser neighbour "
+                                         "(SSD320 v1.2, RetinaNet)")
+    fpn_filters: int = Field(128, ge=8, description="channels of every map when fpn is on")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SsdPriorSpec":
+        strides = self.feature_strides
+        if strides != sorted(set(strides)):
+            raise ValueError(f"feature_strides {strides} must increase without repeats")
+        if len(self.scales) != len(strides) + 1:
+            raise ValueError(f"scales has {len(self.scales)} values; feature_strides has {len(strides)} maps, so "
+                             f"it needs {len(strides) + 1} (one per map and one more)")
+        if any(not 0 < s <= 1 for s in self.scales) or self.scales != sorted(self.scales):
+            raise ValueError(f"scales {self.scales} must increase within (0, 1]: a prior is a fraction of the "
+                             "image's shorter side")
+        ratio_lists = self.aspect_ratios or [self.aspect_ratios_global]
+        if self.aspect_ratios is not None and len(self.aspect_ratios) != len(strides):
+            raise ValueError(f"aspect_ratios has {len(self.aspect_ratios)} lists for {len(strides)} maps")
+        for ratios in ratio_lists:
+            if not ratios or any(not 1 / 8 <= r <= 8 for r in ratios):
+                raise ValueError(f"aspect ratios {ratios} must be non-empty, each within [1/8, 8]")
+        if any(v <= 0 for v in self.variances):
+            raise ValueError(f"variances {self.variances} must be positive")
+        return self
+
+    def ratios_of(self, index: int) -> list[float]:
+        return (self.aspect_ratios or [self.aspect_ratios_global] * len(self.feature_strides))[index]
+
+
+class SsdTargetSpec(_Section):
+    """Ground truth -> per-prior targets: each object's best prior, and every prior above pos_iou_threshold."""
+
+    pos_iou_threshold: float = Field(0.5, gt=0, le=1, description="priors at or above this IoU with an object "
+                                                                   "regress it")
+    neg_iou_limit: float = Field(0.4, gt=0, le=1, description="priors below this IoU with every object are "
+                                 "background; between the two they are ignored")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SsdTargetSpec":
+        if self.neg_iou_limit > self.pos_iou_threshold:
+            raise ValueError(f"neg_iou_limit {self.neg_iou_limit} > pos_iou_threshold {self.pos_iou_threshold}")
+        return self
+
+
+class SsdLossSpec(_Section):
+    type: Literal["hard_negative_mining", "focal"] = Field(
+        "hard_negative_mining", description="hard_negative_mining: softmax cross-entropy on the positives and the "
+        "neg_pos_ratio x as many hardest background priors (TAO); focal: focal loss on every prior (RetinaNet)")
+    neg_pos_ratio: float = Field(3.0, gt=0, description="background priors kept per positive (TAO's 3)")
+    alpha: float = Field(1.0, gt=0, description="weight of the smooth-L1 box loss (TAO's alpha)")
+    focal_gamma: float = Field(2.0, ge=0)
+    focal_alpha: float = Field(0.25, gt=0, lt=1, description="focal: the object classes' weight; background "
+                                                              "gets 1 - focal_alpha")
+
+
+class SsdDecoderSpec(_Section):
+    """Network outputs -> boxes: per class, confident priors, top-k, NMS; then the best max_detections."""
+
+    confidence_threshold: float = Field(0.01, ge=0, le=1, description="low for mAP, like TAO's evaluation")
+    top_k: int = Field(200, ge=1, description="candidates per class before NMS")
+    nms_iou: float = Field(0.5, gt=0, le=1)
+    max_detections: int = Field(100, ge=1)
+
+
+class SsdSpec(_ArchitectureSpec):
+    """The model section when model.arch is ssd: multi-scale heads on the backbone (models/ssd.py)."""
+
+    arch: Literal["ssd"]
+    backbone: BackboneSpec = Field(default_factory=BackboneSpec)
+    regularizer: RegularizerSpec = Field(default_factory=RegularizerSpec)
+    ssd: SsdPriorSpec = Field(default_factory=SsdPriorSpec)
+    target: SsdTargetSpec = Field(default_factory=SsdTargetSpec)
+    loss: SsdLossSpec = Field(default_factory=SsdLossSpec)
+    decoder: SsdDecoderSpec = Field(default_factory=SsdDecoderSpec)
+
+    @property
+    def size_multiple(self) -> int:
+        """the largest map's stride: the top-down path (fpn) doubles each map to its finer neighbour's size"""
+        return max(self.ssd.feature_strides)
+
 
 # The model section is one of the architectures' own sections, picked by its `arch` (absent: DEFAULT_ARCH):
 # a new architecture adds its section class to ARCHITECTURE_SPECS, its package to qatpipe.models and its line
 # to qatpipe.models.get_architecture's table; nothing else in the spec changes.
-ARCHITECTURE_SPECS = {"detectnet_v2": DetectNetV2Spec}
+ARCHITECTURE_SPECS = {"detectnet_v2": DetectNetV2Spec, "ssd": SsdSpec}
 DEFAULT_ARCH = "detectnet_v2"
 
 
@@ -494,11 +609,11 @@ class ExperimentSpec(_Section):
 
     @model_validator(mode="after")
     def _check_stride(self) -> "ExperimentSpec":
-        size = self.dataset.image_size
-        if size.height % OUTPUT_STRIDE or size.width % OUTPUT_STRIDE:
+        size, multiple = self.dataset.image_size, self.model.size_multiple
+        if size.height % multiple or size.width % multiple:
             raise ValueError(
-                f"dataset.image_size {size.height}x{size.width} must be a multiple of the output stride "
-                f"{OUTPUT_STRIDE}"
+                f"dataset.image_size {size.height}x{size.width} must be a multiple of {multiple}, model.arch "
+                f"{self.model.arch}'s largest stride"
             )
         return self
 

@@ -5,8 +5,9 @@ their input's set through, and so does a depthwise convolution: it filters each 
 channels follow its input's (TAO's rule), and its kernel is sliced along with them. An Add or a Multiply
 joins the sets of its inputs into one group, because TensorRT, and arithmetic, need both operands to keep
 the same channels: that is why TAO equalises residual blocks, and why a squeeze-excitation block's expand
-conv is tied to the features it scales. The model input's channels are never pruned, nor are groups that
-reach a model output or contain an excluded conv.
+conv is tied to the features it scales. A Reshape or a Concatenate (SSD's heads, flattened to priors and
+joined across maps) keeps what it reads whole: its output's layout depends on every channel. The model input's
+channels are never pruned, nor are groups that reach a model output or contain an excluded conv.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from qatpipe.models.graph import LayerGraph
 # layers that keep their input's channels one-to-one
 PASSTHROUGH = (keras.layers.BatchNormalization, keras.layers.Activation, keras.layers.ReLU,
                keras.layers.MaxPooling2D, keras.layers.AveragePooling2D, keras.layers.Dropout,
-               keras.layers.GlobalAveragePooling2D, keras.layers.GlobalMaxPooling2D)
+               keras.layers.GlobalAveragePooling2D, keras.layers.GlobalMaxPooling2D, keras.layers.UpSampling2D)
 PRODUCERS = (keras.layers.Conv2D, keras.layers.Dense)  # exact types: their last weight axis is the channels
 MERGES = (keras.layers.Add, keras.layers.Multiply)
+LAYOUT_CHANGES = (keras.layers.Reshape, keras.layers.Concatenate)  # the channels they read stay whole
 
 
 @dataclass
@@ -91,6 +93,12 @@ def analyse(model: keras.Model, excluded: set[str]) -> ChannelGraph:
                 if other_root != root:
                     parent[other_root] = root
             out_group[layer.name] = root
+        elif type(layer) in LAYOUT_CHANGES:
+            for source in sources:
+                if source >= 0:
+                    frozen[source] = frozen.get(source, f"{layer.name} ({type(layer).__name__}) reads them")
+            out_group[layer.name] = new_group()
+            frozen[out_group[layer.name]] = f"{layer.name} ({type(layer).__name__}) writes them"
         else:
             raise ModelFileError(f"layer {layer.name} ({type(layer).__name__}) is not supported by pruning")
     for output in model.outputs:
