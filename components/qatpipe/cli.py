@@ -337,9 +337,11 @@ def _add_data_commands(sub) -> None:
     synth.add_argument("--height", type=int, default=field_default(ImageSize, "height"))
     synth.add_argument("--width", type=int, default=field_default(ImageSize, "width"))
     synth.add_argument("--kind", choices=sorted(KINDS), default=field_default(SyntheticDataSpec, "kind"),
-                       help="shapes (3 classes by outline); glyphs, photos (10 classes by internal detail)")
+                       help="shapes (3 classes by outline); glyphs, photos (10 classes by internal detail); "
+                            "traffic (10 imbalanced classes in crowded scenes)")
     synth.add_argument("--object-height", type=float, nargs=2, metavar=("MIN", "MAX"),
-                       help="object box sizes in px at a 192-px-high image (default: the kind's)")
+                       help="object box sizes in px at a 192-px-high image: heights (shapes), sides (glyphs, "
+                            "photos) or widths (traffic); default: the kind's")
     synth.add_argument("--overwrite", action="store_true", help="replace existing train/val folders")
     synth.set_defaults(func=cmd_data_synth, writes=lambda a: a.out)
 

@@ -270,14 +270,20 @@ class _Pen:
 
 
 def _render_parts(rng: np.random.Generator, cls: str, box_w: float, box_h: float) -> np.ndarray:
-    """Part-id map of one object at SS resolution, with a random sub-pixel offset and a 1-px margin."""
+    """Part-id map of one object of class `cls` (render_parts)."""
+    draw = {"car": _draw_car, "pedestrian": _draw_pedestrian, "cyclist": _draw_cyclist}[cls]
+    return render_parts(rng, draw, box_w, box_h)
+
+
+def render_parts(rng: np.random.Generator, draw, box_w: float, box_h: float) -> np.ndarray:
+    """Part-id map (uint8, SS resolution) of the object `draw(rng, pen, w, h)` draws into a box_w x box_h box, with
+    a random sub-pixel offset, a random mirror and a 1-px margin; the traffic set (traffic.py) draws with it too."""
     off_x, off_y = rng.uniform(1.0, 2.0, 2)
     cw = int(math.ceil(off_x + box_w)) + 2
     ch = int(math.ceil(off_y + box_h)) + 2
     img = Image.new("L", (cw * _SS, ch * _SS), 0)
     pen = _Pen(ImageDraw.Draw(img), off_x * _SS, off_y * _SS, box_w * _SS, bool(rng.random() < 0.5))
-    w, h = box_w * _SS, box_h * _SS
-    {"car": _draw_car, "pedestrian": _draw_pedestrian, "cyclist": _draw_cyclist}[cls](rng, pen, w, h)
+    draw(rng, pen, box_w * _SS, box_h * _SS)
     return np.asarray(img)
 
 

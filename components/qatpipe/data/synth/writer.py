@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 from PIL import Image
 
-from qatpipe.data.synth import detail, shapes
+from qatpipe.data.synth import detail, shapes, traffic
 from qatpipe.errors import QatpipeError
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,11 @@ def write_synthetic_dataset(
     Refuses (QatpipeError) to replace a non-empty `train`/`val` folder unless `overwrite`. Each split is
     written to a temporary sibling folder and renamed into place when complete. `workers` is the number
     of processes (default: up to 2 for large sets); it does not change the output. `object_height_px` is the
-    (min, max) object box height at a 192-px-high image (default: the kind's); sizes are drawn log-uniformly
-    and scaled with the height. `kind` picks the data set (KINDS): `shapes` (shapes.py), or `glyphs` and
-    `photos`, whose classes differ only in internal detail (detail.py).
+    (min, max) object box height at a 192-px-high image (default: the kind's; the box side for glyphs and photos,
+    the box width for traffic); sizes are drawn log-uniformly (traffic's tilted to larger) and scaled with the
+    height. `kind` picks the data set (KINDS): `shapes` (shapes.py), `glyphs` and `photos`, whose classes
+    differ only in internal detail (detail.py), or `traffic`, crowded street scenes of ten imbalanced classes
+    (traffic.py).
 
     Returns {"out_dir", "classes", "image_height", "image_width", "seed", "splits": {split: {"images",
     "objects", "empty_images", "per_class", "occluded", "truncated"}}, "per_class", "seconds"}.
@@ -241,4 +243,5 @@ KINDS = {
     "glyphs_shift": SyntheticKind(detail.GLYPH_CLASSES, detail.generate_glyphs, detail.DETAIL_OBJECT_PX,
                                   functools.partial(detail.generate_glyphs, fonts=detail.SHIFTED_GLYPH_FONTS)),
     "photos": SyntheticKind(detail.TEXTURE_CLASSES, detail.generate_photos, detail.DETAIL_OBJECT_PX),
+    "traffic": SyntheticKind(traffic.TRAFFIC_CLASSES, traffic.generate_traffic, traffic.TRAFFIC_OBJECT_PX),
 }
