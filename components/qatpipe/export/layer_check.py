@@ -48,7 +48,7 @@ class LayerMapping:
     kind: str  # the Keras class name
     quantized: bool
     output: str  # the ONNX tensor of the layer's output
-    inputs: dict[str, str] = field(default_factory=dict)  # ONNX tensor -> the layer whose output feeds it
+    inputs: dict[str, str] = field(default_factory=dict)  # ONNX tensor -> the layer whose output it holds
     quantized_inputs: dict[str, float] = field(default_factory=dict)  # of those, the quantized ones -> amax
     output_quantized: bool = False
 
@@ -105,15 +105,21 @@ def map_layers(model, proto) -> tuple[list[LayerMapping], dict[str, str]]:
         return False
 
     exit_of: dict[str, str] = {}  # layer -> the ONNX tensor holding its output
+    # layer -> the layer whose TensorFlow output that tensor holds: itself, or for a layer without nodes of its
+    # own, its input's. Such a layer is an identity, or one whose nodes tf2onnx renamed (an UpSampling2D's Resize
+    # becomes Resize__N): the layer reading it then takes its nodes along, fed the value before them.
+    value_of: dict[str, str] = {}
     skipped: dict[str, str] = {}
     for layer in model.layers:
         own = nodes_of.get(layer.name, [])
+        value_of[layer.name] = layer.name
         if not own:  # the input layer, identities: their output is their input's tensor
             inbound = _inbound(layer)
             if not inbound:
                 exit_of[layer.name] = graph_input
             elif len(inbound) == 1 and inbound[0].name in exit_of:
                 exit_of[layer.name] = exit_of[inbound[0].name]
+                value_of[layer.name] = value_of[inbound[0].name]
             skipped[layer.name] = NO_NODES
             continue
         readers = set()
@@ -147,7 +153,7 @@ def map_layers(model, proto) -> tuple[list[LayerMapping], dict[str, str]]:
             if inbound.name not in exit_of:
                 skipped[layer.name] = f"its input {inbound.name} has no mapping"
                 break
-            inputs[exit_of[inbound.name]] = inbound.name
+            inputs[exit_of[inbound.name]] = value_of[inbound.name]
             if index in ranges:
                 quantized_inputs[exit_of[inbound.name]] = ranges[index]
         else:

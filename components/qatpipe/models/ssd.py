@@ -65,10 +65,13 @@ class SSD(DetectorArchitecture):
             maps = self._top_down(maps, regularizer)
         cls_heads, loc_heads = [], []
         for stride, anchors, features in zip(self.strides, self.anchors, maps):
-            cls = keras.layers.Conv2D(anchors * (1 + self.num_classes), 3, padding="same",
-                                      name=f"ssd_conv_cls_{stride}", kernel_regularizer=regularizer)(features)
-            loc = keras.layers.Conv2D(anchors * 4, 3, padding="same", name=f"ssd_conv_loc_{stride}",
-                                      kernel_regularizer=regularizer)(features)
+            # small initial kernels (RetinaNet's): the heads start at their biases, background for the classes
+            def head(filters, name):
+                return keras.layers.Conv2D(filters, 3, padding="same", name=name, kernel_regularizer=regularizer,
+                                           kernel_initializer=keras.initializers.RandomNormal(stddev=0.01))
+
+            cls = head(anchors * (1 + self.num_classes), f"ssd_conv_cls_{stride}")(features)
+            loc = head(anchors * 4, f"ssd_conv_loc_{stride}")(features)
             cls_heads.append(keras.layers.Reshape((-1, 1 + self.num_classes), name=f"ssd_cls_reshape_{stride}")(cls))
             loc_heads.append(keras.layers.Reshape((-1, 4), name=f"ssd_loc_reshape_{stride}")(loc))
         if len(self.strides) > 1:

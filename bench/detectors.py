@@ -1,0 +1,136 @@
+"""Benchmark: DetectNet_v2 against SSD on each synthetic data set (issue 35).
+
+    python bench/detectors.py [--work DIR] [--kinds KIND ...] [--archs ARCH ...] [--train-only] [--set KEY=VALUE ...]
+
+For each data set kind (default: shapes, glyphs, photos, traffic) and each model.arch (default: detectnet_v2,
+ssd) it runs `qatpipe run --local` on the default spec with only `dataset.synthetic.kind`, the kind's classes and
+`model.arch` changed (plus the `--set` overrides, the same for every run; no per-set tuning), and prints per run:
+FP32 / PTQ / QAT mAP@0.5 with 95% bootstrap CIs, QAT - FP32 with its CI, AP@0.5 of the objects under 28 px wide
+(class-aware and class-agnostic, pycocotools with the width as the area range), the training time and the whole
+run's wall time. `--train-only` runs train + evaluate (FP32, unpruned) instead of the whole pipeline.
+Writes WORK/bench_detectors.json.
+
+Targets: SSD FP32 mAP@0.5 >= 0.85 on every set; on traffic, SSD's AP@0.5 under 28 px >= DetectNet_v2's + 20
+points; SSD QAT - FP32 >= -0.5 points; SSD's run within 1.5x DetectNet_v2's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+from pathlib import Path
+
+from pretrained import map50_ci, run_pipeline, train_and_evaluate  # bench/pretrained.py, beside this script
+
+KINDS = ("shapes", "glyphs", "photos", "traffic")
+ARCHS = ("detectnet_v2", "ssd")
+SMALL_PX = 28  # the issue's small-object boundary: box width in input pixels
+
+log = logging.getLogger("bench")
+
+
+def kind_sets(kind: str) -> list[str]:
+    from qatpipe.data.synth import KINDS as SYNTH_KINDS
+
+    classes = SYNTH_KINDS[kind].classes
+    return [f"dataset.synthetic.kind={kind}", f"dataset.classes=[{', '.join(classes)}]"]
+
+
+def small_object_ap(evaluation: Path, max_width: float = SMALL_PX) -> dict:
+    """AP@0.5 over the val objects narrower than `max_width` px: pycocotools with each box's width as its "area",
+    so wider objects, and unmatched detections wider than the limit, are ignored (COCO's area-range rule).
+    Class-aware (mAP over classes with such objects) and class-agnostic (every category merged)."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE
+
+    dataset = json.loads((evaluation / GROUND_TRUTH_FILE).read_text())
+    results = json.loads((evaluation / DETECTIONS_FILE).read_text())
+    figures = {"objects": sum(a["bbox"][2] < max_width for a in dataset["annotations"])}
+    for agnostic in (False, True):
+        data = json.loads(json.dumps(dataset))
+        dets = json.loads(json.dumps(results))
+        if agnostic:
+            data["categories"] = [{"id": 1, "name": "object"}]
+            for item in (*data["annotations"], *dets):
+                item["category_id"] = 1
+        for item in data["annotations"]:
+            item["area"] = item["bbox"][2]
+        with contextlib.redirect_stdout(io.StringIO()):
+            coco = COCO()
+            coco.dataset = data
+            coco.createIndex()
+            found = coco.loadRes(dets) if dets else COCO()
+            for det in found.dataset.get("annotations", []):
+                det["area"] = det["bbox"][2]
+            evaluator = COCOeval(coco, found, "bbox")
+            evaluator.params.areaRng, evaluator.params.areaRngLbl = [[0, max_width]], ["small"]
+            evaluator.params.iouThrs = evaluator.params.iouThrs[:1]  # 0.5
+            evaluator.params.maxDets = [100]
+            evaluator.evaluate()
+            evaluator.accumulate()
+        precision = evaluator.eval["precision"][0, :, :, 0, 0]  # (recall, class)
+        per_class = [precision[:, k][precision[:, k] > -1].mean() for k in range(precision.shape[1])
+                     if (precision[:, k] > -1).any()]
+        figures["agnostic" if agnostic else "map50"] = round(float(sum(per_class) / len(per_class)), 4) \
+            if per_class else None
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path("bench_work/detectors"))
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
+    parser.add_argument("--train-only", action="store_true", help="train + evaluate (FP32) instead of the pipeline")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    os.environ.setdefault("MLFLOW_TRACKING_URI", (args.work / "mlruns").resolve().as_uri())
+    args.work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for kind in args.kinds:
+        for arch in args.archs:
+            name = f"{kind}_{arch}"
+            sets = [*kind_sets(kind), f"model.arch={arch}", *args.overrides]
+            runner = train_and_evaluate if args.train_only else run_pipeline
+            row = {"kind": kind, "arch": arch, **runner(name, args.work, sets)}
+            row["small"] = small_object_ap(Path(row["evaluation"]))
+            if "map50_ci95" not in row["variants"]["fp32"] or row["variants"]["fp32"]["map50_ci95"] is None:
+                row["variants"]["fp32"]["map50_ci95"] = map50_ci(Path(row["evaluation"]))
+            rows.append(row)
+            (args.work / "bench_detectors.json").write_text(json.dumps(rows, indent=2) + "\n")
+            log.info("%s: %s", name, json.dumps({k: row[k] for k in ("variants", "small")}))
+    report(rows)
+
+
+def _ci(ci) -> str:
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "n/a"
+
+
+def report(rows: list[dict]) -> None:
+    print(f"\ndata set  arch          variant  mAP@0.5  95% CI            AP@0.5 <{SMALL_PX}px (agnostic, objects)  "
+          "train s  run s")
+    for row in rows:
+        small = row["small"]
+        for name, v in row["variants"].items():
+            print(f"{row['kind']:<9} {row['arch']:<13} {name:<8} {v['map50']:.4f}   {_ci(v.get('map50_ci95')):<17} "
+                  f"{small['map50'] if name == 'fp32' and small['map50'] is not None else float('nan'):.4f} "
+                  f"({small['agnostic'] if small['agnostic'] is not None else float('nan'):.4f}, "
+                  f"{small['objects']})          {row.get('train_seconds') or 0:>7.0f}  "
+                  f"{row.get('wall_seconds') or 0:>5.0f}")
+    for row in rows:
+        c = row.get("comparisons", {}).get("qat-fp32", {}).get("map50")
+        if c:
+            print(f"{row['kind']:<9} {row['arch']:<13} qat - fp32 {100 * c['diff']:+.2f} points "
+                  f"[{100 * c['ci95'][0]:+.2f}, {100 * c['ci95'][1]:+.2f}]")
+
+
+if __name__ == "__main__":
+    main()
