@@ -258,3 +258,17 @@ def test_the_qat_onnx_passes_the_rule_and_layer_checks(tmp_path):
     # every Add quantizes its inputs: the backbone's residual adds and the top-down path's
     assert len(check.residual_adds) == sum(type(layer) is keras.layers.Add for layer in model.layers)
     assert layer_differences(qat, onnx.load(path), images)["failed"] == []
+
+
+def test_a_resume_refuses_other_priors_and_accepts_the_same_ssd_spec(tmp_path):
+    from qatpipe.errors import QatpipeError
+    from qatpipe.spec import dump_spec
+    from qatpipe.stages.train import SPEC_FILE, _check_resume_compatible
+
+    dump_spec(ssd_spec(), tmp_path / SPEC_FILE)
+    _check_resume_compatible(tmp_path, ssd_spec())  # the same spec resumes
+    with pytest.raises(QatpipeError, match=r"whose model\.ssd differs from this spec"):
+        _check_resume_compatible(tmp_path, ssd_spec("model.ssd.two_boxes_for_ar1=false"))
+    with pytest.raises(QatpipeError, match=r"whose model\.arch, model\.loss, model\.target, model\.ssd differs"):
+        _check_resume_compatible(tmp_path, load_spec(bundled_spec_path("tiny"), ["dataset.image_size.height=128",
+                                                                                 "dataset.image_size.width=192"]))

@@ -31,17 +31,21 @@ PRETRAINED_REPORT = "pretrained_report.json"  # what model.pretrained loaded (mo
 # What a checkpoint's weights, optimizer state and data stream depend on: resuming across a change of any of
 # these would silently mix two experiments. `train.epochs` may change (to extend a run).
 _RESUME_MUST_MATCH = (
-    "model.arch", "model.backbone", "model.regularizer", "model.loss", "model.target", "dataset.classes",
-    "dataset.train", "dataset.image_size", "augmentation", "train.batch_size", "train.seed", "train.optimizer",
-    "train.momentum", "train.learning_rate", "qat", "model.freeze_blocks", "model.freeze_bn",
+    "model.arch", "model.backbone", "model.regularizer", "model.loss", "model.target", "model.ssd",
+    "dataset.classes", "dataset.train", "dataset.image_size", "augmentation", "train.batch_size", "train.seed",
+    "train.optimizer", "train.momentum", "train.learning_rate", "qat", "model.freeze_blocks", "model.freeze_bn",
 )
 
-# model.loss keys added after checkpoints were written, and what a spec.yaml without them trained with
+# DetectNet_v2's model.loss keys added after checkpoints were written, and what a spec.yaml without them trained
+# with
 _LOSS_KEYS_ADDED_LATER = {"coverage_normalizer": "cells", "class_weight": 0.0}
 
 
 def _dotted(data: dict, key: str):
+    """The value at a dotted key; None where the spec has no such key (model.ssd of a DetectNet_v2)."""
     for part in key.split("."):
+        if part not in data:
+            return None
         data = data[part]
     return data
 
@@ -62,7 +66,8 @@ def _check_resume_compatible(results_dir: Path, spec: ExperimentSpec, processes:
     previous_spec = load_spec(previous_path)
     previous_text = previous_path.read_text()
     for key, meant in _LOSS_KEYS_ADDED_LATER.items():
-        if key not in previous_text:  # written before model.loss.<key> existed: trained as `meant` says
+        # written before model.loss.<key> existed: trained as `meant` says
+        if previous_spec.model.arch == "detectnet_v2" and key not in previous_text:
             setattr(previous_spec.model.loss, key, meant)
     previous, current = previous_spec.to_dict(), spec.to_dict()
     changed = [key for key in _RESUME_MUST_MATCH if _dotted(previous, key) != _dotted(current, key)]
