@@ -272,3 +272,9 @@ def test_a_resume_refuses_other_priors_and_accepts_the_same_ssd_spec(tmp_path):
     with pytest.raises(QatpipeError, match=r"whose model\.arch, model\.loss, model\.target, model\.ssd differs"):
         _check_resume_compatible(tmp_path, load_spec(bundled_spec_path("tiny"), ["dataset.image_size.height=128",
                                                                                  "dataset.image_size.width=192"]))
+
+
+def test_the_registered_model_is_named_after_the_arch_unless_the_spec_names_it():
+    assert ssd_spec().tracking.registered_model == "qatpipe-ssd"
+    assert load_spec(bundled_spec_path("tiny")).tracking.registered_model == "qatpipe-detectnet-v2"
+    assert ssd_spec("tracking.registered_model=mine").tracking.registered_model == "mine"

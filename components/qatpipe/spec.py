@@ -581,7 +581,8 @@ class ValidateSpec(_Section):
 
 class TrackingSpec(_Section):
     experiment: str = "qatpipe"
-    registered_model: str = Field("qatpipe-detectnet-v2", description="MLflow registry name of the validated model")
+    registered_model: str | None = Field(None, description="MLflow registry name of the validated model; None: "
+                                                           "qatpipe-<model.arch> (qatpipe-detectnet-v2, qatpipe-ssd)")
     champion_alias: str = Field("champion", pattern=r"^[A-Za-z][\w-]*$",
                                 description="registry alias of the QAT version that passed the gate (the one it "
                                             "replaces keeps previous-<alias>; a failed one gets challenger)")
@@ -616,6 +617,12 @@ class ExperimentSpec(_Section):
                 f"dataset.image_size {size.height}x{size.width} must be a multiple of {multiple}, model.arch "
                 f"{self.model.arch}'s largest stride"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _name_the_registered_model(self) -> "ExperimentSpec":
+        if self.tracking.registered_model is None:
+            self.tracking.registered_model = f"qatpipe-{self.model.arch.replace('_', '-')}"
         return self
 
     @property
