@@ -47,6 +47,7 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
     calibration cache pair, and a tracking.json for the pipeline); fail if ONNX Runtime disagrees with
     TensorFlow on sample inputs."""
     from qatpipe.export.onnx_export import export_onnx, output_differences, rounding_sensitivity, tf_outputs
+    from qatpipe.export.ssd_boxes import write_export_metadata
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
     from qatpipe.quantization.layers import is_quantized_model
@@ -58,8 +59,9 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
     model = load_keras_model(model_path, get_architecture(spec))
     qat = is_quantized_model(model)
     export_onnx(model, output_path, spec.export.opset)
+    metadata = write_export_metadata(spec, output_path)  # an SSD's decoding, for the engine backends
     report = {"model": str(model_path), "onnx": str(output_path), "opset": spec.export.opset,
-              "quantization": "explicit int8 (QAT)" if qat else "none (FP32)"}
+              "quantization": "explicit int8 (QAT)" if qat else "none (FP32)", "metadata": sorted(metadata)}
     if qat:
         report.update(_finish_qat_export(spec, output_path))
     elif spec.export.target == "dla":

@@ -30,7 +30,7 @@ def ptq(spec: ExperimentSpec, fp32_onnx: str | Path, output: str | Path) -> dict
     report["source"] = str(fp32_onnx)
     output = Path(output)
     report["quantized_by"] = quantized_by(report)
-    report["qdq_check"] = _finish(output, report["quantized_by"])
+    report["qdq_check"] = _finish(output, report["quantized_by"], Path(fp32_onnx))
     metrics = {"calibration_images": report["calibration_images"], "size_mb": report["size_mb"],
                "quantized_layers": len(report["qdq_check"]["quantized"])}
     artifacts = [output.name]
@@ -68,21 +68,25 @@ def quantized_by(report: dict) -> str:
     return f"{report['tool']} {report['versions'][TOOL_PACKAGES[report['tool']]]}, {report['method']}"
 
 
-def _finish(model_path: Path, made_by: str) -> dict:
+def _finish(model_path: Path, made_by: str, source: Path) -> dict:
     """Check the PTQ model against TensorRT's explicit-quantization rules (export/qdq.py), as every Q/DQ ONNX the
     project ships: a model that breaks them is an error naming the rules it breaks. Then record what made it in
-    its metadata (QUANTIZED_BY_KEY; validate and compare show it). Returns the check."""
+    its metadata (QUANTIZED_BY_KEY; validate and compare show it), over the FP32 model's own (`source`'s: an
+    SSD's decoding, export/ssd_boxes.py), which a quantizer may drop. Returns the check."""
     import onnx
 
     from qatpipe.export.onnx_export import save_onnx
     from qatpipe.export.qdq import check_explicit_quantization
+    from qatpipe.onnx_model import load_onnx_proto
 
     model = onnx.load(model_path)
     check = check_explicit_quantization(model)
     if check.problems:
         raise QatpipeError(f"{model_path}: the PTQ model ({made_by}) breaks TensorRT's Q/DQ rules: "
                            f"{'; '.join(check.problems[:5])}")
-    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, QUANTIZED_BY_KEY: made_by})
+    inherited = {p.key: p.value for p in load_onnx_proto(source).metadata_props}
+    onnx.helper.set_model_props(model, {**inherited, **{p.key: p.value for p in model.metadata_props},
+                                        QUANTIZED_BY_KEY: made_by})
     save_onnx(model, model_path)
     log.info("PTQ model (%s): %d quantized Conv/Gemm, %d float, %d Add nodes with a quantized input", made_by,
              len(check.quantized), len(check.float_), len(check.residual_adds))
