@@ -444,8 +444,8 @@ def test_deepstream_config_for_the_validated_model(engines, tmp_path):
     layout = nvinfer_layout(spec, get_architecture(spec))
     assert values["cluster-mode"] == "2" and values["topk"] == str(spec.model.decoder.max_detections)
     assert set(layout.properties()) | set(layout.class_attributes()) <= set(text.splitlines())
-    with pytest.raises(QatpipeError, match="model.arch ssd: no DeepStream nvinfer layout"):
-        nvinfer_layout(SimpleNamespace(model=SimpleNamespace(arch="ssd")), None)
+    with pytest.raises(QatpipeError, match="model.arch yolo: no DeepStream nvinfer layout"):
+        nvinfer_layout(SimpleNamespace(model=SimpleNamespace(arch="yolo")), None)
 
 
 def test_deepstream_model_decodes_to_the_same_boxes_with_nvinfers_parser(engines, tmp_path):
