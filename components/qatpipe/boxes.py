@@ -85,6 +85,14 @@ def dbscan_cluster(
 # ------------------------------------------------------------------------------------------------- SSD
 
 
+# An engine that runs SSD's NMS itself (engines/tensorrt_backend.py) outputs its results instead of the heads:
+# NMS_INDICES (K, 3) int32 rows of (image in the batch, class id without the background, prior), best first within
+# each image; NMS_BOXES (K, 4) their boxes, x1 y1 x2 y2 as fractions of the image; NMS_SCORES (K,) their scores;
+# NMS_IMAGES (N,) each image's highest class score before NMS, which carries the batch size (an image may keep
+# nothing). models/ssd.py's decode reads either form.
+NMS_INDICES, NMS_BOXES, NMS_SCORES, NMS_IMAGES = "nms_indices", "nms_boxes", "nms_scores", "nms_image_scores"
+
+
 def prior_boxes(image_hw: tuple[int, int], map_hws: list[tuple[int, int]], scales: list[float],
                 ratios: list[list[float]], two_boxes_for_ar1: bool, clip: bool) -> np.ndarray:
     """SSD's priors (P, 4) as centre x, centre y, width, height, fractions of the image: map by map, cell by cell
@@ -163,5 +171,6 @@ def per_class_nms(boxes: np.ndarray, scores: np.ndarray, confidence_threshold: f
     return boxes[order].astype(np.float32), scores[order].astype(np.float32), classes[order]
 
 
-__all__ = ["cell_boxes", "centres_to_corners", "corners_to_centres", "dbscan_cluster", "decode_offsets",
-           "encode_offsets", "iou_matrix", "nms", "per_class_nms", "prior_boxes", "priors_per_cell"]
+__all__ = ["NMS_BOXES", "NMS_IMAGES", "NMS_INDICES", "NMS_SCORES", "cell_boxes", "centres_to_corners",
+           "corners_to_centres", "dbscan_cluster", "decode_offsets", "encode_offsets", "iou_matrix", "nms",
+           "per_class_nms", "prior_boxes", "priors_per_cell"]

@@ -47,14 +47,17 @@ def onnx_forward(model_path: Path, arch):
 
 
 def engine_forward(engine_dir: Path, arch):
-    """An engine's forward pass for `predict` and the engine file, after checking its outputs."""
+    """An engine's forward pass for `predict` and the engine file, after checking that the architecture decodes
+    its outputs: its heads, or what an engine makes of them (an SSD's TensorRT engine outputs its NMS results)."""
     from qatpipe.engines import load_engine
 
     runner = load_engine(engine_dir)
     probe = runner.run(np.zeros((1, *arch.input_hw, 3), np.float32))
-    missing = [name for name in arch.output_names if name not in probe]
-    if missing:
-        raise ModelFileError(f"{engine_dir}: engine outputs {sorted(probe)} lack {missing}")
+    try:
+        arch.decode(probe)
+    except KeyError as exc:
+        missing = [name for name in arch.output_names if name not in probe] or [exc.args[0]]
+        raise ModelFileError(f"{engine_dir}: engine outputs {sorted(probe)} lack {missing}") from None
     return (lambda batch: runner.run(batch.numpy())), engine_dir / runner.metadata.engine_file
 
 

@@ -6,6 +6,10 @@ builder flags). The FP32 model builds in FP16 on TensorRT 10 (BuilderFlag.FP16) 
 Every engine gets an optimisation profile for the dynamic batch, a workspace limit and a timing cache, and
 its metadata records the TensorRT version and GPU: an engine only runs where it was built.
 
+An SSD's ONNX (one whose metadata carries its decoding, export/ssd_boxes.py) builds with its NMS in the engine:
+the decoded boxes added to the graph before parsing, then TensorRT's INMSLayer on them (`add_ssd_nms`); the engine
+outputs the NMS results (boxes.NMS_INDICES and company) instead of the heads, which models/ssd.py's decode reads.
+
 A DLA form (export.target dla, export/dla.py) builds for Jetson Orin's DLA on TensorRT 10: DeviceType.DLA on
 `engine.dla_core`, INT8 from its full-tensor calibration cache and FP16 for the rest (implicit precision, which
 TensorRT 10 still has), GPU fallback as `engine.gpu_fallback` says, its fixed batch. TensorRT 11 builds DLA
@@ -120,6 +124,68 @@ def _configure_dla(trt, builder, config, dla: DlaBuild) -> str:
     return f"int8 (DLA core {dla.core}, calibration cache{', GPU fallback' if dla.gpu_fallback else ''})"
 
 
+def add_ssd_nms(trt, network, decoding) -> list:
+    """Replace the outputs of a parsed SSD network (with export/ssd_boxes.py's BOXES and SCORES) by TensorRT's NMS
+    on them: INMSLayer (TensorRT 8.6+, strongly typed or not) keeps per image and class the boxes scoring above
+    confidence_threshold and overlapping a better one by at most nms_iou, at most min(top_k, max_detections) of
+    each class, from the image's top_k x classes best (box, class) pairs (its TopK limit: 5000 at most); gathers
+    give their boxes and scores. Outputs: boxes.NMS_INDICES, NMS_BOXES, NMS_SCORES, NMS_IMAGES. Returns the
+    arrays behind the layers' weights, which must outlive the build."""
+    from qatpipe.boxes import NMS_BOXES, NMS_IMAGES, NMS_INDICES, NMS_SCORES
+    from qatpipe.export.ssd_boxes import BOXES, SCORES
+
+    if not hasattr(network, "add_nms"):
+        raise QatpipeError(f"TensorRT {trt.__version__} has no INMSLayer (TensorRT 8.6+): an SSD engine needs it")
+    outputs = {network.get_output(i).name: network.get_output(i) for i in range(network.num_outputs)}
+    boxes, scores = outputs[BOXES], outputs[SCORES]
+    for tensor in outputs.values():
+        network.unmark_output(tensor)
+    weights = []
+
+    def constant(values, dtype, shape=()):
+        weights.append(np.ascontiguousarray(values, dtype).reshape(-1))
+        return network.add_constant(shape, trt.Weights(weights[-1])).get_output(0)
+
+    per_class = constant([min(decoding.top_k, decoding.max_detections)], np.int32)
+    try:
+        nms = network.add_nms(boxes, scores, per_class, trt.int32)  # TensorRT 10.14+: the indices' type named
+    except TypeError:
+        nms = network.add_nms(boxes, scores, per_class)  # earlier: int32 indices
+    nms.bounding_box_format = trt.BoundingBoxFormat.CORNER_PAIRS  # x1 y1 x2 y2
+    nms.topk_box_limit = min(nms.topk_box_limit, decoding.top_k * decoding.num_classes)
+    nms.set_input(3, constant([decoding.nms_iou], np.float32))
+    nms.set_input(4, constant([decoding.confidence_threshold], np.float32))
+    indices = nms.get_output(0)  # (K, 3): image, class, box
+
+    def columns(picked):  # indices' columns in this order: (K, len(picked))
+        return network.add_gather(indices, constant(picked, np.int32, (len(picked),)), 1).get_output(0)
+
+    kept_boxes = network.add_gather_v2(boxes, columns([0, 2]), trt.GatherMode.ND).get_output(0)  # (K, 4)
+    kept_scores = network.add_gather_v2(scores, columns([0, 2, 1]), trt.GatherMode.ND).get_output(0)  # (K,)
+    best = network.add_reduce(scores, trt.ReduceOperation.MAX, 0b110, False).get_output(0)  # (N,)
+    for tensor, name in ((indices, NMS_INDICES), (kept_boxes, NMS_BOXES), (kept_scores, NMS_SCORES),
+                         (best, NMS_IMAGES)):
+        tensor.name = name
+        network.mark_output(tensor)
+    return weights
+
+
+def join_batches(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The outputs of consecutive chunks of one batch as the batch's: concatenated, with the image index of NMS
+    results (boxes.NMS_INDICES' first column) counted from the batch's start."""
+    from qatpipe.boxes import NMS_IMAGES, NMS_INDICES
+
+    start, joined = 0, {name: [] for name in parts[0]}
+    for part in parts:
+        for name, value in part.items():
+            if name == NMS_INDICES:
+                value = value.copy()
+                value[:, 0] += start
+            joined[name].append(value)
+        start += len(part[NMS_IMAGES]) if NMS_IMAGES in part else 0
+    return {name: np.concatenate(values) for name, values in joined.items()}
+
+
 class TensorRTRunner(EngineRunner):
     """Runs a deserialised engine through Polygraphy's TrtRunner (shipped with TensorRT's images), which
     owns the CUDA buffers and streams for both the TensorRT 10 and 11 execution APIs."""
@@ -134,8 +200,7 @@ class TensorRTRunner(EngineRunner):
 
     def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
         """Batches larger than the profile's max run in chunks (evaluation batches need not fit it)."""
-        parts = [self._infer(batch[i:i + self.max_batch]) for i in range(0, len(batch), self.max_batch)]
-        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+        return join_batches([self._infer(batch[i:i + self.max_batch]) for i in range(0, len(batch), self.max_batch)])
 
     def _infer(self, batch: np.ndarray) -> dict[str, np.ndarray]:
         outputs = self._runner.infer({self.metadata.input_name: np.ascontiguousarray(batch, np.float32)})
@@ -182,9 +247,11 @@ class TensorRTBackend(EngineBackend):
 
     def build(self, onnx_path: Path, folder: Path, settings) -> EngineMetadata:
         trt = _import_tensorrt()
+        from qatpipe.export.ssd_boxes import add_decoded_boxes, read_decoding
         from qatpipe.onnx_model import load_onnx_proto
 
         model = load_onnx_proto(onnx_path)
+        ssd = read_decoding(model)  # an SSD: its decoded boxes and NMS go into the engine
         quantized = is_explicitly_quantized(model)
         fp16_casts = any(node.op_type == "Cast" and any(a.name == "to" and a.i == 10 for a in node.attribute)
                          for node in model.graph.node)  # an FP16 form (export/fp16.py): its types decide
@@ -197,9 +264,12 @@ class TensorRTBackend(EngineBackend):
             flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
         network = builder.create_network(flags)
         parser = trt.OnnxParser(network, logger)
-        if not parser.parse(Path(onnx_path).read_bytes()):
+        source = (add_decoded_boxes(model, ssd.priors(), ssd.variances, scores=True).SerializeToString() if ssd
+                  else Path(onnx_path).read_bytes())
+        if not parser.parse(source):
             errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
             raise QatpipeError(f"{onnx_path}: TensorRT cannot parse the ONNX model: {errors}")
+        nms_weights = add_ssd_nms(trt, network, ssd) if ssd else None  # kept alive until the engine is built
         config = builder.create_builder_config()
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, settings.workspace_mb << 20)
         if dla is not None:
@@ -227,6 +297,7 @@ class TensorRTBackend(EngineBackend):
         config.set_timing_cache(timing_cache, ignore_mismatch=False)
         log.info("building TensorRT %s engine (%s) for %s", trt.__version__, precision, onnx_path)
         serialized = builder.build_serialized_network(network, config)
+        del nms_weights
         if serialized is None:
             raise QatpipeError(f"{onnx_path}: TensorRT could not build an engine (see the log above)")
         folder.mkdir(parents=True, exist_ok=True)
@@ -240,7 +311,10 @@ class TensorRTBackend(EngineBackend):
             device=gpu_name() or "unknown GPU", input_name=input_tensor.name,
             batch_profile=({"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch}
                            if dla is None else dict.fromkeys(("min", "opt", "max"), dla.batch)),
-            extra={"workspace_mb": settings.workspace_mb, "timing_cache": TIMING_CACHE_FILE},
+            extra={"workspace_mb": settings.workspace_mb, "timing_cache": TIMING_CACHE_FILE,
+                   **({"nms": {"layer": "INMSLayer", "confidence_threshold": ssd.confidence_threshold,
+                               "nms_iou": ssd.nms_iou, "top_k": ssd.top_k, "max_detections": ssd.max_detections}}
+                      if ssd else {})},
         )
         metadata.write(folder)
         return metadata

@@ -16,7 +16,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from qatpipe.boxes import centres_to_corners, decode_offsets, per_class_nms, prior_boxes, priors_per_cell
+from qatpipe.boxes import (NMS_BOXES, NMS_IMAGES, NMS_INDICES, NMS_SCORES, centres_to_corners, decode_offsets,
+                           per_class_nms, prior_boxes, priors_per_cell)
 from qatpipe.errors import ModelFileError
 from qatpipe.models.backbones import backbone_module
 from qatpipe.models.base import INPUT_NAME, Detections, DetectorArchitecture
@@ -213,9 +214,14 @@ class SSD(DetectorArchitecture):
     # ---------------------------------------------------------------------------------------- decoder
 
     def decode(self, outputs: dict[str, np.ndarray]) -> list[Detections]:
-        cls, loc = np.asarray(outputs[CLS]), np.asarray(outputs[LOC])
+        """The heads (output_cls, output_loc: per-class top-k and NMS here, in NumPy), or an engine's NMS results
+        (boxes.NMS_INDICES and company, engines/tensorrt_backend.py: the best max_detections of each image kept)
+        -> detections per image, in input pixels."""
         cfg = self.spec.model.decoder
         size = np.array([self.width, self.height, self.width, self.height], np.float32)
+        if NMS_INDICES in outputs:
+            return nms_detections(outputs, size, cfg.max_detections)
+        cls, loc = np.asarray(outputs[CLS]), np.asarray(outputs[LOC])
         detections = []
         for i in range(cls.shape[0]):
             boxes = centres_to_corners(decode_offsets(loc[i], self.priors, self.variances)) * size
@@ -224,6 +230,21 @@ class SSD(DetectorArchitecture):
                                                    cfg.nms_iou, cfg.max_detections)
             detections.append(Detections(boxes, scores, classes))
         return detections
+
+
+def nms_detections(outputs: dict[str, np.ndarray], size: np.ndarray, max_detections: int) -> list[Detections]:
+    """An engine's NMS results for a batch (boxes.NMS_INDICES, NMS_BOXES, NMS_SCORES, NMS_IMAGES) -> detections
+    per image: its rows, best first, at most max_detections, boxes scaled by `size` (w h w h) and clipped to it."""
+    indices = np.asarray(outputs[NMS_INDICES]).reshape(-1, 3)
+    boxes = np.asarray(outputs[NMS_BOXES], np.float32).reshape(-1, 4)
+    scores = np.asarray(outputs[NMS_SCORES], np.float32).reshape(-1)
+    detections = []
+    for image in range(len(outputs[NMS_IMAGES])):
+        rows = np.nonzero(indices[:, 0] == image)[0]
+        rows = rows[np.argsort(-scores[rows], kind="stable")[:max_detections]]
+        detections.append(Detections(np.clip(boxes[rows] * size, 0, size).astype(np.float32), scores[rows],
+                                     indices[rows, 1].astype(np.int32)))
+    return detections
 
 
 # ------------------------------------------------------------------------------------ TF box maths
