@@ -13,7 +13,8 @@ from qatpipe.errors import QatpipeError
 from qatpipe.fileio import write_json
 from qatpipe.metrics.coco import GroundTruth, evaluate_detections, write_coco_files
 from qatpipe.models.base import Detections
-from qatpipe.stages.compare import comparisons_from_metrics, compare_variants, pair_metrics, report, verdict
+from qatpipe.stages.compare import (comparisons_from_metrics, compare_variants, differences_figure, pair_metrics,
+                                    plot_differences, report, split_pair, verdict)
 from qatpipe.tracking.records import StageRecord
 
 CLASSES = ["car", "pedestrian", "cyclist"]
@@ -98,7 +99,9 @@ def test_compare_reports_differences_with_their_confidence_intervals(tmp_path, c
     cyclist = "| cyclist | 0 | n/a | n/a | n/a |"  # no ground truth: no AP
     assert cyclist in table
     assert (out / "accuracy_latency.png").stat().st_size > 5000
-    assert (out / "comparison.html").read_text().count("data:image/png;base64,") == 2
+    assert (out / "differences.png").stat().st_size > 5000  # the forest plot of the differences
+    # the forest plot, the bar chart and the accuracy-vs-latency chart
+    assert (out / "comparison.html").read_text().count("data:image/png;base64,") == 3
     assert "fp32 better" in caplog.text and "no significant difference" in caplog.text
 
     record = StageRecord.read(out)
@@ -106,13 +109,87 @@ def test_compare_reports_differences_with_their_confidence_intervals(tmp_path, c
     assert [record.metrics["qat-fp32.map50_ci95_lo"], record.metrics["qat-fp32.map50_ci95_hi"]] == diff["ci95"]
     assert record.metrics["fp32.map50_ci95_lo"] == row["map50_ci95_lo"]
     assert record.params["bootstrap_resamples"] == 1000 and record.params["bootstrap_seed"] == 5
-    assert "accuracy_latency.png" in record.artifacts
+    assert {"accuracy_latency.png", "differences.png", "comparison.png"} <= set(record.artifacts)
 
     again = compare_variants({"fp32": fp32, "ptq": ptq, "qat": qat}, tmp_path / "again", resamples=1000, seed=5)
     assert again["comparisons"] == summary["comparisons"]  # seeded
     other = compare_variants({"fp32": fp32, "qat": qat}, tmp_path / "other", resamples=1000, seed=6)
     assert list(other["comparisons"]) == ["qat-fp32"]  # only the pairs whose variants both were evaluated
     assert other["comparisons"]["qat-fp32"]["map50"]["ci95"] != diff["ci95"]
+
+
+def test_the_forest_plot_draws_every_pair_the_summary_holds(tmp_path):
+    """differences.png: one row per pair of summary.json's differences, whatever their names (here a fourth
+    variant's pair added by hand, as a future ptq-partial would bring it), each point at its difference in points
+    with its CI as a horizontal bar, coloured by where the CI lies, its figures printed beside it; TensorRT's
+    numbers as open diamonds in the same rows; the gate's budget dashed on the a-fp32 rows only."""
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import LineCollection
+
+    from qatpipe.stages.validate import REPORT_FILE as VALIDATION_FILE
+
+    truth, detections = random_evaluation(10, images=40, max_detections=8)
+    folders = {"fp32": _evaluation(tmp_path / "fp32", truth, detections)[0],
+               "ptq": _evaluation(tmp_path / "ptq", truth, detections)[0],
+               "qat": _evaluation(tmp_path / "qat", truth, _worse(detections))[0]}  # the CPU engine: worse
+    _evaluation(folders["qat"] / "tensorrt_emulated", truth, detections)  # TensorRT's numbers: as FP32
+    for name, folder in folders.items():
+        write_json(folder / VALIDATION_FILE, {"passed": name != "qat", "max_map_drop": 0.02})
+    summary = compare_variants(folders, tmp_path / "out", resamples=200, seed=0)
+    assert summary["max_map_drop"] == {"fp32": 0.02, "ptq": 0.02, "qat": 0.02}
+    assert (tmp_path / "out" / "differences.png").stat().st_size > 5000
+    assert "differences.png" in StageRecord.read(tmp_path / "out").artifacts
+
+    # a fourth variant: no code names it; its pair is a row like the others, with its own budget
+    summary["variants"]["ptq-partial"] = {"map50": 0.5}
+    summary["max_map_drop"]["ptq-partial"] = 0.03
+    summary["comparisons"]["ptq-partial-fp32"] = {"map50": {"diff": -0.012, "ci95": [-0.025, 0.004]},
+                                                  "map": {"diff": -0.01, "ci95": [-0.02, 0.001]}}
+    pairs = ["qat-fp32", "ptq-fp32", "qat-ptq", "ptq-partial-fp32"]
+    assert plot_differences(summary, tmp_path / "four.png").stat().st_size > 5000
+    fig = differences_figure(summary)
+    ax = fig.axes[0]
+    rows = {label.get_text(): y for label, y in zip(ax.get_yticklabels(), ax.get_yticks())}
+    assert sorted(rows, key=rows.get, reverse=True) == pairs  # one row each, top to bottom in the summary's order
+
+    def drawn(marker):
+        """(row, x, colour) of each point drawn with `marker`; the y offset within a row rounded away."""
+        return sorted((round(line.get_ydata()[0]), line.get_xdata()[0], line.get_color()) for line in ax.lines
+                      if line.get_marker() == marker)
+
+    engines = drawn("o")
+    assert [row for row, _, _ in engines] == sorted(rows.values())  # a point per row
+    for pair in pairs:
+        (_, x, colour), = [point for point in engines if point[0] == rows[pair]]
+        estimate = summary["comparisons"][pair]["map50"]
+        assert x == pytest.approx(100 * estimate["diff"])  # in points
+        side = "below" if estimate["ci95"][1] < 0 else "above" if estimate["ci95"][0] > 0 else "holds"
+        assert colour == {"below": "tab:red", "above": "tab:blue", "holds": "0.45"}[side]
+    assert dict((row, colour) for row, _, colour in engines)[rows["qat-fp32"]] == "tab:red"  # fp32 better
+    emulated = drawn("D")  # TensorRT's numbers, in the rows of the pairs they hold
+    assert [row for row, _, _ in emulated] == sorted(rows[pair] for pair in summary["comparisons_tensorrt_emulated"])
+    assert dict((row, x) for row, x, _ in emulated)[rows["qat-fp32"]] == 0.0  # as FP32 there
+    # the CI bars: a horizontal segment per point, from the CI's low to its high end, in points
+    bars = [segment for collection in ax.collections if not collection.get_linestyle()[0][1]
+            for segment in collection.get_segments() if segment[0][1] == segment[1][1]]
+    assert len(bars) == len(engines) + len(emulated)
+    low, high = summary["comparisons"]["qat-fp32"]["map50"]["ci95"]
+    assert any(np.allclose(segment[:, 0], [100 * low, 100 * high]) for segment in bars)
+    # the budget: dashed at -100 x max_map_drop, on the a-fp32 rows and no other
+    dashed = [segment for collection in ax.collections if isinstance(collection, LineCollection)
+              and collection.get_linestyle()[0][1] for segment in collection.get_segments()]
+    budget = {round(segment[:, 1].mean()): segment[0][0] for segment in dashed}
+    assert budget == {rows["qat-fp32"]: -2.0, rows["ptq-fp32"]: -2.0, rows["ptq-partial-fp32"]: -3.0}
+    assert any(line.get_xdata()[0] == 0 and line.get_linestyle() == "-" for line in ax.lines)  # the zero line
+    texts = [text.get_text() for text in ax.texts]  # the figures beside each point
+    qat_fp32 = summary["comparisons"]["qat-fp32"]["map50"]
+    assert (f"engine   {100 * qat_fp32['diff']:+6.2f} [{100 * qat_fp32['ci95'][0]:+6.2f}, "
+            f"{100 * qat_fp32['ci95'][1]:+6.2f}]  fp32 better") in texts
+    assert "engine    -1.20 [ -2.50,  +0.40]  no significant difference" in texts
+    assert "TensorRT  +0.00 [ +0.00,  +0.00]  no significant difference" in texts
+    assert len(texts) == len(engines) + len(emulated)
+    plt.close(fig)
+    assert differences_figure({"variants": {}, "comparisons": {}}) is None
 
 
 @pytest.mark.parametrize("spread", [0.0, 0.003, 0.01, None])
@@ -156,6 +233,8 @@ def test_without_detections_there_is_no_interval(tmp_path):
     assert "comparisons" not in summary and "bootstrap" not in summary
     assert "map50_ci95_lo" not in summary["variants"]["fp32"]
     assert not (tmp_path / "out" / "accuracy_latency.png").exists()  # no benchmark: no latency to plot
+    assert not (tmp_path / "out" / "differences.png").exists()  # no differences: no forest plot
+    assert "differences.png" not in StageRecord.read(tmp_path / "out").artifacts
     assert "Differences" not in (tmp_path / "out" / "comparison.md").read_text()
 
 
@@ -193,6 +272,11 @@ def test_flat_metrics_round_trip_and_verdicts():
     assert verdict("qat-fp32", [-0.03, 0.01]) == "no significant difference"
     assert verdict("qat-fp32", [0.005, 0.04]) == "qat better"
     assert verdict("qat-fp32", [-0.04, -0.005]) == "fp32 better"
+    # a variant's name may hold "-": the variants' names split the pair
+    assert split_pair("ptq-partial-fp32", ["fp32", "ptq-partial"]) == ("ptq-partial", "fp32")
+    assert split_pair("qat-ptq-partial", ["qat", "ptq-partial"]) == ("qat", "ptq-partial")
+    assert split_pair("qat-fp32") == ("qat", "fp32")
+    assert verdict("ptq-partial-fp32", [0.005, 0.04], ["fp32", "ptq-partial"]) == "ptq-partial better"
     text = report({"variants": {"qat": {"map50": 0.8}}, "comparisons": comparisons})
     assert "qat-fp32  mAP@0.5       -1.00                [-3.00, +1.00]   no significant difference" in text
 

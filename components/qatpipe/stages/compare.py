@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text, read_json, write_json
@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 SUMMARY_FILE = "summary.json"
 TABLE_FILE = "comparison.md"
 CHART_FILE = "comparison.png"
+DIFFERENCES_CHART_FILE = "differences.png"  # the forest plot of the paired differences (plot_differences)
 TRADEOFF_CHART_FILE = "accuracy_latency.png"
 HTML_FILE = "comparison.html"
 # the differences worth a confidence interval, "a-b" = a minus b (those whose variants both were evaluated)
@@ -81,6 +82,14 @@ def validation_results(folders: dict[str, str | Path]) -> dict[str, bool]:
     """variant -> whether it passed the gate, for the folders that hold a validation report."""
     return {name: bool(read_json(Path(folder) / VALIDATION_FILE, "validation report")["passed"])
             for name, folder in folders.items() if (Path(folder) / VALIDATION_FILE).is_file()}
+
+
+def gate_budgets(folders: dict[str, str | Path]) -> dict[str, float]:
+    """variant -> the mAP@0.5 drop below FP32 its validation gate allowed (validate.max_map_drop), for the folders
+    whose validation report records it."""
+    reports = {name: read_json(Path(folder) / VALIDATION_FILE, "validation report")
+               for name, folder in folders.items() if (Path(folder) / VALIDATION_FILE).is_file()}
+    return {name: report["max_map_drop"] for name, report in reports.items() if report.get("max_map_drop") is not None}
 
 
 def pruning_block(prune_report: dict, unpruned_evaluation: str | Path | None, fp32_row: dict | None) -> dict:
@@ -144,7 +153,9 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path,
     detections, each variant's mAP gets a 95% CI (`map50_ci95_lo`, ...) and the summary `comparisons`: the
     differences of PAIRS with theirs (paired bootstrap over the val images, `resamples` times, `seed`); where
     validation scored TensorRT's numbers too, `comparisons_tensorrt_emulated` holds the same differences in
-    those."""
+    those. The differences are drawn as a forest plot (differences.png, plot_differences) beside the bar chart
+    (comparison.png, which `qatpipe compare` redraws from MLflow) and the accuracy-vs-latency chart; the
+    summary's `max_map_drop` (variant -> its validation gate's budget) gives the plot its gate lines."""
     if not evaluations:
         raise QatpipeError("compare: no evaluated variants")
     output_dir = Path(output_dir)
@@ -163,6 +174,9 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path,
         summary["validation"] = validation
     # the gate: the QAT model, the deployment candidate, passed its validation (None: not validated)
     summary["gate_passed"] = validation.get("qat")
+    budgets = gate_budgets(evaluations)
+    if budgets:  # the gate's budget per variant, for the forest plot's line
+        summary["max_map_drop"] = budgets
     bootstrap = uncertainty(evaluations, resamples, seed)
     if bootstrap is not None:
         for name, intervals in bootstrap["variants"].items():
@@ -179,7 +193,9 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path,
     write_json(output_dir / SUMMARY_FILE, summary)
     table = report(summary, markdown=True)
     atomic_write_text(output_dir / TABLE_FILE, "# Variants\n\n" + table + "\n")
-    charts = [plot_variants(variants, output_dir / CHART_FILE)]
+    differences = plot_differences(summary, output_dir / DIFFERENCES_CHART_FILE)
+    charts = [differences] if differences else []
+    charts.append(plot_variants(variants, output_dir / CHART_FILE))
     tradeoff = plot_tradeoff(variants, output_dir / TRADEOFF_CHART_FILE)
     charts += [tradeoff] if tradeoff else []
     atomic_write_text(output_dir / HTML_FILE, png_page("Variants", charts, table))
@@ -233,11 +249,12 @@ def report(summary: dict[str, Any], markdown: bool = False) -> str:
     if summary.get("validation"):
         parts.append(validation_line(summary["validation"]))
     if summary.get("comparisons"):
-        parts.append(comparison_table(summary["comparisons"], summary.get("bootstrap"), markdown))
+        parts.append(comparison_table(summary["comparisons"], summary.get("bootstrap"), markdown,
+                                      names=summary["variants"]))
     if summary.get("comparisons_tensorrt_emulated"):
         title = "The same in TensorRT's numbers (INT8 in the exact form, FP16 forms as FP16 rounds them)"
         parts.append(comparison_table(summary["comparisons_tensorrt_emulated"], summary.get("bootstrap"), markdown,
-                                      title=title))
+                                      title=title, names=summary["variants"]))
     if summary.get("per_class_ap50"):
         parts.append(per_class_table(summary["per_class_ap50"], list(summary["variants"]), markdown))
     return "\n\n".join(parts)
@@ -272,27 +289,42 @@ def format_table(variants: dict[str, dict[str, Any]], markdown: bool = False) ->
 
 
 def comparison_table(comparisons: dict[str, dict[str, dict]], bootstrap: dict | None = None,
-                     markdown: bool = False, title: str = "Differences") -> str:
-    """The differences of the pairs in mAP points with their 95% CIs and a plain verdict."""
+                     markdown: bool = False, title: str = "Differences", names: Iterable[str] = ()) -> str:
+    """The differences of the pairs in mAP points with their 95% CIs and a plain verdict (`names`: the
+    variants, verdict's)."""
     how = (f" ({bootstrap['images']} images, {bootstrap['resamples']} resamples, seed {bootstrap['seed']})"
            if bootstrap else "")
     rows = [[pair, VARIANT_COLUMNS[metric][0], f"{100 * e['diff']:+.2f}",
-             f"[{100 * e['ci95'][0]:+.2f}, {100 * e['ci95'][1]:+.2f}]", verdict(pair, e["ci95"])]
+             f"[{100 * e['ci95'][0]:+.2f}, {100 * e['ci95'][1]:+.2f}]", verdict(pair, e["ci95"], names)]
             for pair, metrics in comparisons.items() for metric, e in metrics.items()]
     return _titled(f"{title}, paired bootstrap over the val images{how}:",
                    _render(["pair", "metric", "difference (points)", "95% CI (points)", "verdict"], rows, markdown),
                    markdown)
 
 
-def verdict(pair: str, ci95: list[float]) -> str:
+def verdict(pair: str, ci95: list[float], names: Iterable[str] = ()) -> str:
     """Plain words for a difference a-b: no significant difference when its interval holds 0, else which is
-    better."""
-    better, worse = pair.split("-", 1)
+    better (split_pair: `names`, the variants, split a name holding "-")."""
+    better, worse = split_pair(pair, names)
     if not all(math.isfinite(bound) for bound in ci95):  # e.g. every resample drew images without objects
         return "n/a"
     if ci95[0] <= 0 <= ci95[1]:
         return "no significant difference"
     return f"{better} better" if ci95[0] > 0 else f"{worse} better"
+
+
+def split_pair(pair: str, names: Iterable[str] = ()) -> tuple[str, str]:
+    """(a, b) of a difference named "a-b". A variant's name may hold "-" (ptq-partial): the split is the one
+    whose sides are both among `names` (the summary's variants), else one side is, else the first "-"."""
+    known = set(names)
+    splits = [(pair[:at], pair[at + 1:]) for at, char in enumerate(pair) if char == "-"]
+    if not splits:
+        raise ValueError(f"{pair!r} is no difference a-b")
+    for wanted in (2, 1):
+        for a, b in splits:
+            if (a in known) + (b in known) >= wanted:
+                return a, b
+    return splits[0]
 
 
 def per_class_table(per_class: dict[str, dict[str, Any]], variants: list[str], markdown: bool = False) -> str:
@@ -340,6 +372,113 @@ def plot_variants(variants: dict[str, dict[str, Any]], path: str | Path) -> Path
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("Variants")
     return _save(fig, path)
+
+
+# forest plot: summary key -> (marker, filled, what its rows measured); colours by where the 95% CI lies
+DIFFERENCE_SETS = {"comparisons": ("o", True, "engines as validated"),
+                   "comparisons_tensorrt_emulated": ("D", False, "TensorRT's numbers")}
+SIGNIFICANCE_COLOURS = {"above": ("tab:blue", "CI above 0: a better"),
+                        "below": ("tab:red", "CI below 0: b better"),
+                        "holds": ("0.45", "CI holds 0: no significant difference")}
+BUDGET_COLOUR = "tab:orange"
+
+
+def plot_differences(summary: dict[str, Any], path: str | Path, metric: str = "map50") -> Path | None:
+    """The forest plot of the paired differences (differences_figure) as a PNG; None when the summary has none."""
+    fig = differences_figure(summary, metric)
+    return None if fig is None else _save(fig, path)
+
+
+def differences_figure(summary: dict[str, Any], metric: str = "map50"):
+    """A forest plot of summary.json's paired differences in `metric`: one row per pair a-b the summary holds
+    (`comparisons`, then any only in `comparisons_tensorrt_emulated`; none named in code), top to bottom in its
+    order. Each difference is a point in mAP points (x100) with its 95% CI as a horizontal bar, filled circles for
+    the engines as validated and open diamonds beside them for TensorRT's numbers; coloured by where the CI lies
+    (blue above 0: a better, red below: b better, grey holding 0: no significant difference) and printed right of
+    its row with the verdict. A solid line marks 0; on the rows a-fp32 a dashed line marks the drop a's
+    validation gate allowed (-validate.max_map_drop, summary `max_map_drop`), the line an interval must stay
+    right of for the gate to pass with room. None when the summary holds no difference in `metric`."""
+    from matplotlib.lines import Line2D
+    from matplotlib.transforms import blended_transform_factory
+
+    sets = [(key, summary.get(key) or {}) for key in DIFFERENCE_SETS]
+    sets = [(key, comparisons) for key, comparisons in sets
+            if any(metric in metrics for metrics in comparisons.values())]
+    pairs = list(dict.fromkeys(pair for _, comparisons in sets for pair, metrics in comparisons.items()
+                               if metric in metrics))
+    if not pairs:
+        return None
+    names = list(summary.get("variants", {}))
+    budgets = summary.get("max_map_drop") or {}
+    plt = _pyplot()
+    row_height = 0.3 + 0.22 * len(sets)  # inches
+    fig, (ax, key) = plt.subplots(2, 1, figsize=(9, 1.9 + row_height * len(pairs)),
+                                  gridspec_kw={"height_ratios": [row_height * len(pairs) + 0.4, 0.5]})
+    spacing = 0.36 / len(sets)
+    offsets = [spacing * ((len(sets) - 1) / 2 - i) for i in range(len(sets))]  # the sets, top to bottom in a row
+    xs, colours, budget_values = [0.0], set(), set()
+    for row, pair in enumerate(pairs):
+        y = len(pairs) - 1 - row
+        a, b = split_pair(pair, names)
+        budget = budgets.get(a) if b == "fp32" else None
+        if budget is not None:
+            ax.vlines(-100 * budget, y - 0.45, y + 0.45, colors=BUDGET_COLOUR, linestyles="--", lw=1.3, zorder=1)
+            xs.append(-100 * budget)
+            budget_values.add(budget)
+        for (set_key, comparisons), dy in zip(sets, offsets):
+            estimate = comparisons.get(pair, {}).get(metric)
+            if estimate is None:
+                continue
+            marker, filled, what = DIFFERENCE_SETS[set_key]
+            diff, low, high = (100 * value for value in (estimate["diff"], *estimate["ci95"]))
+            where = _ci_side(estimate["ci95"])
+            colour = SIGNIFICANCE_COLOURS[where][0]
+            colours.add(where)
+            finite = all(math.isfinite(value) for value in (diff, low, high))
+            if finite:
+                ax.errorbar(diff, y + dy, xerr=[[max(diff - low, 0.0)], [max(high - diff, 0.0)]], fmt=marker,
+                            color=colour, mfc=colour if filled else "white", mec=colour, ms=6, capsize=3, lw=1.5,
+                            zorder=3)
+                xs += [low, high, diff]
+            figures = (f"{diff:+6.2f} [{low:+6.2f}, {high:+6.2f}]  {verdict(pair, estimate['ci95'], names)}"
+                       if finite else "n/a")
+            label = f"{'TensorRT' if set_key != 'comparisons' else 'engine':<8} " if len(sets) > 1 else ""
+            ax.annotate(label + figures, xy=(1.02, y + dy), xycoords=("axes fraction", "data"), ha="left",
+                        va="center", fontsize=8, family="monospace", color=colour)
+    ax.axvline(0, color="0.15", lw=0.9, zorder=2)
+    low, high = min(xs), max(xs)
+    pad = max(high - low, 1.0) * 0.08
+    ax.set_xlim(low - pad, high + pad)
+    ax.set_ylim(-0.6, len(pairs) - 0.4)
+    ax.set_yticks(range(len(pairs) - 1, -1, -1), pairs)
+    ax.grid(axis="x", alpha=0.3)
+    bootstrap = summary.get("bootstrap")
+    how = (f"; {bootstrap['images']} val images, {bootstrap['resamples']} paired bootstrap resamples"
+           if bootstrap else "")
+    header = VARIANT_COLUMNS.get(metric, (metric,))[0]
+    ax.set_xlabel(f"a − b in {header} (points), 95% CI")
+    ax.set_title(f"Paired differences a − b in {header}{how}", loc="left", fontsize=10)  # over the figures too
+    handles = [Line2D([], [], color=colour, marker="s", ls="", label=label)
+               for where, (colour, label) in SIGNIFICANCE_COLOURS.items() if where in colours]
+    if len(sets) > 1:
+        handles += [Line2D([], [], color="0.15", marker=DIFFERENCE_SETS[set_key][0], ls="",
+                           mfc="0.15" if DIFFERENCE_SETS[set_key][1] else "white", label=DIFFERENCE_SETS[set_key][2])
+                    for set_key, _ in sets]
+    if budget_values:
+        value = (f" −{100 * next(iter(budget_values)):.2f} points" if len(budget_values) == 1 else "")
+        handles.append(Line2D([], [], color=BUDGET_COLOUR, ls="--",
+                              label=f"validation gate's budget{value} (a − fp32 rows; validate.max_map_drop)"))
+    key.axis("off")  # the legend's row, centred on the figure (the plot's axes leave the figures room)
+    key.legend(handles=handles, loc="center", ncol=min(len(handles), 3), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 0.5), bbox_transform=blended_transform_factory(fig.transFigure, key.transAxes))
+    return fig
+
+
+def _ci_side(ci95: list[float]) -> str:
+    """Where a 95% CI lies against 0: "above", "below" or "holds" (a CI that is not finite counts as holding 0)."""
+    if not all(math.isfinite(bound) for bound in ci95) or ci95[0] <= 0 <= ci95[1]:
+        return "holds"
+    return "above" if ci95[0] > 0 else "below"
 
 
 def plot_tradeoff(variants: dict[str, dict[str, Any]], path: str | Path) -> Path | None:
