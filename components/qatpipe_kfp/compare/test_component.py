@@ -21,7 +21,7 @@ def _evaluation(folder: Path, map50: float, map_: float, size: float, throughput
                     "throughput": throughput}]
         (folder / "bench.json").write_text(json.dumps({"batches": batches}))
     if passed is not None:
-        validation = {"passed": passed, "engine_label": engine}
+        validation = {"passed": passed, "engine_label": engine, "max_map_drop": 0.01}
         if engine:  # the engine's compute layers per precision
             int8 = "int8" in engine
             validation["layer_precision"] = {"int8": 15 if int8 else 0, "fp16": 0, "fp32": 0 if int8 else 15}
@@ -74,11 +74,16 @@ def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
     assert outputs["metrics"].metadata["pruning.flops_ratio"] == 0.45
 
 
-def test_the_ui_gets_the_differences_and_the_per_class_table(artifact, tmp_path):
+def test_the_ui_and_mlflow_get_the_differences_their_forest_plot_and_the_per_class_table(artifact, tmp_path,
+                                                                                          local_mlflow):
+    import base64
+
     import numpy as np
+    from mlflow.tracking import MlflowClient
 
     from qatpipe.metrics.coco import GroundTruth, evaluate_detections, write_coco_files
     from qatpipe.models.base import Detections
+    from qatpipe.tracking.mlflow_runs import MlflowTracker
 
     truth = [GroundTruth(np.array([[10, 10, 60, 60], [100, 20, 150, 90]], np.float32), np.array([0, 1], np.int32))
              for _ in range(20)]
@@ -97,14 +102,28 @@ def test_the_ui_gets_the_differences_and_the_per_class_table(artifact, tmp_path)
     (tmp_path / "pruned" / "prune_report.json").write_text(json.dumps(PRUNE_REPORT))
     outputs = dict(summary=artifact(dsl.Artifact, "summary"), table=artifact(dsl.Markdown, "table"),
                    chart=artifact(dsl.HTML, "chart"), metrics=artifact(dsl.Metrics, "metrics"))
-    compare.python_func(parent_run_id="", pruned=dsl.Model(uri=str(tmp_path / "pruned")), **inputs, **outputs)
+    parent = MlflowTracker(local_mlflow).start_pipeline_run("exp", "p", {})
+    compare.python_func(parent_run_id=parent, pruned=dsl.Model(uri=str(tmp_path / "pruned")), **inputs, **outputs)
     table = Path(outputs["table"].path).read_text()
     assert "| qat-fp32 | mAP@0.5 | +0.00 | [+0.00, +0.00] | no significant difference |" in table
     assert "| ptq-fp32 | mAP@0.5 | -50.00 | [-50.00, -50.00] | fp32 better |" in table  # pedestrians missed
     assert "| pedestrian | 20 | 1.0000 | 0.0000 | 1.0000 |" in table
-    assert Path(outputs["chart"].path).read_text().count("data:image/png;base64,") == 2
+    # the KFP UI's HTML: the forest plot of the differences first, then the bar chart and accuracy vs latency
+    page = Path(outputs["chart"].path).read_text()
+    assert page.count("data:image/png;base64,") == 3
+    forest = (Path(outputs["summary"].path) / "differences.png").read_bytes()
+    assert page.index(base64.b64encode(forest).decode("ascii")) < page.index(base64.b64encode(
+        (Path(outputs["summary"].path) / "comparison.png").read_bytes()).decode("ascii"))
+    # ... and the MLflow parent run's comparison/ the same file
+    client = MlflowClient(local_mlflow)
+    logged = {a.path for a in client.list_artifacts(parent, "comparison")}
+    assert {"comparison/differences.png", "comparison/comparison.png", "comparison/summary.json"} <= logged
+    assert Path(client.download_artifacts(parent, "comparison/differences.png", str(tmp_path / "dl"))).read_bytes() \
+        == forest
     assert outputs["metrics"].metadata["ptq-fp32.map50_diff"] == pytest.approx(-0.5)
     assert outputs["metrics"].metadata["qat.map50_ci95_lo"] == pytest.approx(1.0)
     summary = json.loads((Path(outputs["summary"].path) / "summary.json").read_text())
     assert summary["bootstrap"]["resamples"] == 1000 and set(summary["comparisons"]) == {"qat-fp32", "ptq-fp32",
                                                                                         "qat-ptq"}
+    assert summary["max_map_drop"] == {"fp32": 0.01, "ptq": 0.01, "qat": 0.01}  # the forest plot's gate lines
+    assert summary["mlflow"]["run_id"] == parent
