@@ -103,7 +103,8 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert parent.data.metrics["pruning.flops_ratio"] == pytest.approx(pruning["flops_ratio"])
     assert parent.data.metrics["comparison.qat-fp32.map50_diff"] == pytest.approx(qat_fp32["diff"])
     assert {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")} >= {
-        "comparison/summary.json", "comparison/comparison.png", "comparison/accuracy_latency.png"}
+        "comparison/summary.json", "comparison/comparison.png", "comparison/accuracy_latency.png",
+        "comparison/differences.png"}  # the forest plot of the differences
     children = _children(client, parent)
     assert set(children) == STAGE_RUNS
     losses = client.get_metric_history(children["train"].info.run_id, "loss")
