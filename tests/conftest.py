@@ -54,17 +54,40 @@ def crd_schemas() -> Path:
     return CRD_SCHEMAS
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The folder `name` that `build(folder)` fills, built once per test run and shared by its pytest-xdist
+    workers (each worker's session fixtures would otherwise train the same model again): the first worker to
+    ask builds it under an flock while the others wait, then read it. A folder left half-built (its builder
+    died) is built again."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # <basetemp>/popen-gwN: the run's base temp is shared
+        root = root.parent
+    folder, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
-    """A small synthetic KITTI dataset at the tiny spec's image size, made once per test session."""
+    """A small synthetic KITTI dataset at the tiny spec's image size, made once per test run (shared by the
+    xdist workers; read only)."""
     from qatpipe.data.synth import write_synthetic_dataset
 
-    root = tmp_path_factory.mktemp("tiny_data")
-    spec = load_spec(bundled_spec_path("tiny"))
-    size = spec.dataset.image_size
-    write_synthetic_dataset(root, num_train=192, num_val=48, seed=3, image_height=size.height,
-                            image_width=size.width)
-    return root
+    def build(root):
+        size = load_spec(bundled_spec_path("tiny")).dataset.image_size
+        write_synthetic_dataset(root, num_train=192, num_val=48, seed=3, image_height=size.height,
+                                image_width=size.width)
+
+    return built_once(tmp_path_factory, "tiny_data", build)
 
 
 @pytest.fixture
@@ -153,30 +176,38 @@ def closed_port_uri() -> str:
 
 @pytest.fixture(scope="session")
 def trained_tiny(tiny_dataset, tmp_path_factory):
-    """A briefly trained tiny detector (enough detections to compare evaluations)."""
+    """A briefly trained tiny detector (enough detections to compare evaluations); trained once per test run
+    (shared by the xdist workers: its files are read, never written)."""
     from qatpipe.spec import bundled_spec_path, load_spec
     from qatpipe.stages.train import train
 
     spec = load_spec(bundled_spec_path("tiny"), [f"dataset.train={tiny_dataset / 'train'}",
                                                  f"dataset.val={tiny_dataset / 'val'}", "train.epochs=6"])
-    folder = tmp_path_factory.mktemp("trained")
-    train(spec, folder)
+    folder = built_once(tmp_path_factory, "trained", lambda folder: train(spec, folder))
     return spec, folder / "model.keras"
 
 
 @pytest.fixture(scope="session")
 def qat_export(trained_tiny, tmp_path_factory):
-    """One epoch of QAT on the tiny detector, exported: (spec, keras model path, onnx path, report)."""
+    """One epoch of QAT on the tiny detector, exported: (spec, keras model path, onnx path, report); made once
+    per test run (shared by the xdist workers)."""
+    import pickle
+
     from qatpipe.stages.export import export
     from qatpipe.stages.retrain import retrain
 
     spec, model = trained_tiny
     spec = spec.model_copy(deep=True)
     spec.qat.enabled, spec.retrain.epochs, spec.qat.calibration_batches = True, 1, 4
-    folder = tmp_path_factory.mktemp("qat")
-    summary = retrain(spec, model, folder / "retrain")
-    report = export(spec, summary["model"], folder / "qat.onnx")
-    return spec, Path(summary["model"]), folder / "qat.onnx", report
+
+    def build(folder):
+        summary = retrain(spec, model, folder / "retrain")
+        report = export(spec, summary["model"], folder / "qat.onnx")
+        (folder / "fixture.pickle").write_bytes(pickle.dumps((summary["model"], report)))
+
+    folder = built_once(tmp_path_factory, "qat", build)
+    qat_model, report = pickle.loads((folder / "fixture.pickle").read_bytes())
+    return spec, Path(qat_model), folder / "qat.onnx", report
 
 
 def random_evaluation(seed: int, images: int = 40, classes: int = 3, max_objects: int = 6, max_detections: int = 20):
