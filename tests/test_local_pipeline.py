@@ -86,7 +86,7 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
         assert fp32["map50"] - row["map50"] <= MAX_MAP_DROP and row["size_mb"] < 0.5 * fp32["size_mb"], variant
     pruning = summary["pruning"]
     assert pruning["flops_after"] < pruning["flops_before"] and pruning["params_after"] == fp32["params"]
-    assert pruning["unpruned_map50"] > 0.3
+    assert pruning["unpruned_map50"] > 0.3  # the tiny spec's 20 epochs learnt (test_train's runs 6 of them)
     assert pruning["fp32_map50_change"] == pytest.approx(fp32["map50"] - pruning["unpruned_map50"], abs=1e-4)
     assert summary["validation"] == {"fp32": True, "ptq": True, "qat": True} and summary["gate_passed"] is True
     assert summary["mlflow"]["experiment"] == "pipeline-test"

@@ -18,21 +18,27 @@ from qatpipe.stages.train import train
 pytestmark = pytest.mark.slow
 
 
-def test_tiny_training_learns_to_detect(tiny_spec, tmp_path):
-    spec = tiny_spec()
-    summary = train(spec, tmp_path / "run")
-    assert summary["epochs_run"] == spec.train.epochs and summary["images_per_second"] > 0
+def test_tiny_training_learns_to_detect(trained_tiny, tmp_path):
+    """The session's tiny detector (conftest's trained_tiny: the tiny spec for 6 epochs, which the export, engine
+    and pruning tests use too) wrote its files and learnt. The tiny spec's full 20 epochs and mAP@0.5 > 0.3 after
+    them are checked by test_local_pipeline.py, whose train stage is that training (evaluate-unpruned's mAP)."""
+    spec, model = trained_tiny
+    run = model.parent
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["epochs_run"] == spec.train.epochs == 6 and summary["images_per_second"] > 0
     for name in ("model.keras", "spec.yaml", "train_summary.json", "training_log.csv"):
-        assert (tmp_path / "run" / name).is_file(), name
-    assert any((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents.*"))
-    with open(tmp_path / "run" / "training_log.csv") as handle:
+        assert (run / name).is_file(), name
+    assert any((run / "tensorboard").rglob("events.out.tfevents.*"))
+    with open(run / "training_log.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert [int(r["epoch"]) for r in rows] == list(range(spec.train.epochs))
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
 
-    result = evaluate(spec, tmp_path / "run" / "model.keras", tmp_path / "eval")
-    # chance is ~0: an untrained DetectNet_v2 fires nowhere (coverage bias prior) or everywhere
-    assert result["map50"] > 0.3, result
+    result = evaluate(spec, model, tmp_path / "eval")
+    # chance is ~0: an untrained DetectNet_v2 fires nowhere (coverage bias prior) or everywhere (val mAP@0.5 0.015
+    # after one epoch in test_local_pipeline's run). After these 6 epochs, measured with train.seed 42 (the
+    # fixture's), 1 and 2: 0.219, 0.260, 0.210
+    assert result["map50"] > 0.1, result
     assert 0 < result["map"] < result["map50"]
     saved = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert saved["map50"] == pytest.approx(result["map50"])
