@@ -54,6 +54,12 @@ class DetectorArchitecture(abc.ABC):
     def losses(self) -> dict[str, Callable]:
         """Keras loss per output name, matching `encode`'s targets."""
 
+    def distill_losses(self) -> dict[str, Callable]:
+        """Distillation terms per output name (QAT's `qat.distill_weight`): each `term(teacher, student)` takes
+        two dicts output name -> batched output, the frozen teacher's and the trained model's, and returns a
+        scalar that is 0 where the student equals the teacher (models/distill.py: the forms)."""
+        raise NotImplementedError(f"{type(self).__name__} has no distillation losses")
+
     @abc.abstractmethod
     def check_model(self, model, source: str) -> None:
         """Raise ModelFileError (naming `source`) if `model` does not fit this spec (input size, classes)."""

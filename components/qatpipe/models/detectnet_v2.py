@@ -14,6 +14,7 @@ import tf_keras as keras
 from qatpipe.boxes import cell_boxes, dbscan_cluster, nms
 from qatpipe.errors import ModelFileError
 from qatpipe.models.base import INPUT_NAME, Detections, DetectorArchitecture
+from qatpipe.models.distill import binary_kl, soft_count
 from qatpipe.models.backbones import backbone_module
 from qatpipe.spec import OUTPUT_STRIDE, DecoderSpec, ExperimentSpec
 
@@ -155,6 +156,25 @@ class DetectNetV2(DetectorArchitecture):
         coverage_loss.__name__ = "coverage_loss"
         bbox_loss.__name__ = "bbox_loss"
         return {COVERAGE: coverage_loss, BBOX: bbox_loss}
+
+    def distill_losses(self) -> dict:
+        """coverage: binary KL from the teacher's coverage, over every cell and class, normalised as the task's
+        coverage loss is (coverage_normalizer: the teacher's soft count of object cells, or the mean) and
+        weighted as it is; bbox: the task's bbox loss (L1 per coordinate) with the teacher's boxes as the target
+        and the teacher's coverage of each class as the mask."""
+        loss = self.spec.model.loss
+        bbox_loss = self.losses()[BBOX]
+
+        def coverage_distill(teacher, student):
+            kl = binary_kl(teacher[COVERAGE], student[COVERAGE])
+            if loss.coverage_normalizer == "cells":
+                return loss.coverage_weight * tf.reduce_mean(kl)
+            return loss.coverage_weight * tf.reduce_sum(kl) / soft_count(tf.reduce_max(teacher[COVERAGE], axis=-1))
+
+        def bbox_distill(teacher, student):
+            return bbox_loss(tf.concat([teacher[BBOX], teacher[COVERAGE]], axis=-1), student[BBOX])
+
+        return {COVERAGE: coverage_distill, BBOX: bbox_distill}
 
     # ---------------------------------------------------------------------------------------- decoder
 

@@ -22,6 +22,7 @@ from qatpipe.errors import ModelFileError
 from qatpipe.models.backbones import backbone_module
 from qatpipe.models.base import INPUT_NAME, Detections, DetectorArchitecture
 from qatpipe.models.blocks import bn, conv, scaled_filters
+from qatpipe.models.distill import categorical_kl, soft_count
 from qatpipe.models.detectnet_v2 import weight_regularizer
 from qatpipe.spec import ExperimentSpec
 
@@ -210,6 +211,23 @@ class SSD(DetectorArchitecture):
         cls_loss.__name__ = "cls_loss"
         loc_loss.__name__ = "loc_loss"
         return {CLS: cls_loss, LOC: loc_loss}
+
+    def distill_losses(self) -> dict:
+        """cls: KL from the teacher's softmax at every prior, divided by the teacher's soft count of object
+        priors (the sum of 1 - its background probability), as the task's class loss divides by the positives;
+        loc: the task's box loss (smooth L1, x alpha) with the teacher's offsets as the target and that object
+        probability as the mask."""
+        loss = self.spec.model.loss
+
+        def cls_distill(teacher, student):
+            objects = 1.0 - teacher[CLS][..., 0]
+            return tf.reduce_sum(categorical_kl(teacher[CLS], student[CLS])) / soft_count(objects)
+
+        def loc_distill(teacher, student):
+            objects = 1.0 - teacher[CLS][..., :1]
+            return loss.alpha * ssd_box_loss(tf.concat([teacher[LOC], objects], axis=-1), student[LOC])
+
+        return {CLS: cls_distill, LOC: loc_distill}
 
     # ---------------------------------------------------------------------------------------- decoder
 
