@@ -107,13 +107,15 @@ def _build_optimizer(spec: ExperimentSpec, total_steps: int, lr_scale: float = 1
 
 
 def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = None, model=None,
-          extra_callbacks: list | None = None, stage_name: str = "train") -> dict:
+          extra_callbacks: list | None = None, stage_name: str = "train", distillation=None) -> dict:
     """Train the spec's detector into `results_dir`; resumes from its latest checkpoint if there is one.
 
     `model` (optional) starts from an existing tf_keras model instead of a fresh one (used by retrain).
     `extra_callbacks` run after the checkpoint callback (experiment tracking hooks in here).
     Returns the training summary (also written to results_dir/train_summary.json); `stage_name` names the
     stage in its tracking record (results_dir/tracking.json).
+    `distillation` (optional, a training.distillation.Distillation): the model also learns its teacher's
+    outputs (retrain's QAT with qat.distill_weight); the saved model is the model alone.
 
     Under horovodrun / mpirun (`qatpipe train --gpus N`, MPIJobs) every process trains on its shard of each
     epoch with gradients averaged across processes; only rank 0 writes checkpoints, logs and the model.
@@ -155,6 +157,8 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         model = cast_model(model, precision.policy)
     # frozen blocks stay frozen in every retrain, QAT too: layers are found by name
     freeze(model, spec.model.backbone, spec.model.freeze_blocks, spec.model.freeze_bn)
+    if distillation is not None:  # the same layers, with the teacher's term in the training loss
+        model = distillation.wrap(model)
 
     steps = steps_per_epoch(len(samples), spec.train.batch_size, world.size)
     # the optimizer the model trains with (under Horovod, the wrapper that averages gradients) is the one
