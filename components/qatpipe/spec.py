@@ -440,6 +440,12 @@ class QatSpec(_Section):
         default_factory=list, description="model outputs given Q/DQ too; none by default (TAO: a quantized bbox "
         "output ruins detection)")
     relu6: bool = Field(False, description="replace ReLU by ReLU6 before QAT (TAO-style)")
+    distill_weight: float = Field(
+        0.0, ge=0, description="distillation during QAT: the weight of a loss that pulls the QAT model's outputs "
+        "towards those of its FP32 teacher, added to the task loss. The teacher is the model QAT starts from (start "
+        "fp32: the FP32 retrain's; start pruned: the pruned model), frozen, run in inference mode on the same "
+        "augmented batch; train time only, the exported model is unchanged. 0: off, the default until a bench/ "
+        "measurement decides (docs/quantization.md: Distillation)")
 
 
 class PtqSpec(_Section):

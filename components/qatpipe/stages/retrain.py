@@ -51,7 +51,11 @@ def retrain_spec(spec: ExperimentSpec) -> ExperimentSpec:
 def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: str | Path,
             use_amp: bool | None = None, stage_name: str | None = None) -> dict:
     """Fine-tune the pruned model into `results_dir` (model.keras, checkpoints, logs, tracking.json); a QAT
-    model when spec.qat.enabled (its activation ranges also go to qat_ranges.json)."""
+    model when spec.qat.enabled (its activation ranges also go to qat_ranges.json).
+
+    With qat.distill_weight > 0 QAT also distils from the FP32 model it starts from, `pruned_model_path` itself,
+    frozen (training/distillation.py): under qat.start fp32 the FP32 retrain's model, under qat.start pruned
+    (TAO's order) the pruned model before any retraining."""
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
     from qatpipe.stages.train import train
@@ -63,15 +67,21 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
     stage_name = stage_name or (RETRAIN_QAT if qat else RETRAIN_FP32)
     pruned_model_path = Path(pruned_model_path)
     results_dir = Path(results_dir)
-    model = load_keras_model(pruned_model_path, get_architecture(spec))
+    arch = get_architecture(spec)
+    model = load_keras_model(pruned_model_path, arch)
     _claim(results_dir, pruned_model_path, write=world.is_chief)
     if qat:
         if use_amp or (use_amp is None and spec.train.use_amp):
             log.warning("QAT trains in FP32: fake quantization under mixed precision would not match TensorRT's int8")
         use_amp = False
+        teacher = model  # the FP32 model as loaded; QAT trains a rebuilt twin with weights of its own
         model = _prepare_qat(spec, model, results_dir)
+        distillation = _distillation(spec, arch, teacher, pruned_model_path)  # frozen now the twin is built
+    else:
+        distillation = None
     log.info("retraining %s (%d params, %s)", pruned_model_path, model.count_params(), "QAT" if qat else "FP32")
-    summary = train(spec, results_dir, use_amp=use_amp, model=model, stage_name=stage_name)
+    summary = train(spec, results_dir, use_amp=use_amp, model=model, stage_name=stage_name,
+                    distillation=distillation)
     summary["source_model"] = str(pruned_model_path)
     if not world.is_chief:  # under Horovod, rank 0 writes the results
         return summary
@@ -81,6 +91,17 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
         summary["qat"] = {"activation_ranges": len(activation_ranges(model))}
         write_json(results_dir / QAT_RANGES_FILE, activation_ranges(model))
     return summary
+
+
+def _distillation(spec: ExperimentSpec, arch, teacher, source: Path):
+    """QAT's distillation from `teacher` (the FP32 model at `source`) when qat.distill_weight asks for it."""
+    if not spec.qat.distill_weight:
+        return None
+    from qatpipe.training.distillation import Distillation
+
+    log.info("QAT distils from its FP32 teacher %s (qat.distill_weight %g: %s)", source, spec.qat.distill_weight,
+             ", ".join(arch.output_names))
+    return Distillation(teacher, arch.distill_losses(), spec.qat.distill_weight, arch.output_names)
 
 
 def _prepare_qat(spec: ExperimentSpec, model, results_dir: Path):
