@@ -278,3 +278,9 @@ def test_the_registered_model_is_named_after_the_arch_unless_the_spec_names_it()
     assert ssd_spec().tracking.registered_model == "qatpipe-ssd"
     assert load_spec(bundled_spec_path("tiny")).tracking.registered_model == "qatpipe-detectnet-v2"
     assert ssd_spec("tracking.registered_model=mine").tracking.registered_model == "mine"
+
+
+def test_the_bundled_specs_run_as_ssd_with_only_the_arch_changed():
+    for name in ("default", "tiny"):
+        spec = load_spec(bundled_spec_path(name), ["model.arch=ssd"])
+        assert spec.model.arch == "ssd" and spec.model.backbone == load_spec(bundled_spec_path(name)).model.backbone
