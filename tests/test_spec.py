@@ -30,7 +30,7 @@ def test_defaults_fill_every_section():
     assert spec.validate_.max_map_drop == 0.01
     assert spec.train.validation_interval == 1 and spec.train.keep == "best"
     assert set(spec.to_dict()) == {"dataset", "model", "augmentation", "pretrain", "train", "evaluate", "prune", "retrain", "qat", "ptq",
-                                   "export", "engine", "validate", "tracking"}
+                                   "sensitivity", "export", "engine", "validate", "tracking"}
 
 
 @pytest.mark.parametrize(

@@ -481,6 +481,19 @@ class PtqSpec(_Section):
 PTQ_DEFAULT_METHODS = {"onnxruntime": "percentile", "modelopt": "entropy"}
 
 
+class SensitivitySpec(_Section):
+    """Layer sensitivity of a Q/DQ model (`qatpipe sensitivity`; quantization/sensitivity.py, docs/sensitivity.md):
+    per quantizable layer, the mAP@0.5 drop with only it INT8 and with every layer but it INT8."""
+
+    val_images: int = Field(100, ge=1, description="dataset.val images (a seeded sample) every variant is scored "
+                            "on; two variants per layer, so the time grows with layers x images")
+    max_layers: int = Field(32, ge=1, description="score at most this many layers: where the model has more, those "
+                            "whose input and weight quantizers add the most noise on one batch")
+    layers: list[str] = Field(default_factory=list, description="the layers to score, by ONNX node name (or the "
+                              "layer name the report shows); empty: every quantizable layer")
+    seed: int = 0
+
+
 class ExportSpec(_Section):
     opset: int = Field(17, ge=13)
     calibration_cache_trt_version: int = Field(
@@ -608,6 +621,7 @@ class ExperimentSpec(_Section):
     retrain: RetrainSpec = Field(default_factory=RetrainSpec)
     qat: QatSpec = Field(default_factory=QatSpec)
     ptq: PtqSpec = Field(default_factory=PtqSpec)
+    sensitivity: SensitivitySpec = Field(default_factory=SensitivitySpec)
     export: ExportSpec = Field(default_factory=ExportSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     validate_: ValidateSpec = Field(default_factory=ValidateSpec, alias="validate")
