@@ -16,13 +16,14 @@ from qatpipe.spec import ExperimentSpec
 log = logging.getLogger(__name__)
 
 
-def predict(forward, samples, spec: ExperimentSpec, arch) -> list:
-    """Decode `forward(batch) -> {output name: array}` over samples, boxes in each image's own pixels."""
+def predict(forward, samples, spec: ExperimentSpec, arch, batches=None) -> list:
+    """Decode `forward(batch) -> {output name: array}` over samples, boxes in each image's own pixels. `batches`:
+    the samples' images as eval_dataset batches them, read once for several models (default: read now)."""
     from qatpipe.data.pipeline import eval_dataset
 
     detections = []
     size = spec.dataset.image_size
-    for batch in eval_dataset(samples, spec):
+    for batch in eval_dataset(samples, spec) if batches is None else batches:
         decoded = arch.decode(forward(batch))
         for det in decoded:
             sample = samples[len(detections)]
