@@ -203,6 +203,23 @@ def cmd_ptq(args) -> int:
     return 0
 
 
+def cmd_sensitivity(args) -> int:
+    from qatpipe.stages.sensitivity import JSON_FILE, sensitivity
+
+    spec = _load(args)
+    if args.layers:
+        spec.sensitivity.layers = args.layers
+    result = sensitivity(spec, args.model, args.output, fp32_onnx=args.fp32)
+    log.info("report: %s", args.output / JSON_FILE)
+    print(f"mAP@0.5 {result['map50_float']:.4f} float, {result['map50_int8']:.4f} INT8 on {result['val_images']} "
+          f"images; {len(result['layers'])} of {result['layers_total']} layers, most sensitive first:")
+    print("drop only INT8  drop all but  layer (ONNX node)")  # the answer, for scripts
+    for row in result["layers"]:
+        print(f"{100 * row['drop_only_int8']:+14.2f}  {100 * row['drop_all_but']:+12.2f}  {row['name']} "
+              f"({row['node']})")
+    return 0
+
+
 def cmd_build_engine(args) -> int:
     from qatpipe.stages.build_engine import build_engine
 
@@ -413,7 +430,8 @@ def _add_prune_command(sub) -> None:
 
 
 def _add_deployment_commands(sub) -> None:
-    """`qatpipe export | ptq | build-engine | bench-engine | validate`: a trained model to a validated engine."""
+    """`qatpipe export | ptq | sensitivity | build-engine | bench-engine | validate`: a trained model to a validated
+    engine."""
     from qatpipe.engines import BACKENDS
     from qatpipe.spec import EngineSpec, field_choices
 
@@ -425,6 +443,18 @@ def _add_deployment_commands(sub) -> None:
                          description="Settings: the spec's `ptq` section (--set ptq.method=percentile ...).")
     _add_model_conversion_args(ptq, "FP32 model (.onnx, from `qatpipe export`)", "the INT8 Q/DQ .onnx to write")
     ptq.set_defaults(func=cmd_ptq, writes=lambda a: a.output.parent)
+
+    sens = sub.add_parser("sensitivity", help="per-layer INT8 sensitivity of a Q/DQ ONNX (PTQ or QAT): the mAP@0.5 "
+                          "drop with only each layer INT8, and with every layer but it INT8",
+                          description="Settings: the spec's `sensitivity` section (val_images, max_layers, layers); "
+                          "docs/sensitivity.md.")
+    _add_model_conversion_args(sens, "the Q/DQ model (.onnx, from `qatpipe ptq` or a QAT export)",
+                               "the folder for sensitivity.json, sensitivity.png and sensitivity.md")
+    sens.add_argument("--fp32", type=Path, help="the FP32 ONNX the model was quantized from: a bypassed layer reads "
+                      "its weights where they match (a PTQ model's), and the report adds its mAP")
+    sens.add_argument("--layers", nargs="+", metavar="NODE", help="score only these layers (ONNX node names; "
+                      "sets sensitivity.layers)")
+    sens.set_defaults(func=cmd_sensitivity, writes=lambda a: a.output)
 
     engine = sub.add_parser("build-engine", help="build an inference engine from an ONNX model",
                             description="Settings: the spec's `engine` section (batch profile, workspace, fp16).")
