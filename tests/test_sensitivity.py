@@ -1,0 +1,256 @@
+"""Layer sensitivity (quantization/sensitivity.py, stages/sensitivity.py, `qatpipe sensitivity`): the variants keep
+exactly the Q/DQ they should, read the float tensors behind the bypassed ones, and a layer planted with a ruinous
+range is the one the ranking names first."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qatpipe.errors import QatpipeError
+from qatpipe.quantization.sensitivity import (ALL_BUT, DEQUANTIZED_WEIGHT, FP32_WEIGHT, ONLY, fp32_weights, layer_qdq,
+                                              measure, qdq_node_names, quantizable_layers, resolve_layers, variant)
+
+PLANTED_FACTOR = 50.0  # the planted layer's input steps, times its calibrated ones: a few levels cover its range
+
+
+def _producers(model):
+    return {out: node for node in model.graph.node for out in node.output}
+
+
+def plant_bad_range(model) -> str:
+    """Multiply the input scale (its QuantizeLinear's and DequantizeLinear's) of the first quantized layer whose
+    input Q/DQ pair it alone reads (the tiny detector's conv1, reading the image) by PLANTED_FACTOR, in place;
+    returns the layer's node name. Its int8 input then keeps 3 levels of the image's range. (Measured on the
+    fixture, 32 val images: mAP@0.5 0.223 float, 0.193 PTQ, 0.101 planted; planted only 0.129, all but the
+    planted layer 0.219; 50 times block_2a_conv_2's scale costs 3 points alone, 200 times 13.)"""
+    producers = _producers(model)
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    alone = [layer for layer in quantizable_layers(model) if readers[_input_dq(model, layer.node).output[0]] == 1
+             and readers[producers[_input_dq(model, layer.node).input[0]].output[0]] == 1]
+    layer = alone[0]
+    dq = _input_dq(model, layer.node)
+    q = producers[dq.input[0]]
+    inits = {i.name: i for i in model.graph.initializer}
+    scale = numpy_helper.to_array(inits[dq.input[1]]) * PLANTED_FACTOR
+    model.graph.initializer.append(numpy_helper.from_array(scale.astype(np.float32), "planted_scale"))
+    q.input[1] = dq.input[1] = "planted_scale"
+    return layer.node
+
+
+def _input_dq(model, node_name):
+    node = next(n for n in model.graph.node if n.name == node_name)
+    return _producers(model)[node.input[0]]
+
+
+@pytest.fixture(scope="module")
+def ptq_models(trained_tiny, tmp_path_factory):
+    """The tiny detector's FP32 ONNX, its PTQ model (ONNX Runtime, percentile, 32 training images) and a copy
+    of that with one planted bad-range layer: (spec, fp32, ptq, planted, planted layer)."""
+    from qatpipe.data.pipeline import eval_dataset
+    from qatpipe.data.splits import sample_split
+    from qatpipe.export.onnx_export import export_onnx
+    from qatpipe.models import get_architecture
+    from qatpipe.models.io import load_keras_model
+    from qatpipe.quantization.ptq import quantize_ptq
+
+    spec, model = trained_tiny
+    folder = tmp_path_factory.mktemp("sensitivity")
+    arch = get_architecture(spec)
+    export_onnx(load_keras_model(model, arch), folder / "fp32.onnx", spec.export.opset)
+    batches = (b.numpy() for b in eval_dataset(sample_split(spec, "train", 32, 0), spec))
+    quantize_ptq(folder / "fp32.onnx", folder / "ptq.onnx", batches, "percentile")
+    planted = onnx.load(folder / "ptq.onnx")
+    layer = plant_bad_range(planted)
+    onnx.save(planted, folder / "planted.onnx")
+    return spec, folder / "fp32.onnx", folder / "ptq.onnx", folder / "planted.onnx", layer
+
+
+def test_variants_keep_exactly_the_named_layers_qdq(ptq_models):
+    _, _, ptq_path, _, _ = ptq_models
+    model = onnx.load(ptq_path)
+    every = qdq_node_names(model)
+    layers = quantizable_layers(model)
+    assert len(layers) == 15  # ResNet-10's 13 convolutions and the two heads
+    readers: dict[str, set] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add(node.name)
+    for layer in layers:
+        own = layer_qdq(model, layer.node)
+        assert len(own) == 3  # the input's Q and DQ, the weight's DQ (int8 initializer)
+        only, _ = variant(model, ONLY, layer.node)
+        assert qdq_node_names(only) == own, layer.node
+        # only this layer reads through DequantizeLinear; the others read float
+        producers = _producers(only)
+        for node in only.graph.node:
+            dequantized = [producers.get(name) is not None and producers[name].op_type == "DequantizeLinear"
+                           for name in node.input]
+            if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+                continue
+            assert any(dequantized) == (node.name == layer.node), node.name
+        # every layer but this one: its Q/DQ go, except a pair another layer reads too
+        all_but, _ = variant(model, ALL_BUT, layer.node)
+        input_dq = _input_dq(model, layer.node)
+        pair_shared = len(readers[input_dq.output[0]]) > 1
+        expected = every - own | ({input_dq.name, _producers(model)[input_dq.input[0]].name} if pair_shared else set())
+        assert qdq_node_names(all_but) == expected, layer.node
+        node = next(n for n in all_but.graph.node if n.name == layer.node)
+        assert _producers(all_but)[node.input[0]].op_type != "DequantizeLinear"
+        assert node.input[1] not in _producers(all_but)  # a float initializer
+    assert not qdq_node_names(variant(model, "float")[0])
+
+
+def test_bypassed_weights_are_the_fp32_models_where_they_match(ptq_models):
+    """With the FP32 ONNX, the float variant computes what the FP32 model does; without it, the dequantized
+    weights stand in, within half an int8 step of them."""
+    import onnxruntime as ort
+
+    _, fp32_path, ptq_path, _, _ = ptq_models
+    model, reference = onnx.load(ptq_path), fp32_weights(onnx.load(fp32_path))
+    layer = quantizable_layers(model)[4].node
+    _, sources = variant(model, ALL_BUT, layer, reference)
+    assert list(sources.values()) == [FP32_WEIGHT]
+    _, sources = variant(model, ALL_BUT, layer)
+    assert list(sources.values()) == [DEQUANTIZED_WEIGHT]
+    batch = np.random.default_rng(0).uniform(0, 1, (2, 192, 320, 3)).astype(np.float32)
+
+    def run(proto):
+        session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, {session.get_inputs()[0].name: batch})
+
+    expected = run(onnx.load(fp32_path))
+    for got, want in zip(run(variant(model, "float", reference=reference)[0]), expected):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+    dequantized = run(variant(model, "float")[0])
+    errors = [np.abs(g - w).max() / np.abs(w).max() for g, w in zip(dequantized, expected)]
+    assert 0 < max(errors) < 0.05, errors  # relative to each output's range
+
+
+def test_a_name_that_is_no_layer_fails_naming_it(ptq_models, tmp_path):
+    from qatpipe.cli import main
+
+    spec, _, ptq_path, _, _ = ptq_models
+    model = onnx.load(ptq_path)
+    layer = quantizable_layers(model)[2]
+    assert resolve_layers(model, [layer.name]) == [layer]  # the layer's short name does too
+    relu = next(n.name for n in model.graph.node if n.op_type == "Relu")
+    with pytest.raises(QatpipeError, match="'conv_nope' is no node") as info:
+        resolve_layers(model, [layer.node, "conv_nope", relu])
+    assert f"{relu!r} is a node, but not one with int8 input and weight" in str(info.value)
+    assert layer.node not in str(info.value).split("(its")[0]
+    data = ["--set", f"dataset.train={spec.dataset.train}", "--set", f"dataset.val={spec.dataset.val}"]
+    assert main(["sensitivity", "-e", "tiny", *data, "-m", str(ptq_path), "--layers", "conv_nope",
+                 "-o", str(tmp_path / "out")]) == 2
+    # an FP32 model has no quantized layer: said before anything is scored
+    with pytest.raises(QatpipeError, match="no layer reads int8 input and weights"):
+        measure(ptq_models[1], lambda path: pytest.fail("scored"))
+
+
+def test_the_planted_layer_ranks_first_and_keeping_it_float_recovers(ptq_models, tmp_path, capsys):
+    """The command on the planted model: the layer whose input range is 50 times too wide costs the most mAP on
+    its own, and the model with every other layer INT8 wins back most of what the planted model loses."""
+    from qatpipe.cli import main
+    from qatpipe.stages.sensitivity import CHART_FILE, JSON_FILE, MARKDOWN_FILE
+
+    spec, fp32_path, _, planted_path, planted = ptq_models
+    data = ["--set", f"dataset.train={spec.dataset.train}", "--set", f"dataset.val={spec.dataset.val}"]
+    out = tmp_path / "out"
+    assert main(["sensitivity", "-e", "tiny", *data, "--set", "sensitivity.val_images=32", "-m", str(planted_path),
+                 "--fp32", str(fp32_path), "-o", str(out)]) == 0
+    result = json.loads((out / JSON_FILE).read_text())
+    assert result["val_images"] == 32 and result["layers_total"] == len(result["layers"]) == 15
+    ranked = [row["node"] for row in result["layers"]]
+    assert ranked[0] == planted, ranked
+    drops = [row["drop_only_int8"] for row in result["layers"]]
+    assert drops == sorted(drops, reverse=True)
+    row = result["layers"][0]
+    lost = result["map50_float"] - result["map50_int8"]
+    assert row["drop_only_int8"] > 0.05 and lost > 0.05  # the planted range costs over 5 points on its own
+    assert row["recovery"] > 0.5 * lost and row["drop_all_but"] < 0.5 * lost, (row, lost)
+    assert all(r["float_weight"] == FP32_WEIGHT for r in result["layers"])
+    assert result["map50_fp32_onnx"] == pytest.approx(result["map50_float"], abs=0.01)
+    assert (out / CHART_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out / MARKDOWN_FILE).read_text()
+    assert f"| 1 | {row['name']} | `{planted}` | Conv |" in table
+    assert planted in capsys.readouterr().out.splitlines()[2]
+
+
+def test_max_layers_scores_the_noisiest(ptq_models):
+    """With more layers than max_layers, the quantizers' noise on one batch of val images picks those scored:
+    the planted layer's among them; each scored layer costs two variants, beside the float and INT8 models."""
+    from qatpipe.data.pipeline import eval_dataset
+    from qatpipe.data.splits import sample_split
+
+    spec, _, _, planted_path, planted = ptq_models
+    scored = []
+    batch = next(iter(eval_dataset(sample_split(spec, "val", 8, 0), spec))).numpy()
+    result = measure(planted_path, lambda path: scored.append(path.name) or 0.5, max_layers=2,
+                     screening_batch=batch)
+    assert [row.node for row in result.layers].count(planted) == 1 and len(result.layers) == 2
+    assert len(result.skipped) == 13 and planted not in result.skipped
+    assert max(result.skipped.values()) <= min(row.noise for row in result.layers)
+    assert scored == ["float.onnx", "int8.onnx", *["only.onnx", "all_but.onnx"] * 2]
+
+
+def test_float_tensors_behind_layout_ops_and_quantized_float_weights():
+    """A QAT export's forms: the input's Transpose between its Q and DQ (copied onto the float tensor), and a
+    weight quantized from a float initializer (read as it is); the float variant computes the float graph."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    w1 = rng.integers(-127, 128, (4, 3, 3, 3)).astype(np.int8)
+    w1_scale = np.full(4, 0.01, np.float32)
+    w2 = rng.normal(0, 0.1, (2, 4, 1, 1)).astype(np.float32)
+    zero = np.zeros((), np.int8)
+    inits = [numpy_helper.from_array(a, n) for a, n in [
+        (w1, "w1"), (w1_scale, "w1_scale"), (np.zeros(4, np.int8), "w1_zero"), (w2, "w2"),
+        (np.full(2, 0.002, np.float32), "w2_scale"), (np.zeros(2, np.int8), "w2_zero"),
+        (np.array(0.02, np.float32), "x_scale"), (zero, "x_zero"), (np.array(0.05, np.float32), "h_scale")]]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero"], ["x_q"], name="x_q"),
+        helper.make_node("Transpose", ["x_q"], ["x_qt"], name="x_t", perm=[0, 3, 1, 2]),
+        helper.make_node("DequantizeLinear", ["x_qt", "x_scale", "x_zero"], ["x_dq"], name="x_dq"),
+        helper.make_node("DequantizeLinear", ["w1", "w1_scale", "w1_zero"], ["w1_dq"], name="w1_dq", axis=0),
+        helper.make_node("Conv", ["x_dq", "w1_dq"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("QuantizeLinear", ["r1", "h_scale", "x_zero"], ["r1_q"], name="r1_q"),
+        helper.make_node("DequantizeLinear", ["r1_q", "h_scale", "x_zero"], ["r1_dq"], name="r1_dq"),
+        helper.make_node("QuantizeLinear", ["w2", "w2_scale", "w2_zero"], ["w2_q"], name="w2_q", axis=0),
+        helper.make_node("DequantizeLinear", ["w2_q", "w2_scale", "w2_zero"], ["w2_dq"], name="w2_dq", axis=0),
+        helper.make_node("Conv", ["r1_dq", "w2_dq"], ["y"], name="conv2"),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6, 6, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 6, 6])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    assert [layer.node for layer in quantizable_layers(model)] == ["conv1", "conv2"]
+    assert layer_qdq(model, "conv1") == {"x_q", "x_dq", "w1_dq"}  # through the Transpose
+    float_graph = helper.make_graph(
+        [helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 3, 1, 2]),
+         helper.make_node("Conv", ["xt", "w1f"], ["c1"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c1"], ["r1"]),
+         helper.make_node("Conv", ["r1", "w2"], ["y"])], "f", graph.input, graph.output,
+        [numpy_helper.from_array(w1.astype(np.float32) * 0.01, "w1f"), numpy_helper.from_array(w2, "w2")])
+    float_model = helper.make_model(float_graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = rng.uniform(-1, 1, (1, 6, 6, 3)).astype(np.float32)
+
+    def run(proto):
+        return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": x})[0]
+
+    np.testing.assert_allclose(run(variant(model, "float")[0]), run(float_model), rtol=1e-5, atol=1e-6)
+    only, _ = variant(model, ONLY, "conv2")
+    assert qdq_node_names(only) == {"r1_q", "r1_dq", "w2_q", "w2_dq"}
+    assert not any(n.op_type == "Transpose" and n.name == "x_t" for n in only.graph.node)  # x_q's chain went too
+    all_but, sources = variant(model, ALL_BUT, "conv2")
+    assert qdq_node_names(all_but) == {"x_q", "x_dq", "w1_dq"} and sources == {}  # w2: the model's own float
+    conv2 = next(n for n in all_but.graph.node if n.name == "conv2")
+    assert list(conv2.input) == ["r1", "w2"]
+    run(only), run(all_but)  # both are valid graphs
