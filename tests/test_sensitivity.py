@@ -200,12 +200,9 @@ def test_max_layers_scores_the_noisiest(ptq_models):
     assert scored == ["float.onnx", "int8.onnx", *["only.onnx", "all_but.onnx"] * 2]
 
 
-def test_float_tensors_behind_layout_ops_and_quantized_float_weights():
-    """A QAT export's forms: the input's Transpose between its Q and DQ (copied onto the float tensor), and a
-    weight quantized from a float initializer (read as it is); the float variant computes the float graph."""
-    import onnxruntime as ort
-
-    rng = np.random.default_rng(0)
+def qat_form_graph(rng, names=("conv1", "conv2")):
+    """A two-conv Q/DQ graph in a QAT export's forms: the input's Transpose between its Q and DQ, conv1's weight
+    int8, conv2's quantized from a float initializer by a QuantizeLinear node. Returns (model, w1, w2)."""
     w1 = rng.integers(-127, 128, (4, 3, 3, 3)).astype(np.int8)
     w1_scale = np.full(4, 0.01, np.float32)
     w2 = rng.normal(0, 0.1, (2, 4, 1, 1)).astype(np.float32)
@@ -219,18 +216,29 @@ def test_float_tensors_behind_layout_ops_and_quantized_float_weights():
         helper.make_node("Transpose", ["x_q"], ["x_qt"], name="x_t", perm=[0, 3, 1, 2]),
         helper.make_node("DequantizeLinear", ["x_qt", "x_scale", "x_zero"], ["x_dq"], name="x_dq"),
         helper.make_node("DequantizeLinear", ["w1", "w1_scale", "w1_zero"], ["w1_dq"], name="w1_dq", axis=0),
-        helper.make_node("Conv", ["x_dq", "w1_dq"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["x_dq", "w1_dq"], ["c1"], name=names[0], pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
         helper.make_node("QuantizeLinear", ["r1", "h_scale", "x_zero"], ["r1_q"], name="r1_q"),
         helper.make_node("DequantizeLinear", ["r1_q", "h_scale", "x_zero"], ["r1_dq"], name="r1_dq"),
         helper.make_node("QuantizeLinear", ["w2", "w2_scale", "w2_zero"], ["w2_q"], name="w2_q", axis=0),
         helper.make_node("DequantizeLinear", ["w2_q", "w2_scale", "w2_zero"], ["w2_dq"], name="w2_dq", axis=0),
-        helper.make_node("Conv", ["r1_dq", "w2_dq"], ["y"], name="conv2"),
+        helper.make_node("Conv", ["r1_dq", "w2_dq"], ["y"], name=names[1]),
     ]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6, 6, 3])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 6, 6])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.checker.check_model(model)
+    return model, w1, w2
+
+
+def test_float_tensors_behind_layout_ops_and_quantized_float_weights():
+    """A QAT export's forms: the input's Transpose between its Q and DQ (copied onto the float tensor), and a
+    weight quantized from a float initializer (read as it is); the float variant computes the float graph."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    model, w1, w2 = qat_form_graph(rng)
+    graph = model.graph
     assert [layer.node for layer in quantizable_layers(model)] == ["conv1", "conv2"]
     assert layer_qdq(model, "conv1") == {"x_q", "x_dq", "w1_dq"}  # through the Transpose
     float_graph = helper.make_graph(
@@ -254,3 +262,11 @@ def test_float_tensors_behind_layout_ops_and_quantized_float_weights():
     conv2 = next(n for n in all_but.graph.node if n.name == "conv2")
     assert list(conv2.input) == ["r1", "w2"]
     run(only), run(all_but)  # both are valid graphs
+
+
+def test_a_layer_name_of_two_nodes_is_refused_naming_both():
+    model, _, _ = qat_form_graph(np.random.default_rng(0), names=("m/conv/Conv2D", "m/conv/QDQConv2D"))
+    assert [layer.name for layer in quantizable_layers(model)] == ["conv", "conv"]
+    with pytest.raises(QatpipeError, match="'conv' names 2 nodes: m/conv/Conv2D, m/conv/QDQConv2D"):
+        resolve_layers(model, ["conv"])
+    assert [layer.node for layer in resolve_layers(model, ["m/conv/QDQConv2D"])] == ["m/conv/QDQConv2D"]
