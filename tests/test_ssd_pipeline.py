@@ -1,0 +1,51 @@
+"""The whole pipeline through kfp.local with model.arch: ssd (issue 35), tracked in a real MLflow server: every
+stage runs an SSD unchanged, the DeepStream config is TAO's SSD one, and the registered model is qatpipe-ssd."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlflow import MlflowClient
+
+from qatpipe_pipelines.local_run import run_local
+from qatpipe_pipelines.stage_table import stage_names
+
+# The tiny spec as an SSD at 128x192, 5 epochs and 1-epoch retrains: the pipeline's mechanics on this arch, and
+# that it learns. Measured on this machine (2026-11-26, under load): FP32 mAP@0.5 0.228 (random weights score
+# about 0), PTQ 0.181, QAT 0.226; QAT - FP32 -0.2 points [-2.7, +3.3]. The gate's 8 points, as in
+# test_local_pipeline, fails an INT8 model that quantization broke.
+LEARNED_MAP50 = 0.1
+OVERRIDES = ["model.arch=ssd", "dataset.image_size.height=128", "dataset.image_size.width=192", "train.epochs=5",
+             "retrain.epochs=1", "qat.finetune_epochs=1", "tracking.experiment=ssd-pipeline-test",
+             "validate.max_map_drop=0.08"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # 6 min of CPU; 15 min wall on 2 cores under a load average of 8
+def test_ssd_runs_through_the_whole_pipeline(tmp_path, mlflow_server, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    out = tmp_path / "run"
+    summary = run_local(out, "tiny", OVERRIDES)
+
+    assert list(summary["variants"]) == ["fp32", "ptq", "qat"]
+    assert {name for name, o in summary["stages"].items() if o["status"] == "done"} >= \
+        set(stage_names(logged=True)) | {"compare"}
+    fp32 = summary["variants"]["fp32"]
+    assert fp32["map50"] > LEARNED_MAP50 and fp32["map50_ci95_lo"] <= fp32["map50"] <= fp32["map50_ci95_hi"]
+    assert summary["gate_passed"] is True
+    # DeepStream: TAO's NMS parser over the model's own NMS output, labels starting with background
+    [config] = list(out.rglob("deepstream/config_infer_primary_qat.txt"))
+    text = config.read_text()
+    assert "parse-bbox-func-name=NvDsInferParseCustomNMSTLT" in text and "output-blob-names=NMS" in text
+    assert (config.parent / "labels.txt").read_text().split() == ["background", "car", "pedestrian", "cyclist"]
+    # the validated QAT model, registered under the arch's name, loads in MLflow and returns boxes
+    import mlflow.pyfunc
+    import numpy as np
+
+    version = MlflowClient(mlflow_server).get_model_version_by_alias("qatpipe-ssd", "champion")
+    assert version.tags["qatpipe.gate"] == "passed"
+    image = next((out / "kfp").rglob("prepare-data/dataset/val/images/*.jpg"))
+    found = mlflow.pyfunc.load_model("models:/qatpipe-ssd@champion").predict(np.array([str(image)], dtype=object))
+    assert len(found) > 0 and set(found["class_name"]) <= {"car", "pedestrian", "cyclist"}
+    assert json.loads((out / "summary.json").read_text()) == summary
