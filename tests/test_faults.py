@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import kitti_line, write_kitti
+from conftest import SMALL_IMAGES, kitti_line, write_kitti
 from qatpipe.errors import DataError, QatpipeError
 
 # ------------------------------------------------------------------ one run per output folder
@@ -116,10 +116,11 @@ def test_resume_skips_corrupt_newest_checkpoints(tiny_spec, tmp_path, caplog):
     from qatpipe.stages.train import train
 
     spec = tiny_spec("train.epochs=2", "train.checkpoint_interval=1", "model.backbone.width=0.0625",
-                     "train.validation_interval=0")
+                     "train.validation_interval=0", *SMALL_IMAGES)
     uninterrupted = tmp_path / "uninterrupted"
     train(spec, uninterrupted)
-    images = np.random.default_rng(1).uniform(0, 1, (2, 192, 320, 3)).astype(np.float32)
+    size = spec.dataset.image_size
+    images = np.random.default_rng(1).uniform(0, 1, (2, size.height, size.width, 3)).astype(np.float32)
     expected = _outputs(uninterrupted / "model.keras", images)
 
     # killed while writing epoch 2's checkpoint: its data file cut short, or its index garbled
@@ -311,7 +312,7 @@ def test_a_training_run_on_a_full_disk_names_the_path_and_resumes_clean(tiny_spe
     spec_file = tmp_path / "spec.yaml"
     from qatpipe.spec import spec_to_yaml
 
-    spec_file.write_text(spec_to_yaml(tiny_spec("train.epochs=1", "model.backbone.width=0.0625")))
+    spec_file.write_text(spec_to_yaml(tiny_spec("train.epochs=1", "model.backbone.width=0.0625", *SMALL_IMAGES)))
     with _full_disk(tmp_path, monkeypatch, size_kb=8192) as (folder, how), caplog.at_level(logging.ERROR):
         (folder / "filler").write_bytes(b"\0" * (8192 - 16) * 1024)  # almost full: nothing of the run fits
         assert main(["train", "-e", str(spec_file), "-r", str(folder / "run")]) == 2, how

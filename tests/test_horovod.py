@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import SMALL_IMAGES
 from qatpipe.training.distributed import World, horovodrun_command
 
 horovod = pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: `make install` builds it")
@@ -51,7 +52,7 @@ def test_two_horovod_processes_end_with_identical_weights_and_the_loss_falls(tin
     from qatpipe.spec import dump_spec
 
     # keep=last: with keep=best rank 0 alone swaps in the best epoch's weights after training (it writes the model)
-    spec = tiny_spec("train.epochs=4", "train.keep=last")
+    spec = tiny_spec("train.epochs=4", "train.keep=last", *SMALL_IMAGES)
     spec_path = tmp_path / "spec.yaml"
     dump_spec(spec, spec_path)
     script = tmp_path / "rank.py"
@@ -83,7 +84,7 @@ def test_two_horovod_processes_end_with_identical_weights_and_the_loss_falls(tin
 def test_gpus_on_one_host_runs_horovod_processes_and_a_resume_must_use_the_same_count(tiny_spec, tmp_path):
     from qatpipe.stages.scale_out import run_training_stage
 
-    spec = tiny_spec("train.epochs=1")
+    spec = tiny_spec("train.epochs=1", *SMALL_IMAGES)
     # what the train component does with gpus=2: `qatpipe train --gpus 2` on a spec file (horovodrun), in a
     # work folder; the model comes to the results, the resume state does not
     summary = run_training_stage("train", spec, tmp_path / "model", processes_per_node=2)
@@ -94,7 +95,8 @@ def test_gpus_on_one_host_runs_horovod_processes_and_a_resume_must_use_the_same_
     # process would change the learning rate and the schedule under it
     data = Path(spec.dataset.train).parent
     command = [sys.executable, "-m", "qatpipe.cli", "train", "-e", "tiny", "--set", f"dataset.train={data / 'train'}",
-               "--set", f"dataset.val={data / 'val'}", "-r", str(tmp_path / "run")]
+               "--set", f"dataset.val={data / 'val'}", *(arg for item in SMALL_IMAGES for arg in ("--set", item)),
+               "-r", str(tmp_path / "run")]
     first = subprocess.run(command + ["--set", "train.epochs=1", "--gpus", "2"], env=_env(), capture_output=True,
                            text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]

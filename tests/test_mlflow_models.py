@@ -197,14 +197,14 @@ def test_training_curves_are_live_and_a_resumed_training_continues_them(mlflow_s
     from qatpipe.tracking.live import PARENT_RUN_ENV
     from qatpipe.tracking.records import StageRecord
 
-    from conftest import Preempted, PreemptAfter
+    from conftest import SMALL_IMAGES, Preempted, PreemptAfter
 
     monkeypatch.delenv(INJECTED_RUN_ENV, raising=False)
     tracker = MlflowTracker(mlflow_server)
     parent = tracker.start_pipeline_run("test-live", "live", {})
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     monkeypatch.setenv(PARENT_RUN_ENV, parent)
-    spec = tiny_spec("train.epochs=2", "train.checkpoint_interval=1", "train.validation_interval=1")
+    spec = tiny_spec("train.epochs=2", "train.checkpoint_interval=1", "train.validation_interval=1", *SMALL_IMAGES)
     seen = []
 
     class WhileTraining(keras.callbacks.Callback):  # runs after the live callback, inside the same epoch

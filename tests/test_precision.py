@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
+from conftest import SMALL_IMAGES
 from qatpipe.stages.train import train
 from qatpipe.training import precision
 from qatpipe.training.precision import cast_model, cpu_flags, model_policy, select_precision
@@ -48,7 +49,8 @@ def _host(monkeypatch, flags: set[str]):
 def test_amp_on_a_cpu_without_bf16_warns_and_trains_fp32(tiny_spec, tmp_path, monkeypatch, caplog):
     _host(monkeypatch, {"avx2"})
     with caplog.at_level(logging.WARNING):
-        summary = train(tiny_spec("train.epochs=1", "model.backbone.width=0.125"), tmp_path / "run", use_amp=True)
+        summary = train(tiny_spec("train.epochs=1", "model.backbone.width=0.125", *SMALL_IMAGES), tmp_path / "run",
+                        use_amp=True)
     assert "no bfloat16 CPU instructions" in caplog.text
     assert summary["mixed_precision"] is False and summary["precision"] == "float32"
     assert keras.mixed_precision.global_policy().name == "float32"
@@ -70,7 +72,7 @@ def test_bf16_training_step_gives_float32_outputs_and_a_float32_model(tiny_spec,
     from qatpipe.models.io import load_keras_model
 
     _host(monkeypatch, {"avx512_bf16"})
-    spec = tiny_spec("train.epochs=2", "model.backbone.width=0.125")
+    spec = tiny_spec("train.epochs=2", "model.backbone.width=0.125", *SMALL_IMAGES)
     try:
         summary = train(spec, tmp_path / "run", use_amp=True)
         assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"

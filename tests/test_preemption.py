@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SMALL_IMAGES
+
 TASK = textwrap.dedent("""
     import sys
     from kfp import dsl
@@ -58,7 +60,8 @@ def test_a_killed_training_task_resumes_at_the_next_epoch_when_retried(tiny_spec
     from qatpipe.data.prepare import prepare_dataset
     from qatpipe.spec import spec_to_yaml
 
-    spec = tiny_spec(f"train.epochs={EPOCHS}", "train.checkpoint_interval=1", "train.validation_interval=1")
+    spec = tiny_spec(f"train.epochs={EPOCHS}", "train.checkpoint_interval=1", "train.validation_interval=1",
+                     *SMALL_IMAGES)
     prepare_dataset(spec, tmp_path / "dataset")
     (tmp_path / "spec.yaml").write_text(spec_to_yaml(spec))
     root = Path(__file__).resolve().parents[1]
@@ -118,7 +121,8 @@ def test_without_the_cache_volume_a_retry_resumes_from_the_s3_checkpoint_uri(tin
     from qatpipe.spec import spec_to_yaml
 
     s3_env, client = s3
-    spec = tiny_spec(f"train.epochs={EPOCHS}", "train.checkpoint_interval=1", "train.validation_interval=1")
+    spec = tiny_spec(f"train.epochs={EPOCHS}", "train.checkpoint_interval=1", "train.validation_interval=1",
+                     *SMALL_IMAGES)
     prepare_dataset(spec, tmp_path / "dataset")
     (tmp_path / "spec.yaml").write_text(spec_to_yaml(spec))
     root = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CRD_SCHEMAS, crd_schemas_missing, unavailable
+from conftest import CRD_SCHEMAS, SMALL_IMAGES, crd_schemas_missing, unavailable
 from played_kubernetes import FAILED, RUNNING, SUCCEEDED, PlayedKubernetes, serve
 from qatpipe.errors import QatpipeError
 from qatpipe.stages.scale_out import ClusterSettings, run_training_stage
@@ -93,7 +93,7 @@ def test_train_on_an_mpijob_stages_data_on_the_shared_volume_and_brings_the_resu
     _play_the_pods(played_cluster)
     # the task's pod runs as the pipeline's account: the job's pods run as it too (Istio lets it reach MLflow)
     monkeypatch.setattr(launcher, "TOKEN_FILE", _service_account_token(tmp_path / "token", "ml", "default-editor"))
-    spec = tiny_spec("train.epochs=1")
+    spec = tiny_spec("train.epochs=1", *SMALL_IMAGES)
     shared = tmp_path / "shared"
     cluster = ClusterSettings(image="registry.local/qatpipe-training:test", shared_pvc="qatpipe-cache",
                               shared_mount=str(shared), namespace="ml", secret_env="qatpipe-credentials",

@@ -10,7 +10,7 @@ import os
 import pytest
 import tf_keras as keras
 
-from conftest import Preempted, PreemptAfter
+from conftest import SMALL_IMAGES, Preempted, PreemptAfter
 from qatpipe.errors import QatpipeError
 from qatpipe.stages.evaluate import evaluate
 from qatpipe.stages.train import train
@@ -53,7 +53,7 @@ def _umask() -> int:
 
 
 def test_preempted_training_resumes_from_the_checkpoint(tiny_spec, tmp_path, caplog):
-    spec = tiny_spec("train.epochs=4", "train.checkpoint_interval=2", "model.backbone.width=0.125")
+    spec = tiny_spec("train.epochs=4", "train.checkpoint_interval=2", "model.backbone.width=0.125", *SMALL_IMAGES)
     run = tmp_path / "run"
     with pytest.raises(Preempted):  # killed after epoch 3; the last checkpoint is epoch 2
         train(spec, run, extra_callbacks=[PreemptAfter(3)])
@@ -80,13 +80,14 @@ def test_preempted_training_resumes_from_the_checkpoint(tiny_spec, tmp_path, cap
 
 def test_resume_refuses_a_different_experiment(tiny_spec, tmp_path):
     run = tmp_path / "run"
-    train(tiny_spec("train.epochs=2", "model.backbone.width=0.0625"), run)
+    train(tiny_spec("train.epochs=2", "model.backbone.width=0.0625", *SMALL_IMAGES), run)
     with pytest.raises(QatpipeError, match="whose model.backbone differs"):
-        train(tiny_spec("train.epochs=3", "model.backbone.width=0.125"), run)
+        train(tiny_spec("train.epochs=3", "model.backbone.width=0.125", *SMALL_IMAGES), run)
     with pytest.raises(QatpipeError, match="whose train.batch_size, train.seed differs"):
-        train(tiny_spec("train.epochs=3", "model.backbone.width=0.0625", "train.seed=1", "train.batch_size=4"), run)
+        train(tiny_spec("train.epochs=3", "model.backbone.width=0.0625", "train.seed=1", "train.batch_size=4",
+                        *SMALL_IMAGES), run)
     with pytest.raises(QatpipeError, match="the checkpoint is at epoch 2, beyond train.epochs=1"):
-        train(tiny_spec("train.epochs=1", "model.backbone.width=0.0625"), run)
+        train(tiny_spec("train.epochs=1", "model.backbone.width=0.0625", *SMALL_IMAGES), run)
 
 
 def test_failed_start_leaves_no_claim_on_the_directory(tiny_spec, tmp_path):
@@ -96,7 +97,8 @@ def test_failed_start_leaves_no_claim_on_the_directory(tiny_spec, tmp_path):
     with pytest.raises(DataError, match="dataset.train: dataset folder not found"):
         train(tiny_spec(f"dataset.train={tmp_path / 'missing'}"), run)
     assert not (run / "spec.yaml").exists()
-    train(tiny_spec("train.epochs=1", "model.backbone.width=0.0625"), run)  # any other spec may start here
+    # any other spec may start here
+    train(tiny_spec("train.epochs=1", "model.backbone.width=0.0625", *SMALL_IMAGES), run)
     (tmp_path / "file").write_text("x")
     with pytest.raises(QatpipeError, match="cannot create the results directory"):
         train(tiny_spec(), tmp_path / "file" / "run")

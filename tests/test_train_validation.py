@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
-from conftest import Preempted, PreemptAfter
+from conftest import SMALL_IMAGES, Preempted, PreemptAfter
 from qatpipe.errors import QatpipeError
 from qatpipe.stages.train import train
 from qatpipe.tracking.records import StageRecord
@@ -57,7 +57,7 @@ class _Blind(keras.callbacks.Callback):
 
 @pytest.mark.slow
 def test_every_epoch_is_validated_and_the_best_weights_survive_a_resume(tiny_spec, tmp_path):
-    spec = tiny_spec("train.epochs=5")
+    spec = tiny_spec("train.epochs=5", *SMALL_IMAGES)
     run, weights = tmp_path / "run", _RecordWeights()
     with pytest.raises(Preempted):  # killed after epoch 3 (validated, checkpointed)
         train(spec, run, extra_callbacks=[weights, PreemptAfter(3)])
@@ -122,7 +122,7 @@ def test_validation_scores_as_evaluate_does_and_leaves_the_training_alone(tiny_s
     from qatpipe.models import get_architecture
     from qatpipe.stages.evaluate import evaluate
 
-    overrides = ("train.epochs=3", "model.backbone.width=0.125", "train.keep=last")
+    overrides = ("train.epochs=3", "model.backbone.width=0.125", "train.keep=last", *SMALL_IMAGES)
     spec = tiny_spec(*overrides, "train.validation_interval=2")
     summary = train(spec, tmp_path / "validated")
     train(tiny_spec(*overrides, "train.validation_interval=0"), tmp_path / "plain")
