@@ -15,6 +15,7 @@ import yaml
 from kfp import dsl, local
 from mlflow import MlflowClient
 
+from conftest import SMALL_IMAGES
 from qatpipe_kfp.compare.component import compare
 from qatpipe_kfp.fingerprint_data.component import fingerprint_data
 from qatpipe_kfp.finish_tracking.component import finish_tracking
@@ -84,7 +85,7 @@ def test_train_starts_from_the_runs_own_pretrain_stage(tmp_path, monkeypatch):
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
-    overrides = ["dataset.synthetic.train_images=24", "dataset.synthetic.val_images=4", "train.epochs=1",
+    overrides = ["dataset.synthetic.train_images=24", "dataset.synthetic.val_images=4", *SMALL_IMAGES, "train.epochs=1",
                  "train.validation_interval=0", "model.pretrained=pipeline:pretrain", "pretrain.epochs=1"]
 
     @dsl.pipeline

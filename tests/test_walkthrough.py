@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SMALL_IMAGES
 from qatpipe.cli import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -24,10 +25,11 @@ NOT_RUN = {"--set ptq.tool=modelopt": "Model Optimizer runs in its own environme
 VERBS = {"pretrain", "train", "evaluate", "prune", "retrain", "export", "ptq", "build-engine", "bench-engine", "validate",
          "spec show", "data synth"}
 # every `-e` command gets these: one epoch each without validation during training, 32 + 16 synthetic images
-# (made once, cached in the folder), and a gate that passes whatever one epoch learnt (the gate itself:
-# test_local_pipeline.py). About 70 s of CPU, most of it building and tracing the four trainings and two exports.
+# (made once, cached in the folder) at half the tiny spec's size each way (conftest.SMALL_IMAGES), and a gate that
+# passes whatever one epoch learnt (the gate itself: test_local_pipeline.py). Most of its time is building and
+# tracing the four trainings and two exports.
 CHEAP = ["train.epochs=1", "retrain.epochs=1", "train.validation_interval=0", "dataset.synthetic.train_images=32",
-         "dataset.synthetic.val_images=16", "validate.max_map_drop=1.0"]
+         "dataset.synthetic.val_images=16", *SMALL_IMAGES, "validate.max_map_drop=1.0"]
 SMALL_SYNTH = ["--train", "4", "--val", "2"]  # `data synth`: a few images, not the README's 2,300
 OUTPUTS = ("-o", "-r", "--out")  # what a command writes, which must exist once it ran
 
