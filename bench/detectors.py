@@ -7,7 +7,8 @@ ssd) it runs `qatpipe run --local` on the default spec with only `dataset.synthe
 `model.arch` changed (plus the `--set` overrides, the same for every run; no per-set tuning), and prints per run:
 FP32 / PTQ / QAT mAP@0.5 with 95% bootstrap CIs, QAT - FP32 with its CI, AP@0.5 of the objects under 28 px wide
 (class-aware and class-agnostic, pycocotools with the width as the area range), the training time and the whole
-run's wall time. `--train-only` runs train + evaluate (FP32, unpruned) instead of the whole pipeline.
+run's wall time; per data set, the first arch's FP32 mAP@0.5 minus the second's with its paired CI. `--train-only`
+runs train + evaluate (FP32, unpruned) instead of the whole pipeline.
 Writes WORK/bench_detectors.json.
 
 Targets: SSD FP32 mAP@0.5 >= 0.85 on every set; on traffic, SSD's AP@0.5 under 28 px >= DetectNet_v2's + 20
@@ -82,6 +83,19 @@ def small_object_ap(evaluation: Path, max_width: float = SMALL_PX) -> dict:
     return figures
 
 
+def arch_difference(evaluations: dict[str, Path]) -> dict:
+    """The first arch's FP32 mAP@0.5 minus the second's with its 95% CI, bootstrapped over the same val images
+    (paired, as compare does: 1,000 resamples)."""
+    from qatpipe.metrics.bootstrap import match_detections, paired_bootstrap
+    from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE
+
+    matched = {arch: match_detections(json.loads((folder / GROUND_TRUTH_FILE).read_text()),
+                                      json.loads((folder / DETECTIONS_FILE).read_text()))
+               for arch, folder in evaluations.items()}
+    first, second = matched
+    return paired_bootstrap(matched, [(first, second)])["pairs"][f"{first}-{second}"]["map50"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("bench_work/detectors"))
@@ -125,6 +139,12 @@ def report(rows: list[dict]) -> None:
                   f"({small['agnostic'] if small['agnostic'] is not None else float('nan'):.4f}, "
                   f"{small['objects']})          {row.get('train_seconds') or 0:>7.0f}  "
                   f"{row.get('wall_seconds') or 0:>5.0f}")
+    for kind in dict.fromkeys(row["kind"] for row in rows):
+        runs = {row["arch"]: Path(row["evaluation"]) for row in rows if row["kind"] == kind}
+        if len(runs) == 2:
+            diff = arch_difference(runs)
+            print(f"{kind:<9} {' - '.join(runs)} FP32 mAP@0.5 {100 * diff['diff']:+.2f} points "
+                  f"[{100 * diff['ci95'][0]:+.2f}, {100 * diff['ci95'][1]:+.2f}] (paired over the val images)")
     for row in rows:
         c = row.get("comparisons", {}).get("qat-fp32", {}).get("map50")
         if c:
