@@ -270,3 +270,121 @@ def test_a_layer_name_of_two_nodes_is_refused_naming_both():
     with pytest.raises(QatpipeError, match="'conv' names 2 nodes: m/conv/Conv2D, m/conv/QDQConv2D"):
         resolve_layers(model, ["conv"])
     assert [layer.node for layer in resolve_layers(model, ["m/conv/QDQConv2D"])] == ["m/conv/QDQConv2D"]
+
+
+# ------------------------------------------------------------------------------ partial quantization (ptq-partial)
+
+
+def test_ranking_orders_by_recovery_then_drop():
+    from qatpipe.quantization.partial import ranking
+
+    rows = [{"node": "a", "recovery": 0.01, "drop_only_int8": 0.09}, {"node": "b", "recovery": 0.05,
+            "drop_only_int8": 0.0}, {"node": "c", "recovery": 0.01, "drop_only_int8": 0.10}]
+    assert ranking({"layers": rows}) == ["b", "c", "a"]
+    with pytest.raises(QatpipeError, match="no `layers` list"):
+        ranking({})
+
+
+def _subset_scorer(spec, folder):
+    """score(onnx.ModelProto) on 32 val images in the exact CPU form, as the ptq-partial stage scores."""
+    from qatpipe.data.splits import sample_split
+    from qatpipe.models import get_architecture
+    from qatpipe.quantization.partial import exact_scorer
+    from qatpipe.stages.sensitivity import scorer
+
+    score_path, _, _ = scorer(spec, sample_split(spec, "val", 32, 0), get_architecture(spec))
+    return score_path, exact_scorer(score_path, folder)
+
+
+def test_auto_keeps_layers_float_fewest_first_and_stops_at_the_budget(ptq_models, tmp_path, caplog):
+    """On the planted model: a benign layer first, then the planted one, then a third: the search scores the
+    all-INT8 model, one float layer, two, and stops there, the budget met (the third never scored); a budget
+    no subset meets keeps the best model and warns naming the budget and the best figure."""
+    import logging
+
+    from qatpipe.quantization.partial import KEEP_FLOAT_KEY, search
+
+    spec, fp32_path, _, planted_path, planted = ptq_models
+    model, reference = onnx.load(planted_path), fp32_weights(onnx.load(fp32_path))
+    benign = next(layer.node for layer in quantizable_layers(model) if layer.node != planted)
+    third = quantizable_layers(model)[-1].node
+    score_path, score = _subset_scorer(spec, tmp_path)
+    map50_fp32 = score_path(fp32_path)
+    scored = []
+    partial, result = search(model, [benign, planted, third], lambda m: scored.append(m) or score(m), map50_fp32,
+                             0.02, reference)
+    assert [step.float_layers for step in result.steps] == [[], [benign], [benign, planted]], result.steps
+    assert result.budget_met and result.float_layers == [benign, planted] and len(scored) == 3
+    assert result.steps[0].map50 < map50_fp32 - 0.02 <= result.map50  # the planted range costs more than it
+    assert result.layers_total == 15 and result.map50_int8 == result.steps[0].map50
+    recorded = dict((p.key, p.value) for p in partial.metadata_props)[KEEP_FLOAT_KEY]
+    assert set(recorded.split(",")) == {benign, planted}  # in graph order
+    assert len(quantizable_layers(partial)) == 13
+    with caplog.at_level(logging.WARNING, logger="qatpipe.quantization.partial"):
+        _, missed = search(model, [planted, third], score, map50_fp32, -1.0, reference)
+    assert not missed.budget_met and len(missed.steps) == 3
+    best = max(missed.steps, key=lambda step: step.map50)
+    assert missed.float_layers == best.float_layers and missed.map50 == best.map50
+    assert f"{map50_fp32 + 1.0:.4f}" in caplog.text and f"the best, {best.map50:.4f}" in caplog.text
+
+
+def test_fp16_form_of_a_partial_model_keeps_exactly_the_named_layers_float(ptq_models):
+    """The FP16 form (export/fp16.py) of the PTQ model with two layers kept float: those two layers compute in
+    FP16, every other weighted layer stays in the INT8 region, and the form passes TensorRT's Q/DQ rules."""
+    from qatpipe.export import fp16
+    from qatpipe.export.qdq import check_explicit_quantization
+    from qatpipe.quantization.partial import keep_float
+
+    _, fp32_path, ptq_path, _, _ = ptq_models
+    model = onnx.load(ptq_path)
+    layers = quantizable_layers(model)
+    kept = [layers[3].node, layers[-1].node]  # a backbone convolution and a head
+    partial = keep_float(model, kept, fp32_weights(onnx.load(fp32_path)))
+    assert not check_explicit_quantization(partial).problems
+    converted, plan = fp16.convert(partial, {})
+    weighted = {node.name for node in partial.graph.node if node.op_type == "Conv"}
+    assert weighted & set(plan.fp16) == set(kept)
+    assert all(plan.fp32[name].startswith("int8") for name in weighted - set(kept))
+    assert not check_explicit_quantization(converted).problems
+    _, plan_int8 = fp16.convert(model, {})  # the all-INT8 model: no weighted layer in FP16
+    assert not weighted & set(plan_int8.fp16)
+
+
+def test_ptq_partial_stage_writes_the_variant_and_refuses_an_unknown_layer(ptq_models, tmp_path):
+    """The stage with a list of names writes the model (those layers float), its FP16 form, ptq_partial.json and
+    the tracking record; with auto it reads the sensitivity ranking; a name that is no layer fails naming it
+    before anything is written, and an output already there stays."""
+    from qatpipe.stages.ptq_partial import REPORT_FILE, ptq_partial
+    from qatpipe.stages.sensitivity import JSON_FILE
+
+    spec, fp32_path, ptq_path, planted_path, planted = ptq_models
+    spec = spec.model_copy(deep=True)
+    spec.sensitivity.val_images = 32
+    layer = quantizable_layers(onnx.load(ptq_path))[2]
+    spec.ptq.keep_float = [layer.name]
+    report = ptq_partial(spec, fp32_path, ptq_path, tmp_path / "named" / "model.onnx")
+    assert report["float_layers"] == [layer.node] and report["mode"] == "list"
+    written = json.loads((tmp_path / "named" / REPORT_FILE).read_text())
+    assert written["float_layers"] == [layer.node] and written["qdq_check"]["problems"] == []
+    assert len(quantizable_layers(onnx.load(tmp_path / "named" / "model.onnx"))) == 14
+    assert (tmp_path / "named" / "model_fp16.onnx").is_file()
+    record = json.loads((tmp_path / "named" / "tracking.json").read_text())
+    assert record["stage"] == "ptq-partial" and record["metrics"]["float_layers"] == 1
+
+    spec.ptq.keep_float = [layer.node, "conv_nope"]
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "model.onnx").write_bytes(b"earlier")
+    with pytest.raises(QatpipeError, match="'conv_nope' is no node"):
+        ptq_partial(spec, fp32_path, ptq_path, tmp_path / "kept" / "model.onnx")
+    assert (tmp_path / "kept" / "model.onnx").read_bytes() == b"earlier"
+
+    spec.ptq.keep_float = "auto"
+    with pytest.raises(QatpipeError, match="sensitivity"):
+        ptq_partial(spec, fp32_path, planted_path, tmp_path / "auto" / "model.onnx")
+    ranking_dir = tmp_path / "sens"
+    ranking_dir.mkdir()
+    rows = [{"node": planted, "recovery": 0.1, "drop_only_int8": 0.1},
+            {"node": layer.node, "recovery": 0.0, "drop_only_int8": 0.0}]
+    (ranking_dir / JSON_FILE).write_text(json.dumps({"layers": rows}))
+    report = ptq_partial(spec, fp32_path, planted_path, tmp_path / "auto" / "model.onnx", ranking_dir)
+    assert report["mode"] == "auto" and report["float_layers"] == [planted] and report["budget_met"]

@@ -465,6 +465,10 @@ class PtqSpec(_Section):
     seed: int = 0
     report_images: int = Field(16, ge=0, description="calibration images of the precision report (FP16 flags, "
                                "the INT8 model against FP32 layer by layer); 0: no report")
+    keep_float: Union[Literal["auto"], list[str]] = Field(
+        "auto", description="the ptq-partial variant (stages/ptq_partial.py): layers of the PTQ model kept float. "
+        "auto: the most sensitive (the sensitivity stage's ranking), fewest first, until the model scores within "
+        "validate.max_map_drop of FP32 on the sensitivity val sample; or a list of layer / ONNX node names")
 
     @model_validator(mode="after")
     def _check_method(self) -> "PtqSpec":

@@ -22,6 +22,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from qatpipe.errors import QatpipeError
+from qatpipe.quantization.kinds import WEIGHTED_ONNX_OPS
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +68,32 @@ def fp32_nodes(model, flags: dict[str, str]) -> dict[str, str]:
     keep: dict[str, str] = {}
 
     # the INT8 region: everything upstream of a QuantizeLinear (up to the Q/DQ before it) is fused into, or is,
-    # an INT8 layer; so is every reader of a DequantizeLinear
+    # an INT8 layer; so is every reader of a DequantizeLinear. A weighted layer that reads no DequantizeLinear (one
+    # kept float: ptq.keep_float, qat.excluded_layers) is a float layer, not an epilogue: the walk stops there,
+    # and what it alone feeds on the way to the QuantizeLinear (its BatchNorm / ReLU) is its epilogue, float too
+    def reads_dq(node) -> bool:
+        return any(producer.get(i) is not None and producer[i].op_type == "DequantizeLinear" for i in node.input)
+
+    float_layers = {node.name for node in nodes if node.op_type in WEIGHTED_ONNX_OPS and not reads_dq(node)}
     feeds_q: set[str] = set()
     queue = deque(node for node in nodes if node.op_type == "QuantizeLinear")
     while queue:
         for name in queue.popleft().input:
             source = producer.get(name)
-            if source is not None and source.op_type not in QDQ_OPS and source.name not in feeds_q:
+            if (source is not None and source.op_type not in QDQ_OPS and source.name not in feeds_q
+                    and source.name not in float_layers):
                 feeds_q.add(source.name)
                 queue.append(source)
+    after_float = set(float_layers)
+    for node in nodes:  # graph order is topological: a float layer's epilogue leaves the INT8 region
+        sources = [producer[i] for i in node.input if i in producer]
+        if node.name in feeds_q and sources and all(source.name in after_float for source in sources):
+            feeds_q.discard(node.name)
+            after_float.add(node.name)
     for node in nodes:
         if node.op_type in QDQ_OPS:
             keep[node.name] = "quantization: Q/DQ and their scales stay float32"
-        elif any(producer.get(i) is not None and producer[i].op_type == "DequantizeLinear" for i in node.input):
+        elif reads_dq(node):
             keep[node.name] = "int8: reads a DequantizeLinear, TensorRT runs it in INT8"
         elif node.name in feeds_q:
             keep[node.name] = "int8 epilogue: feeds a QuantizeLinear, fused into the INT8 layer before it"

@@ -297,10 +297,24 @@ def variant(model, mode: str, layer: str | None = None, reference: dict | None =
         node = _node(copy, layer)
         _bypass(copy, [(n, i) for n, i in _dequantized_reads(copy) if not (n is node and i in (0, 1))], sources)
     elif mode == ALL_BUT:
-        node = _node(copy, layer)
-        _bypass(copy, [(node, 0), (node, 1)], sources)
+        return float_layers(model, [layer], reference)
     else:
         raise ValueError(f"unknown variant mode {mode!r}: float, {ONLY} or {ALL_BUT}")
+    return copy, sources.weight_source
+
+
+def float_layers(model, layers: Sequence[str], reference: dict | None = None):
+    """A copy of the Q/DQ `model` where each of `layers` (ONNX node names) reads its input and weight float and
+    every other Q/DQ stays: the all-but variant of a set of layers, and a partially quantized model
+    (quantization/partial.py). Float weights as in `variant`. Returns (model, {DequantizeLinear output: where its
+    float weight came from})."""
+    import onnx
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    sources = FloatSources(copy, reference)
+    nodes = [_node(copy, layer) for layer in layers]
+    _bypass(copy, [(node, index) for node in nodes for index in (0, 1)], sources)
     return copy, sources.weight_source
 
 
@@ -556,6 +570,6 @@ def sensitivity_markdown(result: SensitivityResult, title: str = "Layer sensitiv
 
 
 __all__ = ["ALL_BUT", "ONLY", "FloatSources", "LayerSensitivity", "QuantizedLayer", "SensitivityResult",
-           "fp32_weights", "layer_qdq", "measure", "plot_sensitivity", "quantizable_layers",
+           "float_layers", "fp32_weights", "layer_qdq", "measure", "plot_sensitivity", "quantizable_layers",
            "quantization_noise", "qdq_node_names", "resolve_layers", "sensitivity_markdown", "sort_layers",
            "variant"]

@@ -1,0 +1,127 @@
+"""Partial quantization under an accuracy budget: a Q/DQ model with its most sensitive layers kept float.
+
+Starting from the all-INT8 model (a PTQ model), layers are kept float in the order a sensitivity ranking gives,
+fewest first, until the model scores within the budget of the FP32 model (NNCF's accuracy-aware quantization
+and Model Optimizer's AutoQuantize do the same search for PyTorch / OpenVINO). A layer kept float reads its
+input and weight without Q/DQ (sensitivity.float_layers: the FP32 ONNX's weight where it matches), so TensorRT
+runs it in the float region: FP16 in the model's FP16 form (export/fp16.py), FP32 in the exact CPU form.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from qatpipe.errors import QatpipeError
+
+log = logging.getLogger(__name__)
+
+KEEP_FLOAT_KEY = "qatpipe.keep_float"  # ONNX metadata: the layers a partial model keeps float, comma-separated
+
+
+def ranking(sensitivity: dict) -> list[str]:
+    """The layers of a sensitivity.json (quantization/sensitivity.py), in the order to keep them float: the most
+    recovered by keeping the layer float first (what NNCF's accuracy-aware search ranks by), then the largest
+    drop with only it INT8."""
+    rows = sensitivity.get("layers")
+    if not isinstance(rows, list):
+        raise QatpipeError("the sensitivity report has no `layers` list")
+    return [row["node"] for row in sorted(rows, key=lambda r: (-r["recovery"], -r["drop_only_int8"], r["node"]))]
+
+
+@dataclass
+class Step:
+    float_layers: list[str]
+    map50: float
+
+
+@dataclass
+class PartialResult:
+    float_layers: list[str]  # ONNX node names kept float, in the order they were added
+    map50: float  # the chosen model's score
+    map50_fp32: float
+    map50_int8: float  # the model with every layer INT8
+    target: float  # map50_fp32 - budget
+    budget: float
+    budget_met: bool
+    mode: str  # "auto" or "list"
+    layers_total: int  # quantizable layers of the INT8 model
+    steps: list[Step] = field(default_factory=list)  # every model scored, fewest float layers first
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def keep_float(int8_model, layers: Sequence[str], reference: dict | None = None):
+    """`int8_model` (an onnx.ModelProto) with `layers` (node or layer names: sensitivity.resolve_layers; an
+    unknown one fails naming it) reading float; its metadata records them (KEEP_FLOAT_KEY)."""
+    import onnx
+
+    from qatpipe.quantization.sensitivity import float_layers, resolve_layers
+
+    nodes = [layer.node for layer in resolve_layers(int8_model, layers)] if layers else []
+    model, _ = float_layers(int8_model, nodes, reference)
+    props = {p.key: p.value for p in model.metadata_props}
+    props[KEEP_FLOAT_KEY] = ",".join(nodes)
+    onnx.helper.set_model_props(model, props)
+    return model
+
+
+def search(int8_model, order: Sequence[str], score: Callable[[object], float], map50_fp32: float, budget: float,
+           reference: dict | None = None, max_layers: int | None = None) -> tuple[object, PartialResult]:
+    """Keep the first k layers of `order` float for k = 0, 1, ... (at most `max_layers`), scoring each model
+    with `score(onnx.ModelProto) -> mAP@0.5`, until one scores >= map50_fp32 - budget. Returns that model (or,
+    where no k meets the budget, the best scoring one, with a warning naming the budget and the best figure) and
+    the search's record."""
+    from qatpipe.quantization.sensitivity import quantizable_layers
+
+    started = time.perf_counter()
+    target = map50_fp32 - budget
+    order = list(order)[:max_layers] if max_layers is not None else list(order)
+    steps: list[Step] = []
+    best = None
+    for k in range(len(order) + 1):
+        model = keep_float(int8_model, order[:k], reference)
+        map50 = score(model)
+        steps.append(Step(list(order[:k]), map50))
+        log.info("partial quantization: %d layer(s) float: mAP@0.5 %.4f (target %.4f)", k, map50, target)
+        if best is None or map50 > best[1].map50:
+            best = (model, steps[-1])
+        if map50 >= target:
+            best = (model, steps[-1])
+            break
+    model, chosen = best
+    met = chosen.map50 >= target
+    if not met:
+        log.warning("partial quantization: no model met the budget (mAP@0.5 >= FP32 %.4f - %.4f = %.4f) with up to "
+                    "%d layer(s) float; the best, %.4f with %d float, is kept", map50_fp32, budget, target,
+                    len(order), chosen.map50, len(chosen.float_layers))
+    result = PartialResult(chosen.float_layers, chosen.map50, map50_fp32, steps[0].map50, target, budget, met,
+                           "auto", len(quantizable_layers(int8_model)), steps,
+                           round(time.perf_counter() - started, 2))
+    return model, result
+
+
+def exact_scorer(score_path: Callable[[Path], float], folder: str | Path) -> Callable[[object], float]:
+    """score(onnx.ModelProto) over `score_path(onnx path)`: the model written in the exact CPU form of its Q/DQ
+    (engines/cpu_qdq.py: TensorRT's int8 numbers) under `folder`, as the sensitivity variants are scored."""
+    import onnx
+
+    from qatpipe.engines.cpu_qdq import to_cpu_form
+
+    def score(model) -> float:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        to_cpu_form(copy, "exact")
+        path = Path(folder) / "partial.onnx"
+        onnx.save(copy, str(path))
+        return score_path(path)
+
+    return score
+
+
+__all__ = ["KEEP_FLOAT_KEY", "PartialResult", "Step", "exact_scorer", "keep_float", "ranking", "search"]
