@@ -819,6 +819,9 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "retrain_qat": ("dataset", "model", "augmentation", "train", "evaluate", "retrain", "qat"),
     "export": ("dataset", "model", "export"),
     "ptq": ("dataset", "model", "evaluate", "ptq"),
+    "sensitivity": ("dataset", "model", "evaluate", "sensitivity"),  # scored as evaluate scores
+    # export: the partial model's FP16 form (export.fp16_onnx); validate: keep_float auto's budget, max_map_drop
+    "ptq_partial": ("dataset", "model", "evaluate", "export", "ptq", "sensitivity", "validate"),
     "engine": ("dataset", "model", "engine"),
     "validate": ("dataset", "model", "evaluate", "engine", "validate"),
     "pretrain": ("dataset", "model", "pretrain"),
