@@ -120,7 +120,7 @@ def test_compare_reports_differences_with_their_confidence_intervals(tmp_path, c
 
 def test_the_forest_plot_draws_every_pair_the_summary_holds(tmp_path):
     """differences.png: one row per pair of summary.json's differences, whatever their names (here a fourth
-    variant's pair added by hand, as a future ptq-partial would bring it), each point at its difference in points
+    variant's pair added by hand, as any new variant brings its own), each point at its difference in points
     with its CI as a horizontal bar, coloured by where the CI lies, its figures printed beside it; TensorRT's
     numbers as open diamonds in the same rows; the gate's budget dashed on the a-fp32 rows only."""
     import matplotlib.pyplot as plt
@@ -190,6 +190,61 @@ def test_the_forest_plot_draws_every_pair_the_summary_holds(tmp_path):
     assert len(texts) == len(engines) + len(emulated)
     plt.close(fig)
     assert differences_figure({"variants": {}, "comparisons": {}}) is None
+
+
+def test_the_fourth_variant_ptq_partial_gets_its_differences_and_forest_plot_rows(tmp_path):
+    """The pipeline's four variants: ptq-partial (PTQ with its sensitive layers float) against FP32, against PTQ
+    (what keeping those layers float won) and QAT against it join the differences, summary.json, the tables
+    and the forest plot, its name split right though it holds "-"; its gate budget dashed on its -fp32 row."""
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import LineCollection
+
+    from qatpipe.stages.validate import REPORT_FILE as VALIDATION_FILE
+
+    truth, detections = random_evaluation(10, images=40, max_detections=8)
+    found = {"fp32": detections, "ptq": _worse(detections), "ptq-partial": detections, "qat": detections}
+    folders = {name: _evaluation(tmp_path / name, truth, found[name], latency_ms=latency)[0]
+               for name, latency in (("fp32", 4.0), ("ptq", 1.2), ("ptq-partial", 1.6), ("qat", 1.2))}
+    for name, folder in folders.items():
+        write_json(folder / VALIDATION_FILE, {"passed": name != "ptq", "max_map_drop": 0.02})
+    out = tmp_path / "out"
+    summary = compare_variants(folders, out, resamples=200, seed=0)
+
+    pairs = ["qat-fp32", "ptq-fp32", "ptq-partial-fp32", "ptq-partial-ptq", "qat-ptq", "qat-ptq-partial"]
+    assert list(summary["variants"]) == ["fp32", "ptq", "ptq-partial", "qat"]
+    assert list(summary["comparisons"]) == pairs
+    gained = summary["comparisons"]["ptq-partial-ptq"]["map50"]
+    assert gained["ci95"][0] > 0  # the float layers won back what PTQ lost, on every resample
+    assert summary["comparisons"]["ptq-partial-fp32"]["map50"] == {"diff": 0.0, "ci95": [0.0, 0.0]}
+    assert summary["validation"] == {"fp32": True, "ptq": False, "ptq-partial": True, "qat": True}
+    assert summary["max_map_drop"]["ptq-partial"] == 0.02
+    assert json.loads((out / "summary.json").read_text()) == summary
+    table = (out / "comparison.md").read_text()
+    assert (f"| ptq-partial-ptq | mAP@0.5 | {100 * gained['diff']:+.2f} | [{100 * gained['ci95'][0]:+.2f}, "
+            f"{100 * gained['ci95'][1]:+.2f}] | ptq-partial better |") in table
+    assert "| qat-ptq-partial | mAP@0.5 | +0.00 | [+0.00, +0.00] | no significant difference |" in table
+    assert "| ptq-partial-fp32 | mAP@0.5 | +0.00 | [+0.00, +0.00] | no significant difference |" in table
+    assert "ptq FAILED, ptq-partial passed, qat passed; gate (QAT): PASSED" in table
+    assert "| class | objects | fp32 | ptq | ptq-partial | qat |" in table
+    assert (out / "comparison.html").read_text().count("data:image/png;base64,") == 3
+    record = StageRecord.read(out)
+    assert record.metrics["ptq-partial-ptq.map50_diff"] == gained["diff"]
+    assert record.metrics["ptq-partial.map50"] == summary["variants"]["ptq-partial"]["map50"]
+    assert record.params["variants"] == "fp32,ptq,ptq-partial,qat"
+
+    # the forest plot: a row per pair in that order, the gate's budget on the three a-fp32 rows
+    fig = differences_figure(summary)
+    ax = fig.axes[0]
+    rows = {label.get_text(): y for label, y in zip(ax.get_yticklabels(), ax.get_yticks())}
+    assert sorted(rows, key=rows.get, reverse=True) == pairs
+    points = {round(line.get_ydata()[0]): line for line in ax.lines if line.get_marker() == "o"}
+    assert points[rows["ptq-partial-ptq"]].get_color() == "tab:blue"  # CI above 0: a (ptq-partial) better
+    assert points[rows["ptq-fp32"]].get_color() == "tab:red"
+    dashed = [segment for collection in ax.collections if isinstance(collection, LineCollection)
+              and collection.get_linestyle()[0][1] for segment in collection.get_segments()]
+    assert {round(segment[:, 1].mean()) for segment in dashed} == {rows[p] for p in pairs if p.endswith("-fp32")}
+    assert any(text.get_text().endswith("ptq-partial better") for text in ax.texts)
+    plt.close(fig)
 
 
 @pytest.mark.parametrize("spread", [0.0, 0.003, 0.01, None])

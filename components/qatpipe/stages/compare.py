@@ -1,5 +1,5 @@
-"""Stage: the FP32 / PTQ / QAT comparison: tables, charts and one summary.json for the pipeline run, with
-paired bootstrap confidence intervals for the variants' mAP and for their differences."""
+"""Stage: the FP32 / PTQ / PTQ-partial / QAT comparison: tables, charts and one summary.json for the pipeline run,
+with paired bootstrap confidence intervals for the variants' mAP and for their differences."""
 
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ CHART_FILE = "comparison.png"
 DIFFERENCES_CHART_FILE = "differences.png"  # the forest plot of the paired differences (plot_differences)
 TRADEOFF_CHART_FILE = "accuracy_latency.png"
 HTML_FILE = "comparison.html"
-# the differences worth a confidence interval, "a-b" = a minus b (those whose variants both were evaluated)
-PAIRS = (("qat", "fp32"), ("ptq", "fp32"), ("qat", "ptq"))
+# the differences worth a confidence interval, "a-b" = a minus b (those whose variants both were evaluated):
+# each INT8 variant against FP32, what keeping PTQ's sensitive layers float wins, and QAT against either PTQ
+PAIRS = (("qat", "fp32"), ("ptq", "fp32"), ("ptq-partial", "fp32"), ("ptq-partial", "ptq"), ("qat", "ptq"),
+         ("qat", "ptq-partial"))
 
 # column -> (header, format); latency at batch 1, throughput at the largest benchmarked batch
 VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
