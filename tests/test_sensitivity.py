@@ -361,11 +361,14 @@ def test_ptq_partial_stage_writes_the_variant_and_refuses_an_unknown_layer(ptq_m
     spec = spec.model_copy(deep=True)
     spec.sensitivity.val_images = 32
     layer = quantizable_layers(onnx.load(ptq_path))[2]
-    spec.ptq.keep_float = [layer.name]
-    report = ptq_partial(spec, fp32_path, ptq_path, tmp_path / "named" / "model.onnx")
-    assert report["float_layers"] == [layer.node] and report["mode"] == "list"
+    from qatpipe.cli import main
+
+    data = ["--set", f"dataset.train={spec.dataset.train}", "--set", f"dataset.val={spec.dataset.val}"]
+    assert main(["ptq-partial", "-e", "tiny", *data, "--set", "sensitivity.val_images=32", "-m", str(ptq_path),
+                 "--fp32", str(fp32_path), "--keep-float", layer.name, "-o", str(tmp_path / "named" / "model.onnx")]) == 0
     written = json.loads((tmp_path / "named" / REPORT_FILE).read_text())
-    assert written["float_layers"] == [layer.node] and written["qdq_check"]["problems"] == []
+    assert written["float_layers"] == [layer.node] and written["mode"] == "list"
+    assert written["qdq_check"]["problems"] == []
     assert len(quantizable_layers(onnx.load(tmp_path / "named" / "model.onnx"))) == 14
     assert (tmp_path / "named" / "model_fp16.onnx").is_file()
     record = json.loads((tmp_path / "named" / "tracking.json").read_text())

@@ -203,6 +203,21 @@ def cmd_ptq(args) -> int:
     return 0
 
 
+def cmd_ptq_partial(args) -> int:
+    from qatpipe.stages.ptq_partial import ptq_partial
+
+    spec = _load(args)
+    if args.keep_float:
+        spec.ptq.keep_float = args.keep_float if args.keep_float != ["auto"] else "auto"
+    report = ptq_partial(spec, args.fp32, args.model, args.output, args.sensitivity)
+    print(f"{report['onnx']}  {len(report['float_layers'])} of {report['layers_total']} layers float  mAP@0.5 "
+          f"{report['map50']:.4f} on {report['val_images']} val images (FP32 {report['map50_fp32']:.4f}, all INT8 "
+          f"{report['map50_int8']:.4f}); budget {'met' if report['budget_met'] else 'NOT met'}")
+    for node in report["float_layers"]:
+        print(f"float: {node}")
+    return 0
+
+
 def cmd_sensitivity(args) -> int:
     from qatpipe.stages.sensitivity import JSON_FILE, sensitivity
 
@@ -430,7 +445,7 @@ def _add_prune_command(sub) -> None:
 
 
 def _add_deployment_commands(sub) -> None:
-    """`qatpipe export | ptq | sensitivity | build-engine | bench-engine | validate`: a trained model to a validated
+    """`qatpipe export | ptq | ptq-partial | sensitivity | build-engine | bench-engine | validate`: a trained model to a validated
     engine."""
     from qatpipe.engines import BACKENDS
     from qatpipe.spec import EngineSpec, field_choices
@@ -443,6 +458,19 @@ def _add_deployment_commands(sub) -> None:
                          description="Settings: the spec's `ptq` section (--set ptq.method=percentile ...).")
     _add_model_conversion_args(ptq, "FP32 model (.onnx, from `qatpipe export`)", "the INT8 Q/DQ .onnx to write")
     ptq.set_defaults(func=cmd_ptq, writes=lambda a: a.output.parent)
+
+    partial = sub.add_parser("ptq-partial", help="the PTQ model with its most sensitive layers kept float, within "
+                             "validate.max_map_drop of FP32 (ptq.keep_float auto) or the layers named",
+                             description="Settings: ptq.keep_float, validate.max_map_drop, the spec's `sensitivity` "
+                             "section (the val sample it scores on); docs/quantization.md.")
+    _add_model_conversion_args(partial, "the PTQ model (.onnx, from `qatpipe ptq`)", "the partial Q/DQ .onnx to write")
+    partial.add_argument("--fp32", type=Path, required=True, help="the FP32 ONNX the PTQ model was quantized from "
+                         "(a float layer reads its weights)")
+    partial.add_argument("--sensitivity", type=Path, help="the folder of the PTQ model's sensitivity.json "
+                         "(`qatpipe sensitivity`), which keep_float auto ranks the layers by")
+    partial.add_argument("--keep-float", nargs="+", metavar="LAYER", help="auto, or layer / ONNX node names "
+                         "(sets ptq.keep_float)")
+    partial.set_defaults(func=cmd_ptq_partial, writes=lambda a: a.output.parent)
 
     sens = sub.add_parser("sensitivity", help="per-layer INT8 sensitivity of a Q/DQ ONNX (PTQ or QAT): the mAP@0.5 "
                           "drop with only each layer INT8, and with every layer but it INT8",
