@@ -57,7 +57,7 @@ def test_light_components_run_from_their_shipped_source(tmp_path, monkeypatch, e
             log_stage(parent_run_id=parent, stage_output=data.outputs["dataset"])
             evaluation = dsl.importer(artifact_uri=str(evaluation_dir), artifact_class=dsl.Artifact).output
             pruned = dsl.importer(artifact_uri=str(evaluation_dir.parent / "pruned"), artifact_class=dsl.Model)
-            compare(parent_run_id=parent, fp32=evaluation, ptq=evaluation, qat=evaluation,
+            compare(parent_run_id=parent, fp32=evaluation, ptq=evaluation, ptq_partial=evaluation, qat=evaluation,
                     unpruned=evaluation, pruned=pruned.output)
 
     local.init(local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "kfp"))
@@ -126,7 +126,7 @@ def test_compiled_components_describe_every_input_and_output():
                     checked += 1
                     if not str(entry.get("description", "")).strip():
                         missing.append(f"{name}: {side}.{kind}.{key}")
-    assert checked > 100, checked  # 16 components, most of them used more than once
+    assert checked > 100, checked  # 18 components, most of them used more than once
     assert not missing, ("no description; add it to the component's docstring (inputs under Args:, outputs under "
                          "Returns:): " + ", ".join(missing))
 

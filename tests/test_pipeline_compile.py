@@ -14,7 +14,8 @@ from qatpipe_pipelines.submit import compile_pipeline
 
 REPO_YAML = Path(__file__).resolve().parents[1] / "pipelines" / "qat_pipeline.yaml"
 # tasks by display name, from the stage table (qatpipe_pipelines/stage_table.py)
-VARIANTS = ("fp32", "ptq", "qat")
+VARIANTS = ("fp32", "ptq", "ptq-partial", "qat")
+ONNX_TASKS = {"fp32": "export-fp32", "ptq": "ptq", "ptq-partial": "ptq-partial", "qat": "export-qat"}
 STAGES = stage_names(logged=True)  # each followed by its log task
 # the ONNX evaluations run ONNX Runtime's CPU build: no GPU for them
 GPU_TASKS = stage_names(runs=("training", "gpu"))
@@ -100,9 +101,26 @@ def test_dag_shape(compiled):
     assert upstream("evaluate-fp32") == {"prepare-data", "export-fp32"}
     assert upstream("evaluate-ptq") == {"prepare-data", "ptq"}
     assert upstream("evaluate-qat") == {"prepare-data", "export-qat"}
+    # layer sensitivity of both INT8 models (against the FP32 ONNX, on val images); PTQ's ranking picks the layers
+    # the fourth variant, ptq-partial, keeps float
+    assert upstream("sensitivity") == {"prepare-data", "export-fp32", "ptq", "export-qat"}
+    assert upstream("ptq-partial") == {"prepare-data", "export-fp32", "ptq", "sensitivity"}
+    ids = {task_id: task["taskInfo"]["name"] for component in [spec["root"], *spec["components"].values()]
+           for task_id, task in component.get("dag", {}).get("tasks", {}).items()}
+
+    def producer(name, artifact):
+        """(display name of the task feeding `name`'s input `artifact`, its output)."""
+        source = tasks[name]["inputs"]["artifacts"][artifact]["taskOutputArtifact"]
+        return ids[source["producerTask"]], source["outputArtifactKey"]
+
+    assert producer("ptq-partial", "sensitivity") == ("sensitivity", "results")
+    assert upstream("evaluate-ptq-partial") == {"prepare-data", "ptq-partial"}
+    for name, view in (("sensitivity", "sensitivity"), ("ptq-partial", "ptq_partial")):
+        assert tasks[name]["inputs"]["parameters"][f"{view}_spec"]["taskOutputParameter"] == {
+            "producerTask": "resolve-spec", "outputParameterKey": f"{view}_spec"}, name
     # each variant's engine is built from its ONNX and validated against the FP32 evaluation
     for v in VARIANTS:
-        onnx_task = {"fp32": "export-fp32", "ptq": "ptq", "qat": "export-qat"}[v]
+        onnx_task = ONNX_TASKS[v]
         assert upstream(f"build-engine-{v}") == {onnx_task}
         assert upstream(f"validate-{v}") == {"prepare-data", f"build-engine-{v}", onnx_task, "evaluate-fp32"}
     assert upstream("compare") == {"start-tracking", "prune", "evaluate-unpruned",
@@ -110,8 +128,14 @@ def test_dag_shape(compiled):
     # register logs every variant's model and registers the QAT one (the gate decides its alias, so it runs
     # whether the gate passed or not), once compare has succeeded
     assert "triggerPolicy" not in tasks["register"]
-    assert upstream("register") == {"start-tracking", "prepare-data", "export-fp32", "ptq", "export-qat",
-                                    "build-engine-qat", "compare", *(f"validate-{v}" for v in VARIANTS)}
+    assert upstream("register") == {"start-tracking", "prepare-data", *ONNX_TASKS.values(), "build-engine-qat",
+                                    "compare", *(f"validate-{v}" for v in VARIANTS)}
+    # a variant's name as an input's: ptq-partial's validation reaches compare and register as ptq_partial
+    assert producer("compare", "ptq_partial") == ("validate-ptq-partial", "results")
+    assert producer("register", "ptq_partial_onnx") == ("ptq-partial", "onnx_model")
+    assert producer("register", "ptq_partial_validation") == ("validate-ptq-partial", "results")
+    assert tasks["evaluate-ptq-partial"]["inputs"]["parameters"]["variant"]["runtimeValue"]["constant"] == (
+        "ptq-partial")
     for stage in STAGES:
         assert upstream(f"log-{stage}") == {stage, "start-tracking"}, stage
     # every stage receives only its spec view; the QAT retrain gets the view with the qat section
@@ -228,7 +252,7 @@ def test_cache_pvc_option(tmp_path):
     # the stages that read the data set
     assert mounted == {row.name for row in STAGE_ROWS if row.reads_data}
     assert mounted >= {"fingerprint-data", "prepare-data", *TRAINING_TASKS, "evaluate-unpruned", "export-fp32", "ptq",
-                       *(f"validate-{v}" for v in VARIANTS)}  # the engine builds do not
+                       "sensitivity", "ptq-partial", *(f"validate-{v}" for v in VARIANTS)}  # the engine builds do not
     assert k8s[executor_of["train"]]["pvcMount"][0]["mountPath"] == "/var/cache/qatpipe"
 
 

@@ -6,9 +6,11 @@ fingerprint data → prepare data → train (unpruned) → evaluate (unpruned) a
    PTQ calibrate → evaluate PTQ]
   [retrain QAT (qat.start: the pruned model, or fine-tuning FP32's) → export (Q/DQ + calibration cache)
    → evaluate QAT]
-→ per variant: build engine (+ latency benchmark) → validate against the FP32 baseline
-→ compare (FP32 / PTQ / QAT table, pruning block, gate) → register (each variant an MLflow model; the QAT one
-  a registry version: alias champion when it passed the gate, challenger when not).
+→ layer sensitivity of the PTQ and QAT models → ptq-partial (PTQ with its most sensitive layers float, until
+  within the gate's budget) → evaluate PTQ-partial
+→ per variant (fp32, ptq, ptq-partial, qat): build engine (+ latency benchmark) → validate against the FP32 baseline
+→ compare (the variants' table, their differences, pruning block, gate) → register (each variant an MLflow model;
+  the QAT one a registry version: alias champion when it passed the gate, challenger when not).
 
 The stages are the rows of stage_table.py: a task per row, each followed by the log task of its tracking
 record. Adding a stage is its component folder and its row there.
@@ -48,7 +50,7 @@ TRAINING_RETRIES = 2  # pre-emption, eviction: with --cache-pvc the retry resume
 TASK_SIZES = {
     "training": ("8", "32Gi"),  # train / retrain on a GPU node: TensorFlow plus the tf.data workers
     "gpu_stage": ("4", "16Gi"),  # evaluate (Keras), build-engine, validate
-    "cpu_stage": ("4", "16Gi"),  # data, pruning, export, PTQ, ONNX evaluations, compare, register
+    "cpu_stage": ("4", "16Gi"),  # data, pruning, export, PTQ, sensitivity, ONNX evaluations, compare, register
     "light": ("1", "2Gi"),  # spec, tracking and logging tasks (MLflow client, artifact uploads)
 }
 SHM_SIZE = "8Gi"  # memory-backed /dev/shm of training tasks (NCCL, Horovod with gpus > 1 in one pod)
@@ -244,7 +246,7 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         light_memory: str = TASK_SIZES["light"][1],
         checkpoint_uri: str = "",
     ):
-        """Train, prune, QAT-retrain, export, build and validate an INT8 detector; FP32 and PTQ alongside.
+        """Train, prune, QAT-retrain, export, build and validate an INT8 detector; FP32, PTQ and PTQ-partial alongside.
 
         Args:
             spec_uri: bundled spec name (default, tiny), a path inside the image, or s3://bucket/key.
@@ -274,8 +276,8 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             training_memory: memory (request = limit) of train / retrain.
             gpu_stage_cpu: CPU (request = limit) of evaluate-unpruned, build-engine and validate.
             gpu_stage_memory: memory (request = limit) of evaluate-unpruned, build-engine and validate.
-            cpu_stage_cpu: CPU (request = limit) of the CPU stages (data, prune, export, PTQ, the ONNX
-                evaluations, compare, register).
+            cpu_stage_cpu: CPU (request = limit) of the CPU stages (data, prune, export, PTQ, sensitivity,
+                ptq-partial, the ONNX evaluations, compare, register).
             cpu_stage_memory: memory (request = limit) of the CPU stages.
             light_cpu: CPU (request = limit) of the spec, tracking and logging tasks (and the tasks that follow
                 an MPIJob).

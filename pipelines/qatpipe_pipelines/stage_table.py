@@ -22,8 +22,10 @@ from qatpipe_kfp.prepare_data.component import prepare_data
 from qatpipe_kfp.pretrain.component import pretrain
 from qatpipe_kfp.prune.component import prune
 from qatpipe_kfp.ptq.component import ptq
+from qatpipe_kfp.ptq_partial.component import ptq_partial
 from qatpipe_kfp.register.component import register
 from qatpipe_kfp.retrain.component import retrain
+from qatpipe_kfp.sensitivity.component import sensitivity
 from qatpipe_kfp.train.component import train
 from qatpipe_kfp.validate.component import validate
 
@@ -63,12 +65,19 @@ class Stage:
         return names[0] if names else None
 
 
-VARIANTS = ("fp32", "ptq", "qat")
+VARIANTS = ("fp32", "ptq", "ptq-partial", "qat")
 DATASET = From("prepare-data", "dataset")
 PARENT_RUN = From("start-tracking")
 ONNX = {"fp32": From("export-fp32", "onnx_model"), "ptq": From("ptq", "int8_onnx"),
-        "qat": From("export-qat", "onnx_model")}
+        "ptq-partial": From("ptq-partial", "onnx_model"), "qat": From("export-qat", "onnx_model")}
 VALIDATED = {variant: From(f"validate-{variant}", "results") for variant in VARIANTS}
+
+
+def arg(variant: str) -> str:
+    """A variant's name as a component input's (a Python identifier): ptq-partial -> ptq_partial."""
+    return variant.replace("-", "_")
+
+
 TRAINING = dict(runs="training", reads_data=True, logs="model", after=("start-tracking",))  # live curves: MLflow run
 
 STAGES: tuple[Stage, ...] = (
@@ -96,6 +105,13 @@ STAGES: tuple[Stage, ...] = (
             reads_data=True, logs="onnx_model") for variant, source in (("fp32", "finetune-fp32"),
                                                                         ("qat", "retrain-qat"))),
     Stage("ptq", ptq, {"dataset": DATASET, "fp32_onnx": ONNX["fp32"]}, reads_data=True, logs="int8_onnx"),
+    # which layers of the INT8 models cost their accuracy (ONNX Runtime's CPU build, a val sample); PTQ's ranking
+    # picks the layers ptq-partial keeps float until it is within validate.max_map_drop of FP32
+    Stage("sensitivity", sensitivity, {"dataset": DATASET, "fp32_onnx": ONNX["fp32"], "ptq_onnx": ONNX["ptq"],
+                                       "qat_onnx": ONNX["qat"]}, reads_data=True, logs="results"),
+    Stage("ptq-partial", ptq_partial, {"dataset": DATASET, "fp32_onnx": ONNX["fp32"], "ptq_onnx": ONNX["ptq"],
+                                       "sensitivity": From("sensitivity", "results")},
+          reads_data=True, logs="onnx_model"),
     *(Stage(f"evaluate-{variant}", evaluate, {"variant": variant, "dataset": DATASET, "model": ONNX[variant]},
             reads_data=True, logs="results") for variant in VARIANTS),
     # per variant: its engine, then that engine validated against the FP32 evaluation
@@ -108,16 +124,16 @@ STAGES: tuple[Stage, ...] = (
                                                 "onnx_model": ONNX[variant],
                                                 "baseline": From("evaluate-fp32", "results")},
               runs="gpu", engine=True, reads_data=True, logs="results"))),
-    Stage("compare", compare, {"parent_run_id": PARENT_RUN, **VALIDATED,
+    Stage("compare", compare, {"parent_run_id": PARENT_RUN, **{arg(v): VALIDATED[v] for v in VARIANTS},
                                "unpruned": From("evaluate-unpruned", "results"), "pruned": From("prune", "pruned")},
           network=True, per_run=True),
     # every variant as an MLflow model; the QAT one registered, as champion only when it passed the gate; only
     # after compare succeeded, so a run that could not compare its variants registers nothing
     Stage("register", register, {"parent_run_id": PARENT_RUN, "spec": From("resolve-spec", "spec"),
                                  "kfp_run_id": dsl.PIPELINE_JOB_ID_PLACEHOLDER, "kfp_ui_url": Param("kfp_ui_url"),
-                                 "dataset": DATASET, **{f"{variant}_onnx": ONNX[variant] for variant in VARIANTS},
+                                 "dataset": DATASET, **{f"{arg(v)}_onnx": ONNX[v] for v in VARIANTS},
                                  "qat_engine": From("build-engine-qat", "engine"),
-                                 **{f"{variant}_validation": VALIDATED[variant] for variant in VARIANTS}},
+                                 **{f"{arg(v)}_validation": VALIDATED[v] for v in VARIANTS}},
           network=True, per_run=True, after=("compare",)),
 )
 

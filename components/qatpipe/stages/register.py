@@ -1,8 +1,8 @@
 """Stage: the variants as MLflow models, and the QAT one in the model registry (tracking/registry.py).
 
-Every variant (fp32, ptq, qat) is logged as an MLflow model over the ONNX file its evaluation scored, with its
-validated figures; the QAT model also carries what deployment needs (calibration cache, implicit ONNX, engine
-metadata, validation report, DeepStream config). The QAT model becomes a new registered version: alias
+Every variant (fp32, ptq, ptq-partial, qat) is logged as an MLflow model over the ONNX file its evaluation
+scored, with its validated figures; the QAT model also carries what deployment needs (calibration cache, implicit
+ONNX, engine metadata, validation report, DeepStream config). The QAT model becomes a new registered version: alias
 `tracking.champion_alias` when its validation passed, `challenger` with the gate's reason when it did not.
 """
 

@@ -182,7 +182,9 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
     output_dir = Path(output_dir) if output_dir else engine_dir / "validate"
     metadata = EngineMetadata.read(engine_dir)
     label = metadata.label
-    evaluation = evaluate(spec, engine_dir, output_dir, stage_name=f"validate_{variant}", variant=variant)
+    # the record is validate_<variant>, "-" as "_" (validate_ptq_partial), as every stage record is named
+    evaluation = evaluate(spec, engine_dir, output_dir, stage_name=f"validate_{variant.replace('-', '_')}",
+                          variant=variant)
     source = Path(onnx_model) if onnx_model else Path(metadata.source_onnx)  # the ONNX the engine was built from
     emulated, emulation = tensorrt_emulated_map50(spec, engine_dir, output_dir, source, variant)
     dla, dla_how = dla_emulated_map50(spec, source, output_dir, variant)

@@ -1,5 +1,5 @@
-"""Models in MLflow: each variant (fp32, ptq, qat) as an MLflow 3 LoggedModel, and the QAT one in the model
-registry under an alias.
+"""Models in MLflow: each variant (fp32, ptq, ptq-partial, qat) as an MLflow 3 LoggedModel, and the QAT one in the
+model registry under an alias.
 
 - `log_variant_model`: a nested run `model-<variant>` whose output is the variant's MLflow model
   (deploy/mlflow_model.py: ONNX flavour + a pyfunc that returns detections), whose inputs are the data set

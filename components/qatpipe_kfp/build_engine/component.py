@@ -16,7 +16,8 @@ def build_engine(engine_spec: str, variant: str, onnx_model: Input[Model], engin
 
     Args:
         engine_spec: The spec's engine view (sections dataset, model, engine), as YAML.
-        variant: The variant's name (fp32, ptq or qat); names the task's stage and goes into the engine's metadata.
+        variant: The variant's name (fp32, ptq, ptq-partial or qat); names the task's stage and goes into the
+            engine's metadata.
         onnx_model: The variant's ONNX model folder; the file is its `file` metadata (default model.onnx).
         gpu_type: The GPU model the engine is built for, as nvidia.com/gpu.product names it; the task fails when the
             node's first GPU is another model or there is none. It keys the KFP cache. Empty: not checked.
@@ -38,7 +39,7 @@ def build_engine(engine_spec: str, variant: str, onnx_model: Input[Model], engin
         check_gpu_type(gpu_type)
         spec = load_stage_spec(engine_spec)
         source = Path(onnx_model.path) / onnx_model.metadata.get("file", "model.onnx")
-        info = build_stage(spec, source, engine.path, stage_name=f"build_engine_{variant}")
+        info = build_stage(spec, source, engine.path, stage_name=f"build_engine_{variant.replace('-', '_')}")
         report = bench_engine(spec, engine.path)  # bench.json, its figures added to the engine's tracking record
         engine.metadata.update({"backend": info["backend"], "precision": info["precision"], "variant": variant,
                                 "device": info["device"], "runtime_version": info["runtime_version"],

@@ -1,4 +1,4 @@
-"""compare: the FP32 / PTQ / QAT table (all three scored in ONNX Runtime), charts and summary.json, with the
+"""compare: the FP32 / PTQ / PTQ-partial / QAT table (all scored in ONNX Runtime), charts and summary.json, with the
 pruning block (unpruned vs pruned size and mAP), the differences between the variants with their bootstrap
 confidence intervals and the per-class AP; logs them to the MLflow parent run for the side-by-side view."""
 
@@ -8,10 +8,10 @@ from qatpipe_kfp.settings import component
 
 
 @component
-def compare(parent_run_id: str, fp32: Input[Artifact], ptq: Input[Artifact], qat: Input[Artifact],
-            unpruned: Input[Artifact], pruned: Input[Model], summary: Output[Artifact], table: Output[Markdown],
-            chart: Output[HTML], metrics: Output[Metrics]):
-    """Compare the FP32, PTQ and QAT variants and log the comparison to the MLflow parent run.
+def compare(parent_run_id: str, fp32: Input[Artifact], ptq: Input[Artifact], ptq_partial: Input[Artifact],
+            qat: Input[Artifact], unpruned: Input[Artifact], pruned: Input[Model], summary: Output[Artifact],
+            table: Output[Markdown], chart: Output[HTML], metrics: Output[Metrics]):
+    """Compare the FP32, PTQ, PTQ-partial and QAT variants and log the comparison to the MLflow parent run.
 
     Writes the variant table, the pruning block (unpruned vs pruned size and mAP), the differences between the
     variants with their paired-bootstrap 95% confidence intervals, the per-class AP and the charts.
@@ -21,6 +21,8 @@ def compare(parent_run_id: str, fp32: Input[Artifact], ptq: Input[Artifact], qat
             nothing is logged to MLflow; the outputs are still written.
         fp32: The FP32 variant's evaluation folder (in the pipeline, validate's `results`).
         ptq: The PTQ variant's evaluation folder (in the pipeline, validate's `results`).
+        ptq_partial: The ptq-partial variant's evaluation folder (the PTQ model with its most sensitive layers
+            float; in the pipeline, validate's `results`); named `ptq-partial` in the outputs.
         qat: The QAT variant's evaluation folder (in the pipeline, validate's `results`).
         unpruned: The unpruned model's evaluation folder (evaluate's `results`): its mAP for the pruning block.
         pruned: The pruned model folder (prune's `pruned`): its prune_report.json gives the parameters and FLOPs
@@ -44,7 +46,7 @@ def compare(parent_run_id: str, fp32: Input[Artifact], ptq: Input[Artifact], qat
     from qatpipe_kfp.runtime import stage, write_metrics, write_text
 
     with stage("compare"):
-        evaluations = {"fp32": fp32.path, "ptq": ptq.path, "qat": qat.path}
+        evaluations = {"fp32": fp32.path, "ptq": ptq.path, "ptq-partial": ptq_partial.path, "qat": qat.path}
         prune_report = json.loads((Path(pruned.path) / REPORT_FILE).read_text())
         result = compare_variants(evaluations, summary.path, prune_report, unpruned.path)
         folder = Path(summary.path)

@@ -34,6 +34,8 @@ def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
     inputs = dict(
         fp32=_evaluation(tmp_path / "fp32", 0.81, 0.52, 1.6, 100.0, True, "onnxruntime cpu fp32"),
         ptq=_evaluation(tmp_path / "ptq", 0.78, 0.49, 0.5, 250.0, False, "onnxruntime cpu int8", 0.775),
+        ptq_partial=_evaluation(tmp_path / "ptq-partial", 0.805, 0.50, 0.6, 200.0, True, "onnxruntime cpu int8",
+                                0.80),
         qat=_evaluation(tmp_path / "qat", 0.80, 0.51, 0.5, 300.0, True, "onnxruntime cpu int8", 0.805),
         unpruned=_evaluation(tmp_path / "unpruned", 0.82, 0.53, 4.0))
     (tmp_path / "pruned").mkdir()
@@ -42,7 +44,7 @@ def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
                    chart=artifact(dsl.HTML, "chart"), metrics=artifact(dsl.Metrics, "metrics"))
     compare.python_func(parent_run_id="", pruned=dsl.Model(uri=str(tmp_path / "pruned")), **inputs, **outputs)
     summary = json.loads((Path(outputs["summary"].path) / "summary.json").read_text())
-    assert list(summary["variants"]) == ["fp32", "ptq", "qat"]
+    assert list(summary["variants"]) == ["fp32", "ptq", "ptq-partial", "qat"]  # the input ptq_partial, named
     assert summary["variants"]["qat"] == {
         "engine": "onnxruntime cpu int8", "layers": "15 / 0 / 0", "map50": 0.80, "map50_tensorrt_emulated": 0.805,
         "map50_dla_emulated": None,  # export.target gpu: no DLA form scored
@@ -54,7 +56,7 @@ def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
     assert summary["pruning"] == {**{k: v for k, v in PRUNE_REPORT.items() if k != "groups"},
                                   "unpruned_map50": 0.82, "unpruned_map": 0.53, "unpruned_size_mb": 4.0,
                                   "fp32_map50_change": -0.01}
-    assert summary["validation"] == {"fp32": True, "ptq": False, "qat": True}
+    assert summary["validation"] == {"fp32": True, "ptq": False, "ptq-partial": True, "qat": True}
     assert summary["gate_passed"] is True  # the QAT model passed
     assert "mlflow" not in summary  # tracking off
     table = Path(outputs["table"].path).read_text()
@@ -64,11 +66,13 @@ def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
     assert ("| qat | onnxruntime cpu int8 | 15 / 0 / 0 | 0.8000 | 0.8050 | 0.5100 | 6.67 | 9.00 | 300.0 | 3.00x | "
             "0.50 | 400 | 0.900 |") in table
     assert "| fp32 | onnxruntime cpu fp32 | 0 / 0 / 15 | 0.8100 | n/a | 0.5200 |" in table
-    assert "ptq FAILED, qat passed; gate (QAT): PASSED" in table
+    assert "ptq FAILED, ptq-partial passed, qat passed; gate (QAT): PASSED" in table
+    assert "| ptq-partial | onnxruntime cpu int8 | 15 / 0 / 0 | 0.8050 | 0.8000 | 0.5000 |" in table
     assert "2.000 → 0.900 GFLOPs (x0.450)" in table and "retrained FP32 -1.00 points" in table
     assert "data:image/png;base64," in Path(outputs["chart"].path).read_text()
     assert outputs["metrics"].metadata["qat.map50"] == 0.80
     assert outputs["metrics"].metadata["qat.map50_tensorrt_emulated"] == 0.805
+    assert outputs["metrics"].metadata["ptq-partial.map50"] == 0.805
     record = json.loads((Path(outputs["summary"].path) / "tracking.json").read_text())
     assert record["params"]["qat.engine"] == "onnxruntime cpu int8"
     assert outputs["metrics"].metadata["pruning.flops_ratio"] == 0.45
@@ -89,7 +93,7 @@ def test_the_ui_and_mlflow_get_the_differences_their_forest_plot_and_the_per_cla
              for _ in range(20)]
     found = {"fp32": [Detections(gt.boxes, np.array([0.9, 0.8], np.float32), gt.classes) for gt in truth],
              "ptq": [Detections(gt.boxes[:1], np.array([0.9], np.float32), gt.classes[:1]) for gt in truth]}
-    found["qat"] = found["fp32"]
+    found["ptq_partial"] = found["qat"] = found["fp32"]  # keeping the pedestrian layer float won it back
     inputs = {}
     for name, detections in found.items():
         inputs[name] = _evaluation(tmp_path / name, 0.0, 0.0, 0.5, 200.0, True)
@@ -107,6 +111,8 @@ def test_the_ui_and_mlflow_get_the_differences_their_forest_plot_and_the_per_cla
     table = Path(outputs["table"].path).read_text()
     assert "| qat-fp32 | mAP@0.5 | +0.00 | [+0.00, +0.00] | no significant difference |" in table
     assert "| ptq-fp32 | mAP@0.5 | -50.00 | [-50.00, -50.00] | fp32 better |" in table  # pedestrians missed
+    assert "| ptq-partial-ptq | mAP@0.5 | +50.00 | [+50.00, +50.00] | ptq-partial better |" in table
+    assert "| qat-ptq-partial | mAP@0.5 | +0.00 | [+0.00, +0.00] | no significant difference |" in table
     assert "| pedestrian | 20 | 1.0000 | 0.0000 | 1.0000 |" in table
     # the KFP UI's HTML: the forest plot of the differences first, then the bar chart and accuracy vs latency
     page = Path(outputs["chart"].path).read_text()
@@ -123,7 +129,14 @@ def test_the_ui_and_mlflow_get_the_differences_their_forest_plot_and_the_per_cla
     assert outputs["metrics"].metadata["ptq-fp32.map50_diff"] == pytest.approx(-0.5)
     assert outputs["metrics"].metadata["qat.map50_ci95_lo"] == pytest.approx(1.0)
     summary = json.loads((Path(outputs["summary"].path) / "summary.json").read_text())
-    assert summary["bootstrap"]["resamples"] == 1000 and set(summary["comparisons"]) == {"qat-fp32", "ptq-fp32",
-                                                                                        "qat-ptq"}
-    assert summary["max_map_drop"] == {"fp32": 0.01, "ptq": 0.01, "qat": 0.01}  # the forest plot's gate lines
+    assert summary["bootstrap"]["resamples"] == 1000 and list(summary["comparisons"]) == [
+        "qat-fp32", "ptq-fp32", "ptq-partial-fp32", "ptq-partial-ptq", "qat-ptq", "qat-ptq-partial"]
+    assert summary["max_map_drop"] == {"fp32": 0.01, "ptq": 0.01, "ptq-partial": 0.01, "qat": 0.01}  # gate lines
+    # the MLflow parent run: the fourth variant's figures and its differences, as `qatpipe compare` reads them back
+    run = client.get_run(parent).data
+    assert run.metrics["variant.ptq-partial.map50"] == pytest.approx(1.0)
+    assert run.metrics["comparison.ptq-partial-ptq.map50_diff"] == pytest.approx(0.5)
+    assert run.tags["qatpipe.variants"] == "fp32,ptq,ptq-partial,qat"
+    tracker = MlflowTracker(local_mlflow)
+    assert tracker.read_variants(parent)["ptq-partial"]["map50"] == pytest.approx(1.0)
     assert summary["mlflow"]["run_id"] == parent

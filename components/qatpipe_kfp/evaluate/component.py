@@ -14,7 +14,8 @@ def evaluate(evaluate_spec: str, variant: str, dataset: Input[Dataset], model: I
     Args:
         evaluate_spec: The spec's evaluate view (sections dataset, model, evaluate), as YAML; its data paths are
             replaced by the prepared data set's.
-        variant: The variant's name (unpruned, fp32, ptq or qat); names the task's stage, the results and the report.
+        variant: The variant's name (unpruned, fp32, ptq, ptq-partial or qat); names the task's stage, the results
+            and the report.
         dataset: The prepared data set (prepare-data's `dataset`); its val split is scored.
         model: The model folder, Keras or ONNX; the file is its `file` metadata (default model.keras).
 
@@ -36,7 +37,8 @@ def evaluate(evaluate_spec: str, variant: str, dataset: Input[Dataset], model: I
     with stage(f"evaluate-{variant}"):
         spec = spec_with_prepared_dataset(load_stage_spec(evaluate_spec), dataset.path)
         model_file = Path(model.path) / model.metadata.get("file", "model.keras")
-        result = evaluate_stage(spec, model_file, results.path, stage_name=f"evaluate_{variant}", variant=variant)
+        result = evaluate_stage(spec, model_file, results.path, stage_name=f"evaluate_{variant.replace('-', '_')}",
+                                variant=variant)
         results.metadata["variant"] = variant
         write_metrics(metrics, tracked_metrics(result))
         write_text(report, (Path(results.path) / REPORT_MARKDOWN).read_text())

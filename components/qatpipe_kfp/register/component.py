@@ -9,8 +9,9 @@ from qatpipe_kfp.settings import component
 
 @component
 def register(parent_run_id: str, spec: str, kfp_run_id: str, kfp_ui_url: str, dataset: Input[Dataset],
-             fp32_onnx: Input[Model], ptq_onnx: Input[Model], qat_onnx: Input[Model], qat_engine: Input[Model],
-             fp32_validation: Input[Artifact], ptq_validation: Input[Artifact], qat_validation: Input[Artifact],
+             fp32_onnx: Input[Model], ptq_onnx: Input[Model], ptq_partial_onnx: Input[Model], qat_onnx: Input[Model],
+             qat_engine: Input[Model], fp32_validation: Input[Artifact], ptq_validation: Input[Artifact],
+             ptq_partial_validation: Input[Artifact], qat_validation: Input[Artifact],
              report: Output[Markdown]) -> str:
     """Log every variant as an MLflow model and register the QAT one as a new model version.
 
@@ -28,11 +29,15 @@ def register(parent_run_id: str, spec: str, kfp_run_id: str, kfp_ui_url: str, da
         dataset: The prepared data set; its train and val splits are logged as the model runs' dataset inputs.
         fp32_onnx: The FP32 ONNX model folder, logged as the fp32 MLflow model.
         ptq_onnx: The PTQ INT8 ONNX model folder, logged as the ptq MLflow model.
+        ptq_partial_onnx: The ptq-partial ONNX model folder (the PTQ model with its most sensitive layers float),
+            logged as the ptq-partial MLflow model.
         qat_onnx: The QAT ONNX model folder, logged as the qat MLflow model together with its deployment files
             (calibration cache, implicit ONNX, export reports).
         qat_engine: The QAT engine folder (build-engine's `engine`); its engine.json joins the QAT model's files.
         fp32_validation: The FP32 variant's validation folder (validate's `results`); its figures go with the model.
         ptq_validation: The PTQ variant's validation folder (validate's `results`); its figures go with the model.
+        ptq_partial_validation: The ptq-partial variant's validation folder (validate's `results`); its figures go
+            with the model.
         qat_validation: The QAT variant's validation folder (validate's `results`): its validation.json decides
             the alias; its figures, validation report and DeepStream config go with the QAT model.
 
@@ -62,6 +67,7 @@ def register(parent_run_id: str, spec: str, kfp_run_id: str, kfp_ui_url: str, da
         result = register_models(
             tracker, parent_run_id, load_stage_spec(spec),
             {"fp32": files(fp32_onnx, fp32_validation), "ptq": files(ptq_onnx, ptq_validation),
+             "ptq-partial": files(ptq_partial_onnx, ptq_partial_validation),
              "qat": files(qat_onnx, qat_validation, qat_engine)},
             read_manifest(dataset.path), kfp_run_id, kfp_run_url(kfp_ui_url, kfp_run_id))
         write_text(report, markdown(result))

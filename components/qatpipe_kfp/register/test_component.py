@@ -8,8 +8,8 @@ from qatpipe_kfp.register.component import register
 
 def test_interface():
     spec = register.component_spec
-    models = ("fp32_onnx", "ptq_onnx", "qat_onnx", "qat_engine")
-    validations = ("fp32_validation", "ptq_validation", "qat_validation")
+    models = ("fp32_onnx", "ptq_onnx", "ptq_partial_onnx", "qat_onnx", "qat_engine")
+    validations = ("fp32_validation", "ptq_validation", "ptq_partial_validation", "qat_validation")
     assert {k: v.type for k, v in spec.inputs.items()} == {
         "parent_run_id": "String", "spec": "String", "kfp_run_id": "String", "kfp_ui_url": "String",
         "dataset": "system.Dataset@0.0.1", **{name: "system.Model@0.0.1" for name in models},
@@ -19,9 +19,10 @@ def test_interface():
 
 def test_without_tracking_nothing_is_registered_and_the_report_says_so(artifact, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    inputs = {name: artifact(dsl.Model, name) for name in ("fp32_onnx", "ptq_onnx", "qat_onnx", "qat_engine")}
+    inputs = {name: artifact(dsl.Model, name) for name in ("fp32_onnx", "ptq_onnx", "ptq_partial_onnx", "qat_onnx",
+                                                           "qat_engine")}
     inputs.update({name: artifact(dsl.Artifact, name) for name in ("fp32_validation", "ptq_validation",
-                                                                    "qat_validation")})
+                                                                    "ptq_partial_validation", "qat_validation")})
     report = artifact(dsl.Markdown, "report")
     assert register.python_func(parent_run_id="", spec="{}", kfp_run_id="k", kfp_ui_url="",
                                 dataset=artifact(dsl.Dataset, "dataset"), report=report, **inputs) == ""

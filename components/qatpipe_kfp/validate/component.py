@@ -18,8 +18,8 @@ def validate(validate_spec: str, variant: str, dataset: Input[Dataset], engine: 
     Args:
         validate_spec: The spec's validate view (sections dataset, model, evaluate, engine, validate), as YAML;
             its data paths are replaced by the prepared data set's.
-        variant: The variant's name (fp32, ptq or qat); names the task's stage, the report and the DeepStream
-            config.
+        variant: The variant's name (fp32, ptq, ptq-partial or qat); names the task's stage, the report and the
+            DeepStream config.
         dataset: The prepared data set (prepare-data's `dataset`); its val split is scored.
         engine: The variant's engine folder (build-engine's `engine`); its bench.json, when there, is copied into
             the results.
