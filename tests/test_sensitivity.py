@@ -372,7 +372,7 @@ def test_ptq_partial_stage_writes_the_variant_and_refuses_an_unknown_layer(ptq_m
     assert len(quantizable_layers(onnx.load(tmp_path / "named" / "model.onnx"))) == 14
     assert (tmp_path / "named" / "model_fp16.onnx").is_file()
     record = json.loads((tmp_path / "named" / "tracking.json").read_text())
-    assert record["stage"] == "ptq-partial" and record["metrics"]["float_layers"] == 1
+    assert record["stage"] == "ptq_partial" and record["metrics"]["float_layers"] == 1
 
     spec.ptq.keep_float = [layer.node, "conv_nope"]
     (tmp_path / "kept").mkdir()

@@ -98,7 +98,7 @@ def ptq_partial(spec: ExperimentSpec, fp32_onnx: str | Path, ptq_onnx: str | Pat
         files += [Path(report["fp16"]["onnx"]).name, *(Path(p).name for p in report["fp16"]["precision_report"])]
     write_json(output.parent / REPORT_FILE, report)
     StageRecord(
-        stage="ptq-partial",
+        stage="ptq_partial",
         params={"ptq.keep_float": settings if settings == "auto" else ",".join(settings),
                 "validate.max_map_drop": budget, "sensitivity.val_images": spec.sensitivity.val_images},
         metrics={"float_layers": len(result.float_layers), "quantized_layers": len(check.quantized),

@@ -38,7 +38,7 @@ def test_the_body_reads_the_ptq_models_ranking_and_says_what_it_kept_float(artif
                   "target": 0.58, "budget": 0.02, "budget_met": True, "mode": "auto", "layers_total": 15,
                   "steps": steps, "seconds": 3.0, "size_mb": 0.4}
         (output.parent / stage.REPORT_FILE).write_text(json.dumps(report))
-        StageRecord(stage="ptq-partial", metrics={"float_layers": 2, "map50_subset": 0.585, "budget_met": 1},
+        StageRecord(stage="ptq_partial", metrics={"float_layers": 2, "map50_subset": 0.585, "budget_met": 1},
                     artifacts=[output.name, stage.REPORT_FILE]).write(output.parent)
         return report
 
