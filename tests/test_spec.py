@@ -24,11 +24,18 @@ def test_bundled_specs_are_valid(name):
     assert spec.model.arch == "detectnet_v2"
 
 
+def test_the_default_spec_evaluates_on_2000_val_images_and_validates_during_training_on_300():
+    """Issue 37: the final evaluations' CIs need the large val set; each epoch's validation keeps a fixed 300."""
+    spec = load_spec(bundled_spec_path("default"))
+    assert spec.dataset.synthetic.val_images == 2000 and spec.train.val_images == 300
+
+
 def test_defaults_fill_every_section():
     spec = parse_spec(MINIMAL)
     assert spec.train.epochs == 20 and spec.model.backbone.depth == 10
     assert spec.validate_.max_map_drop == 0.01
     assert spec.train.validation_interval == 1 and spec.train.keep == "best"
+    assert spec.train.val_images == 300 and spec.dataset.synthetic.val_images == 2000
     assert set(spec.to_dict()) == {"dataset", "model", "augmentation", "pretrain", "train", "evaluate", "prune", "retrain", "qat", "ptq",
                                    "sensitivity", "export", "engine", "validate", "tracking"}
 
@@ -46,6 +53,7 @@ def test_defaults_fill_every_section():
         ({"validate": {"max_map_dropp": 1}}, "validate.max_map_dropp: unknown key"),
         ({"train": {"keep": "worst"}}, "train.keep: Input should be 'best' or 'last'"),
         ({"train": {"validation_interval": -1}}, "train.validation_interval: Input should be greater than or equal"),
+        ({"train": {"val_images": 0}}, "train.val_images: Input should be greater than or equal to 1"),
         ({"model": {"arch": "yolo"}}, "model: model.arch must be one of: detectnet_v2, ssd"),
         ({"model": {"arch": "detectnet_v2", "decoder": {"methd": "nms"}}}, "model.decoder.methd: unknown key"),
     ],

@@ -113,6 +113,57 @@ def test_val_targets_keep_every_object_beyond_the_training_batch_limit(tiny_spec
             np.testing.assert_array_equal(batch[name].numpy(), want[name].numpy())
 
 
+def test_validation_during_training_scores_a_fixed_sample_and_evaluate_the_whole_val_set(tiny_spec, tmp_path,
+                                                                                         monkeypatch, caplog):
+    """train.val_images: every validation (each epoch, each training stage, any train.seed) scores the same
+    seeded sample of that many val images; evaluate scores every val image."""
+    import logging
+
+    import qatpipe.inference
+    import qatpipe.stages.evaluate
+    from qatpipe.data.splits import load_split
+    from qatpipe.fileio import save_keras_model
+    from qatpipe.models import get_architecture
+    from qatpipe.stages.evaluate import evaluate
+    from qatpipe.stages.train import _validator, validation_samples
+
+    def names(samples):
+        return [sample.image_path.name for sample in samples]
+
+    scored = []  # the images each predict call decoded, validation's and evaluate's
+
+    def recording(real):
+        def predict(forward, samples, *args, **kwargs):
+            scored.append(names(samples))
+            return real(forward, samples, *args, **kwargs)
+        return predict
+
+    monkeypatch.setattr(qatpipe.inference, "predict", recording(qatpipe.inference.predict))  # Validator's import
+    monkeypatch.setattr(qatpipe.stages.evaluate, "predict", recording(qatpipe.stages.evaluate.predict))
+
+    spec = tiny_spec("train.val_images=10", "model.backbone.width=0.125", *SMALL_IMAGES)
+    everything = names(load_split(spec, "val"))
+    arch = get_architecture(spec)
+    with caplog.at_level(logging.INFO, logger="qatpipe.stages.train"):
+        validator = _validator(spec, arch)
+    assert f"scores 10 of the {len(everything)} dataset.val images" in caplog.text
+    sample = names(validator.samples)
+    assert len(sample) == 10 < len(everything) and set(sample) < set(everything)
+    # another training stage's spec (a retrain; another train.seed) draws the same images; null or a count
+    # above the split's size: all of them
+    assert names(validation_samples(tiny_spec("train.val_images=10", "train.seed=7"))) == sample
+    assert names(validation_samples(tiny_spec("train.val_images=null"))) == everything
+    assert names(validation_samples(tiny_spec("train.val_images=1000"))) == everything
+
+    model = arch.build_model()
+    model.compile(loss=arch.losses())
+    for epoch in (1, 2):  # two epochs' validations
+        validator(model, epoch)
+    evaluate(spec, save_keras_model(model, tmp_path / "model.keras"), tmp_path / "eval")
+    assert scored == [sample, sample, everything]
+    assert StageRecord.read(tmp_path / "eval").params["val_images"] == len(everything)
+
+
 @pytest.mark.slow
 def test_validation_scores_as_evaluate_does_and_leaves_the_training_alone(tiny_spec, tmp_path):
     import tensorflow as tf
@@ -147,6 +198,7 @@ def test_validation_scores_as_evaluate_does_and_leaves_the_training_alone(tiny_s
     model = keras.models.load_model(tmp_path / "validated" / "model.keras", compile=False)
     model.compile(loss=arch.losses())
     samples = load_split(spec, "val")
+    assert summary["val_images"] == len(samples)  # fewer than train.val_images: all of them, as evaluate scores
     losses = model.evaluate(tf.data.Dataset.zip((eval_dataset(samples, spec), eval_targets(samples, spec, arch))),
                             return_dict=True, verbose=0)
     for key in ("loss", "output_cov_loss", "output_bbox_loss"):

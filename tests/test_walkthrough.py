@@ -30,7 +30,7 @@ VERBS = {"pretrain", "train", "evaluate", "prune", "retrain", "export", "ptq", "
 # tracing the four trainings and two exports.
 CHEAP = ["train.epochs=1", "retrain.epochs=1", "train.validation_interval=0", "dataset.synthetic.train_images=32",
          "dataset.synthetic.val_images=16", *SMALL_IMAGES, "validate.max_map_drop=1.0"]
-SMALL_SYNTH = ["--train", "4", "--val", "2"]  # `data synth`: a few images, not the README's 2,300
+SMALL_SYNTH = ["--train", "4", "--val", "2"]  # `data synth`: a few images, not the README's 4,000
 OUTPUTS = ("-o", "-r", "--out")  # what a command writes, which must exist once it ran
 
 

@@ -32,8 +32,12 @@ def load_split(spec: ExperimentSpec, split: Split) -> list[KittiSample]:
 def sample_split(spec: ExperimentSpec, split: Split, count: int, seed: int) -> list[KittiSample]:
     """A seeded sample of `count` images of a split (all of them if it has fewer), in data-set order: the
     calibration sets of QAT and PTQ."""
+    return seeded_sample(load_split(spec, split), count, seed)
+
+
+def seeded_sample(samples: list[KittiSample], count: int, seed: int) -> list[KittiSample]:
+    """`count` of `samples` (all of them if there are fewer) drawn with `seed`, in their order."""
     import numpy as np
 
-    samples = load_split(spec, split)
     picked = np.random.default_rng(seed).choice(len(samples), size=min(count, len(samples)), replace=False)
     return [samples[i] for i in sorted(picked)]

@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from qatpipe.data.splits import load_split
+from qatpipe.data.splits import load_split, seeded_sample
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import atomic_write_text, save_keras_model, write_json
 from qatpipe.metrics.diagnostics import diagnostics_metrics, findings_tags, log_findings, plateau_findings
@@ -26,6 +26,9 @@ LOG_FILE = "training_log.csv"
 WORLD_FILE = "world.json"  # how many data-parallel processes wrote the checkpoints
 TENSORBOARD_DIR = "tensorboard"  # the event files of Keras's TensorBoard callback
 PRETRAINED_REPORT = "pretrained_report.json"  # what model.pretrained loaded (models/pretrained.py's LoadReport)
+# the seed of validation's sample of dataset.val (train.val_images): fixed, so a train.seed sweep and every
+# training stage score the same images
+VALIDATION_SEED = 0
 
 
 # What a checkpoint's weights, optimizer state and data stream depend on: resuming across a change of any of
@@ -235,6 +238,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         "processes": world.size, "epoch_seconds": progress.epoch_seconds,
         "wall_seconds": round(time.perf_counter() - started, 2), "params": int(model.count_params()),
         "final_losses": final_losses, "mixed_precision": precision.mixed, "precision": precision.policy,
+        "val_images": len(validator.samples) if validator else None,  # what each validation scored
         **_validation_summary(spec, results_dir, kept, best),
     }
     if not world.is_chief:
@@ -290,12 +294,23 @@ def _validator(spec: ExperimentSpec, arch):
     if spec.dataset.val is None:
         log.warning("dataset.val is not set: no validation during training; model.keras is the last epoch")
         return None
-    samples = load_split(spec, "val")
+    samples = validation_samples(spec)
     if not any(len(sample.classes) for sample in samples):
         log.warning("dataset.val has no labelled objects: no validation during training; model.keras is the "
                     "last epoch")
         return None
     return Validator(spec, arch, samples)
+
+
+def validation_samples(spec: ExperimentSpec) -> list:
+    """The dataset.val images validation during training scores: train.val_images of them drawn with a fixed
+    seed (the same every epoch, in train and every retrain, whatever train.seed), or all when it is null."""
+    everything = load_split(spec, "val")
+    count = spec.train.val_images
+    samples = everything if count is None else seeded_sample(everything, count, VALIDATION_SEED)
+    log.info("validation during training scores %d of the %d dataset.val images (train.val_images: %s); the "
+             "final evaluations score all of them", len(samples), len(everything), count)
+    return samples
 
 
 def _keep_weights(spec: ExperimentSpec, model, validator, validating, best) -> dict | None:

@@ -1,6 +1,7 @@
 """Validation during training (TAO's `validation_period_during_training`) and the best-epoch checkpoint.
 
-`Validator` scores the model in memory on the val set as the `evaluate` stage scores a saved one: the same
+`Validator` scores the model in memory on the val set (a fixed sample of `train.val_images` of it,
+stages/train.py's `validation_samples`) as the `evaluate` stage scores a saved one (on all of it): the same
 `predict` (decoder), pycocotools and learning check, and in the same pass the compiled Keras losses against the
 val set's encoded targets. `ValidateEveryN` runs it every `train.validation_interval` epochs and after the last,
 puts `val_*` numbers into the epoch's logs (training_log.csv, TensorBoard, MLflow history) and offers the
@@ -45,7 +46,7 @@ class Validation:
 
 
 class Validator:
-    """Scores a tf_keras detector in memory on `samples` (the val set), exactly as `evaluate` would."""
+    """Scores a tf_keras detector in memory on `samples` (validation's val images), exactly as `evaluate` would."""
 
     def __init__(self, spec, arch, samples):
         from qatpipe.data.pipeline import eval_targets
