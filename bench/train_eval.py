@@ -28,8 +28,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, help="working folder (default: a fresh temporary one)")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--train-images", type=int, default=2000)
-    parser.add_argument("--val-images", type=int, default=300)
+    # the default spec's synthetic set sizes (2000 / 2000)
+    synthetic = load_spec(bundled_spec_path("default")).dataset.synthetic
+    parser.add_argument("--train-images", type=int, default=synthetic.train_images)
+    parser.add_argument("--val-images", type=int, default=synthetic.val_images)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
