@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from qatpipe.tracking.mlflow_runs import LIVE_TAG, PARENT_TAG, STAGE_TAG
 from qatpipe_pipelines.local_run import PipelineFailed, run_local
 from qatpipe_pipelines.stage_table import stage_names
 
-VARIANTS = ("fp32", "ptq", "qat")
+VARIANTS = ("fp32", "ptq", "ptq-partial", "qat")
+INT8_VARIANTS = ("ptq", "ptq-partial", "qat")
 HEAVY_STAGES = stage_names(logged=True)  # the stage table's rows that log a tracking record
 # nested MLflow runs: one per stage record, and the register stage's run per variant's MLflow model
 STAGE_RUNS = {name.replace("-", "_") for name in HEAVY_STAGES} | {f"model-{v}" for v in VARIANTS}
@@ -26,7 +28,9 @@ STAGE_RUNS = {name.replace("-", "_") for name in HEAVY_STAGES} | {f"model-{v}" f
 MAX_MAP_DROP = 0.08
 # random weights: the pretrain stage records that it was skipped (the pretrained start through kfp.local:
 # test_components_shipped.py)
-OVERRIDES = ["tracking.experiment=pipeline-test", f"validate.max_map_drop={MAX_MAP_DROP}"]
+# sensitivity scores 6 of the 15 layers per model (the noisiest; 2 evaluations each): the stage's wiring and
+# outputs, in a third of the time (tests/test_sensitivity.py measures every layer)
+OVERRIDES = ["tracking.experiment=pipeline-test", f"validate.max_map_drop={MAX_MAP_DROP}", "sensitivity.max_layers=6"]
 
 
 def _pipeline_runs(client: MlflowClient, experiment: str):
@@ -41,14 +45,16 @@ def _children(client: MlflowClient, parent) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # the whole pipeline, then its cached re-run: about 5 minutes on an idle 2-core machine
+# the whole pipeline, then its cached re-run: 883 s with sensitivity and ptq-partial on 2 cores under a load average
+# of 4-5 (2026-11-26; of the new stages' own times sensitivity took 28 s, ptq-partial 9 s)
+@pytest.mark.timeout(1500)
 def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_server, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     out = tmp_path / "run"
     summary = run_local(out, "tiny", OVERRIDES)
 
     assert json.loads((out / "summary.json").read_text()) == summary
-    assert list(summary["variants"]) == ["fp32", "ptq", "qat"]  # all three scored in ONNX Runtime
+    assert list(summary["variants"]) == list(VARIANTS)  # all four scored in ONNX Runtime
     fp32 = summary["variants"]["fp32"]
     assert set(fp32) == {"engine", "layers", "quantized_by", "map50", "map50_tensorrt_emulated", "map50_dla_emulated",
                          "map", "latency_ms_p50", "latency_ms_p99",
@@ -58,10 +64,10 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     # under engine.fp16 the FP16 form's, which for the FP32 model differ from its CPU engine's by FP16 rounding
     assert fp32["engine"] == "onnxruntime cpu fp32"
     assert fp32["map50_tensorrt_emulated"] == pytest.approx(fp32["map50"], abs=0.02)
-    for variant in ("ptq", "qat"):
+    for variant in INT8_VARIANTS:
         row = summary["variants"][variant]
-        assert row["engine"] == "onnxruntime cpu int8"
-        assert row["map50_tensorrt_emulated"] is not None
+        assert row["engine"] == "onnxruntime cpu int8", variant
+        assert row["map50_tensorrt_emulated"] is not None, variant
     # the PTQ row says what quantized it (ptq.tool, its version and method); the others were not post-quantized
     assert summary["variants"]["ptq"]["quantized_by"].startswith("onnxruntime ")
     assert summary["variants"]["ptq"]["quantized_by"].endswith(", percentile")
@@ -70,10 +76,12 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     layers = {name: [int(n) for n in row["layers"].split(" / ")] for name, row in summary["variants"].items()}
     assert layers["fp32"][:2] == [0, 0] and layers["fp32"][2] > 0
     assert layers["qat"][0] == layers["fp32"][2] and layers["qat"][1:] == [0, 0]
+    assert 0 < layers["ptq-partial"][0] <= layers["ptq"][0]  # PTQ's INT8 layers, but those it keeps float
     assert fp32["map50_ci95_lo"] <= fp32["map50"] <= fp32["map50_ci95_hi"]
     # the variants' differences with their bootstrap CIs, over the evaluations' own detections
     assert summary["bootstrap"] == {"images": 48, "resamples": 1000, "seed": 0}
-    assert list(summary["comparisons"]) == ["qat-fp32", "ptq-fp32", "qat-ptq"]
+    assert list(summary["comparisons"]) == ["qat-fp32", "ptq-fp32", "ptq-partial-fp32", "ptq-partial-ptq", "qat-ptq",
+                                            "qat-ptq-partial"]
     qat_fp32 = summary["comparisons"]["qat-fp32"]["map50"]
     assert qat_fp32["diff"] == pytest.approx(summary["variants"]["qat"]["map50"] - fp32["map50"], abs=1e-9)
     assert qat_fp32["ci95"][0] <= qat_fp32["diff"] <= qat_fp32["ci95"][1]
@@ -88,7 +96,7 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert pruning["flops_after"] < pruning["flops_before"] and pruning["params_after"] == fp32["params"]
     assert pruning["unpruned_map50"] > 0.3  # the tiny spec's 20 epochs learnt (test_train's runs 6 of them)
     assert pruning["fp32_map50_change"] == pytest.approx(fp32["map50"] - pruning["unpruned_map50"], abs=1e-4)
-    assert summary["validation"] == {"fp32": True, "ptq": True, "qat": True} and summary["gate_passed"] is True
+    assert summary["validation"] == dict.fromkeys(VARIANTS, True) and summary["gate_passed"] is True
     assert summary["mlflow"]["experiment"] == "pipeline-test"
     assert summary["mlflow"]["tracking_uri"] == mlflow_server
     assert {name for name, o in summary["stages"].items() if o["status"] == "done"} >= HEAVY_STAGES | {"compare"}
@@ -155,8 +163,24 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     modes = {path.stem.removeprefix("config_infer_primary_"): dict(
                  line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)["network-mode"]
              for path in out.rglob("deepstream/config_infer_primary_*.txt")}
-    assert modes == {"fp32": "2", "ptq": "1", "qat": "1"}
+    assert modes == {"fp32": "2", "ptq": "1", "ptq-partial": "1", "qat": "1"}
     assert "batch1.latency_ms_p50" in children["build_engine_qat"].data.metrics
+    # layer sensitivity of both INT8 models: one nested run with each model's figures, tables and charts
+    [ranked] = [json.loads(path.read_text()) for path in out.rglob("results/ptq/sensitivity.json")]
+    assert ranked["layers_total"] == 15 and len(ranked["layers"]) == 6  # sensitivity.max_layers
+    measured = children["sensitivity"]
+    assert measured.data.metrics["ptq.layers_measured"] == 6 and measured.data.metrics["qat.layers_total"] == 15
+    assert measured.data.metrics["ptq.map50_int8"] == pytest.approx(ranked["map50_int8"])
+    assert {a.path for name in ("ptq", "qat") for a in client.list_artifacts(measured.info.run_id, name)} >= {
+        "ptq/sensitivity.png", "ptq/sensitivity.json", "qat/sensitivity.png"}
+    assert "sensitivity.html" in {a.path for a in client.list_artifacts(measured.info.run_id)}
+    # ... and PTQ's ranking is what ptq-partial kept float (keep_float auto), within the gate's budget
+    [partial] = [json.loads(path.read_text()) for path in out.rglob("ptq_partial.json")]
+    assert partial["keep_float"] == "auto" and partial["budget_met"] is True
+    assert set(partial["float_layers"]) <= {row["node"] for row in ranked["layers"]}
+    assert children["ptq_partial"].data.metrics["float_layers"] == len(partial["float_layers"])
+    assert parent.data.metrics["comparison.ptq-partial-ptq.map50_diff"] == pytest.approx(
+        summary["comparisons"]["ptq-partial-ptq"]["map50"]["diff"])
     # the gate passed: the QAT model is the registry's champion, an MLflow model that finds objects in an image
     # and carries the deployment files
     import mlflow.artifacts
@@ -200,7 +224,8 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
                  "-o", str(tmp_path / "chart.png")]) == 0
     printed = capsys.readouterr().out
     assert f"{fp32['map50']:.4f}" in printed  # and the differences, from the run's comparison.* metrics:
-    assert "qat-fp32  mAP@0.5" in printed and f"{100 * qat_fp32['diff']:+.2f}" in printed
+    assert re.search(r"^qat-fp32 +mAP@0\.5 ", printed, re.M) and f"{100 * qat_fp32['diff']:+.2f}" in printed
+    assert re.search(r"^ptq-partial-ptq +mAP@0\.5 ", printed, re.M)  # the fourth variant's too (columns widen)
     assert 'mlflow.pyfunc.load_model("models:/qatpipe-detectnet-v2@champion")' in printed  # how to run it
     assert (tmp_path / "chart.png").stat().st_size > 1000
 
