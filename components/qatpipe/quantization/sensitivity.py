@@ -523,7 +523,7 @@ def plot_sensitivity(result: SensitivityResult, path: str | Path, title: str = "
     import matplotlib.pyplot as plt
 
     rows = result.layers
-    fig, ax = plt.subplots(figsize=(8, 1.6 + 0.32 * max(len(rows), 1)), dpi=110)
+    fig, ax = plt.subplots(figsize=(8, 1.95 + 0.32 * max(len(rows), 1)), dpi=110)
     y = np.arange(len(rows))[::-1]  # the first (most sensitive) at the top
     height = 0.4
     ax.barh(y + height / 2, [100 * r.drop_only_int8 for r in rows], height, label="only this layer INT8",
@@ -537,8 +537,9 @@ def plot_sensitivity(result: SensitivityResult, path: str | Path, title: str = "
     ax.set(xlabel=f"mAP@0.5 drop from the float model ({result.map50_float:.3f}), points",
            title=title or f"Layer sensitivity, {result.val_images} val images")
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
+    # under the figure: inside the axes it covered the bars of the least sensitive layers
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))
     path = Path(path)
     fig.savefig(path)
     plt.close(fig)
