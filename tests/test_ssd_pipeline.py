@@ -18,11 +18,11 @@ from qatpipe_pipelines.stage_table import stage_names
 LEARNED_MAP50 = 0.1
 OVERRIDES = ["model.arch=ssd", "dataset.image_size.height=128", "dataset.image_size.width=192", "train.epochs=5",
              "retrain.epochs=1", "qat.finetune_epochs=1", "tracking.experiment=ssd-pipeline-test",
-             "validate.max_map_drop=0.08"]
+             "validate.max_map_drop=0.08", "sensitivity.max_layers=6"]  # as test_local_pipeline: a short sensitivity
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # 6 min of CPU; 15 min wall on 2 cores under a load average of 8
+@pytest.mark.timeout(1500)  # 15 min wall on 2 cores under a load average of 8, before sensitivity and ptq-partial
 def test_ssd_runs_through_the_whole_pipeline(tmp_path, mlflow_server, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     out = tmp_path / "run"
