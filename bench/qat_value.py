@@ -1,0 +1,162 @@
+"""Benchmark: what QAT adds where it counts (issue 37): FP32, PTQ, PTQ-partial, QAT and QAT + distillation.
+
+    python bench/qat_value.py [--work DIR] [--backbones mobilenet_v2 ...] [--distill-weight W] [--set KEY=VALUE ...]
+
+Per backbone it runs the whole pipeline (`qatpipe run --local`, default spec, only `model.backbone.name` and the
+`--set` overrides changed; the val set is the default's), which measures the sensitivity of the PTQ and QAT
+models and makes the ptq-partial variant (`ptq.keep_float: auto`). Then QAT + distillation: the run's own QAT
+retrain spec with `qat.distill_weight` W, from the same start (the FP32 retrain's model, also the teacher),
+exported and evaluated on the same val images. QAT + distillation has QAT's graph, so its engine speed is QAT's.
+
+Prints per backbone and variant: mAP@0.5 with its 95% bootstrap CI, the paired difference from FP32 and from PTQ
+with CIs, the compute layers INT8 / FP16 / FP32 of its engine's ONNX, how many layers ptq-partial kept float and
+whether that met the budget, the CPU engine's throughput at the largest benchmarked batch (8) and its speed-up,
+the CI half-width of QAT - FP32, and the wall time of each part. Writes WORK/bench_qat_value.json.
+
+Targets (issue 37): on at least one depthwise backbone QAT (with or without distillation) beats PTQ with a CI
+that excludes 0 and sits within 0.5 points of FP32; ptq-partial reaches the budget with the fewest float layers
+the ranking allows; QAT - FP32's CI half-width <= 0.5 points on the default run.
+"""
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+log = logging.getLogger("bench")
+
+VARIANTS = ("fp32", "ptq", "ptq-partial", "qat", "qat+distill")
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _one(kfp_root: Path, stage: str) -> Path:
+    from runs import stage_folders  # bench/runs.py, beside this script
+
+    found = stage_folders(kfp_root, stage)
+    if not found:
+        raise SystemExit(f"{kfp_root}: no finished {stage}")
+    return found[-1]
+
+
+def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight: float) -> dict:
+    from qatpipe_pipelines.local_run import run_local
+
+    sets = [f"model.backbone.name={backbone}", *overrides]
+    started = time.perf_counter()
+    run_local(work / backbone, "default", sets)
+    wall = time.perf_counter() - started
+    started = time.perf_counter()
+    distill = distilled_qat(backbone, work, distill_weight)
+    return describe(backbone, work, sets, wall, distill, time.perf_counter() - started)
+
+
+def distilled_qat(backbone: str, work: Path, weight: float) -> Path:
+    """The run's QAT retrain again with qat.distill_weight `weight`, same spec and start; exported and evaluated
+    into WORK/<backbone>_distill/evaluation (reused when there)."""
+    from qatpipe.spec import load_spec
+    from qatpipe.stages.evaluate import evaluate
+    from qatpipe.stages.export import export
+    from qatpipe.stages.retrain import retrain
+
+    folder = work / f"{backbone}_distill"
+    if (folder / "evaluation" / "metrics.json").is_file():
+        return folder / "evaluation"
+    from runs import stage_folders
+
+    kfp_root = work / backbone / "kfp"
+    fp32_folder = _one(kfp_root, "retrain_fp32")
+    # the QAT retrain's spec; before that task has finished, its twin's (finetune-fp32 has the same view and
+    # start), so this can run beside the pipeline's last retrain
+    twin = (stage_folders(kfp_root, "retrain_qat") or [_one(kfp_root, "finetune_fp32")])[-1]
+    spec = load_spec(twin / "spec.yaml")
+    spec.qat.enabled, spec.qat.distill_weight = True, weight
+    summary = retrain(spec, fp32_folder / "model.keras", folder / "retrain")
+    export(spec, summary["model"], folder / "model.onnx")
+    evaluate(spec, folder / "model.onnx", folder / "evaluation")
+    return folder / "evaluation"
+
+
+def describe(backbone: str, work: Path, sets: list[str], wall: float | None, distill_eval: Path,
+             distill_wall: float | None) -> dict:
+    from qatpipe.stages.compare import uncertainty
+
+    run = work / backbone
+    kfp_root = run / "kfp"
+    summary = _json(run / "summary.json")
+    evaluations = {name: _one(kfp_root, f"evaluate_{name.replace('-', '_')}") for name in VARIANTS[:4]}
+    evaluations["qat+distill"] = distill_eval
+    pairs = [(v, "fp32") for v in VARIANTS[1:]] + [(v, "ptq") for v in ("ptq-partial", "qat", "qat+distill")]
+    scored = uncertainty(evaluations, pairs=pairs)
+    partial = _json(_one(kfp_root, "ptq_partial") / "ptq_partial.json")
+    variants = {}
+    for name in VARIANTS:
+        row = summary.get("variants", {}).get("qat" if name == "qat+distill" else name, {})
+        value = scored["variants"][name]["map50"]
+        variants[name] = {"map50": value["value"], "ci95": value.get("ci95"), "layers": row.get("layers"),
+                          "throughput": row.get("throughput"), "speedup_vs_fp32": row.get("speedup_vs_fp32")}
+    return {"backbone": backbone, "overrides": sets, "variants": variants,
+            "pairs": {key: pair["map50"] for key, pair in scored["pairs"].items()},
+            "val_images": scored["images"],
+            "ptq_partial": {key: partial.get(key) for key in ("float_layers", "layers_total", "budget_met", "map50",
+                                                              "map50_fp32", "map50_int8", "val_images", "steps")},
+            "wall_seconds": None if wall is None else round(wall, 1),
+            "distill_seconds": None if distill_wall is None else round(distill_wall, 1)}
+
+
+def _ci(ci, scale: float = 1.0, sign: str = "") -> str:
+    return f"[{scale * ci[0]:{sign}.{2 if scale > 1 else 3}f}, {scale * ci[1]:{sign}.{2 if scale > 1 else 3}f}]" \
+        if ci else "n/a"
+
+
+def print_report(rows: list[dict]) -> None:
+    for row in rows:
+        partial = row["ptq_partial"]
+        print(f"\n{row['backbone']}: whole pipeline {row['wall_seconds']} s, QAT + distillation {row['distill_seconds']}"
+              f" s; ptq-partial kept {len(partial['float_layers'] or [])} of {partial['layers_total']} layers float "
+              f"({', '.join(partial['float_layers'] or []) or 'none'}), budget "
+              f"{'met' if partial['budget_met'] else 'NOT met'} on its {partial['val_images']} val images "
+              f"({partial['map50']:.4f} against FP32 {partial['map50_fp32']:.4f}, all INT8 {partial['map50_int8']:.4f})")
+        print("variant      mAP@0.5  95% CI             - FP32 (points)         - PTQ (points)          "
+              "layers INT8/FP16/FP32  img/s@8  speed-up")
+        for name, v in row["variants"].items():
+            cells = []
+            for other in ("fp32", "ptq"):
+                pair = row["pairs"].get(f"{name}-{other}")
+                cells.append(f"{100 * pair['diff']:+6.2f} {_ci(pair['ci95'], 100, '+')}" if pair else "")
+            speed = "(QAT's graph)" if name == "qat+distill" else (
+                f"{v['throughput']:7.1f}  {v['speedup_vs_fp32']:.2f}x" if v["throughput"] else "n/a")
+            print(f"{name:<12} {v['map50']:.4f}   {_ci(v['ci95']):<18} {cells[0]:<23} {cells[1]:<23} "
+                  f"{str(v['layers'] or ''):<22} {speed}")
+        qat = row["pairs"].get("qat-fp32")
+        if qat:
+            print(f"QAT - FP32 CI half-width: {50 * (qat['ci95'][1] - qat['ci95'][0]):.2f} points "
+                  f"({row['val_images']} val images)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path("results/bench_qat_value"))
+    parser.add_argument("--backbones", nargs="+", default=["mobilenet_v2", "resnet", "efficientnet_b0"])
+    parser.add_argument("--distill-weight", type=float, default=1.0)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    os.environ.pop("MLFLOW_TRACKING_URI", None)  # each run's local SQLite store
+    args.work.mkdir(parents=True, exist_ok=True)
+    out = args.work / "bench_qat_value.json"
+    rows = [row for row in _json(out).get("rows", []) if row["backbone"] not in args.backbones]
+    for backbone in args.backbones:
+        rows.append(run_backbone(backbone, args.work, args.overrides, args.distill_weight))
+        out.write_text(json.dumps({"distill_weight": args.distill_weight, "rows": rows}, indent=2))
+        print_report(rows[-1:])
+    print_report(rows)
+
+
+if __name__ == "__main__":
+    main()
