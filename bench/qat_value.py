@@ -25,22 +25,12 @@ import os
 import time
 from pathlib import Path
 
+from recipe import _json  # bench/recipe.py, beside this script
+from runs import stage_folder, stage_folders
+
 log = logging.getLogger("bench")
 
 VARIANTS = ("fp32", "ptq", "ptq-partial", "qat", "qat+distill")
-
-
-def _json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _one(kfp_root: Path, stage: str) -> Path:
-    from runs import stage_folders  # bench/runs.py, beside this script
-
-    found = stage_folders(kfp_root, stage)
-    if not found:
-        raise SystemExit(f"{kfp_root}: no finished {stage}")
-    return found[-1]
 
 
 def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight: float) -> dict:
@@ -66,13 +56,11 @@ def distilled_qat(backbone: str, work: Path, weight: float) -> Path:
     folder = work / f"{backbone}_distill"
     if (folder / "evaluation" / "metrics.json").is_file():
         return folder / "evaluation"
-    from runs import stage_folders
-
-    kfp_root = work / backbone / "kfp"
-    fp32_folder = _one(kfp_root, "retrain_fp32")
+    run = work / backbone
+    fp32_folder = stage_folder(run, "retrain_fp32")
     # the QAT retrain's spec; before that task has finished, its twin's (finetune-fp32 has the same view and
     # start), so this can run beside the pipeline's last retrain
-    twin = (stage_folders(kfp_root, "retrain_qat") or [_one(kfp_root, "finetune_fp32")])[-1]
+    twin = (stage_folders(run / "kfp", "retrain_qat") or [stage_folder(run, "finetune_fp32")])[0]
     spec = load_spec(twin / "spec.yaml")
     spec.qat.enabled, spec.qat.distill_weight = True, weight
     summary = retrain(spec, fp32_folder / "model.keras", folder / "retrain")
@@ -86,13 +74,12 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None, dis
     from qatpipe.stages.compare import uncertainty
 
     run = work / backbone
-    kfp_root = run / "kfp"
     summary = _json(run / "summary.json")
-    evaluations = {name: _one(kfp_root, f"evaluate_{name.replace('-', '_')}") for name in VARIANTS[:4]}
+    evaluations = {name: stage_folder(run, f"evaluate_{name.replace('-', '_')}") for name in VARIANTS[:4]}
     evaluations["qat+distill"] = distill_eval
     pairs = [(v, "fp32") for v in VARIANTS[1:]] + [(v, "ptq") for v in ("ptq-partial", "qat", "qat+distill")]
     scored = uncertainty(evaluations, pairs=pairs)
-    partial = _json(_one(kfp_root, "ptq_partial") / "ptq_partial.json")
+    partial = _json(stage_folder(run, "ptq_partial") / "ptq_partial.json")
     variants = {}
     for name in VARIANTS:
         row = summary.get("variants", {}).get("qat" if name == "qat+distill" else name, {})

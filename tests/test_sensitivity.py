@@ -289,7 +289,7 @@ def _subset_scorer(spec, folder):
     """score(onnx.ModelProto) on 32 val images in the exact CPU form, as the ptq-partial stage scores."""
     from qatpipe.data.splits import sample_split
     from qatpipe.models import get_architecture
-    from qatpipe.quantization.partial import exact_scorer
+    from qatpipe.quantization.sensitivity import exact_scorer
     from qatpipe.stages.sensitivity import scorer
 
     score_path, _, _ = scorer(spec, sample_split(spec, "val", 32, 0), get_architecture(spec))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable, Sequence
 
 from qatpipe.errors import QatpipeError
@@ -72,8 +71,8 @@ def keep_float(int8_model, layers: Sequence[str], reference: dict | None = None)
 
 
 def search(int8_model, order: Sequence[str], score: Callable[[object], float], map50_fp32: float, budget: float,
-           reference: dict | None = None, max_layers: int | None = None) -> tuple[object, PartialResult]:
-    """Keep the first k layers of `order` float for k = 0, 1, ... (at most `max_layers`), scoring each model
+           reference: dict | None = None) -> tuple[object, PartialResult]:
+    """Keep the first k layers of `order` float for k = 0, 1, ... len(order), scoring each model
     with `score(onnx.ModelProto) -> mAP@0.5`, until one scores >= map50_fp32 - budget. Returns that model (or,
     where no k meets the budget, the best scoring one, with a warning naming the budget and the best figure) and
     the search's record."""
@@ -81,7 +80,7 @@ def search(int8_model, order: Sequence[str], score: Callable[[object], float], m
 
     started = time.perf_counter()
     target = map50_fp32 - budget
-    order = list(order)[:max_layers] if max_layers is not None else list(order)
+    order = list(order)
     steps: list[Step] = []
     best = None
     for k in range(len(order) + 1):
@@ -89,10 +88,9 @@ def search(int8_model, order: Sequence[str], score: Callable[[object], float], m
         map50 = score(model)
         steps.append(Step(list(order[:k]), map50))
         log.info("partial quantization: %d layer(s) float: mAP@0.5 %.4f (target %.4f)", k, map50, target)
-        if best is None or map50 > best[1].map50:
+        if map50 >= target or best is None or map50 > best[1].map50:
             best = (model, steps[-1])
         if map50 >= target:
-            best = (model, steps[-1])
             break
     model, chosen = best
     met = chosen.map50 >= target
@@ -106,22 +104,4 @@ def search(int8_model, order: Sequence[str], score: Callable[[object], float], m
     return model, result
 
 
-def exact_scorer(score_path: Callable[[Path], float], folder: str | Path) -> Callable[[object], float]:
-    """score(onnx.ModelProto) over `score_path(onnx path)`: the model written in the exact CPU form of its Q/DQ
-    (engines/cpu_qdq.py: TensorRT's int8 numbers) under `folder`, as the sensitivity variants are scored."""
-    import onnx
-
-    from qatpipe.engines.cpu_qdq import to_cpu_form
-
-    def score(model) -> float:
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        to_cpu_form(copy, "exact")
-        path = Path(folder) / "partial.onnx"
-        onnx.save(copy, str(path))
-        return score_path(path)
-
-    return score
-
-
-__all__ = ["KEEP_FLOAT_KEY", "PartialResult", "Step", "exact_scorer", "keep_float", "ranking", "search"]
+__all__ = ["KEEP_FLOAT_KEY", "PartialResult", "Step", "keep_float", "ranking", "search"]

@@ -288,6 +288,8 @@ def variant(model, mode: str, layer: str | None = None, reference: dict | None =
     docstring). Returns (model, {DequantizeLinear output: where its float weight came from})."""
     import onnx
 
+    if mode == ALL_BUT:
+        return float_layers(model, [layer], reference)
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     sources = FloatSources(copy, reference)
@@ -296,8 +298,6 @@ def variant(model, mode: str, layer: str | None = None, reference: dict | None =
     elif mode == ONLY:
         node = _node(copy, layer)
         _bypass(copy, [(n, i) for n, i in _dequantized_reads(copy) if not (n is node and i in (0, 1))], sources)
-    elif mode == ALL_BUT:
-        return float_layers(model, [layer], reference)
     else:
         raise ValueError(f"unknown variant mode {mode!r}: float, {ONLY} or {ALL_BUT}")
     return copy, sources.weight_source
@@ -438,6 +438,25 @@ def sort_layers(layers: list[LayerSensitivity]) -> list[LayerSensitivity]:
     return sorted(layers, key=lambda r: (-r.drop_only_int8, -r.recovery, r.node))
 
 
+def exact_scorer(score_path: Callable[[Path], float], folder: str | Path) -> Callable:
+    """score(onnx.ModelProto, name) over `score_path(onnx path)`: a copy of the model in the exact CPU form of its
+    Q/DQ (engines/cpu_qdq.py: TensorRT's int8 numbers), written to `folder`/<name>.onnx and scored: how every
+    variant here, and every partially quantized model (quantization/partial.py), is scored."""
+    import onnx
+
+    from qatpipe.engines.cpu_qdq import to_cpu_form
+
+    def score(model, name: str = "model") -> float:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        to_cpu_form(copy, "exact")
+        path = Path(folder) / f"{name}.onnx"
+        onnx.save(copy, str(path))
+        return score_path(path)
+
+    return score
+
+
 def measure(model_path: str | Path, score: Callable[[Path], float], layers: Sequence[str] = (),
             max_layers: int | None = None, fp32_onnx: str | Path | None = None,
             screening_batch: np.ndarray | None = None, work: str | Path | None = None) -> SensitivityResult:
@@ -445,9 +464,6 @@ def measure(model_path: str | Path, score: Callable[[Path], float], layers: Sequ
     `score(onnx path) -> mAP@0.5` (sensitivity_scorer's): `layers` (node or layer names; empty: every
     quantizable layer), at most `max_layers` of them (the noisiest by quantization_noise on
     `screening_batch`). Each variant is written in the exact CPU form (engines/cpu_qdq.py) under `work`."""
-    import onnx
-
-    from qatpipe.engines.cpu_qdq import to_cpu_form
     from qatpipe.onnx_model import load_onnx_proto
 
     started = time.perf_counter()
@@ -472,17 +488,10 @@ def measure(model_path: str | Path, score: Callable[[Path], float], layers: Sequ
                  len(chosen), len(every))
 
     with tempfile.TemporaryDirectory(prefix="qatpipe-sensitivity-", dir=work) as folder:
-        def scored(proto, name: str) -> float:
-            to_cpu_form(proto, "exact")
-            path = Path(folder) / f"{name}.onnx"
-            onnx.save(proto, str(path))
-            return score(path)
-
+        scored = exact_scorer(score, folder)
         float_model, _ = variant(model, "float", reference=reference)
         map50_float = scored(float_model, "float")
-        int8 = onnx.ModelProto()
-        int8.CopyFrom(model)
-        map50_int8 = scored(int8, "int8")
+        map50_int8 = scored(model, "int8")
         map50_fp32 = score(Path(fp32_onnx)) if fp32_onnx else None
         log.info("sensitivity: mAP@0.5 %.4f without Q/DQ, %.4f INT8%s; %d layers, 2 variants each", map50_float,
                  map50_int8, f", {map50_fp32:.4f} the FP32 ONNX" if map50_fp32 is not None else "", len(chosen))
@@ -571,6 +580,6 @@ def sensitivity_markdown(result: SensitivityResult, title: str = "Layer sensitiv
 
 
 __all__ = ["ALL_BUT", "ONLY", "FloatSources", "LayerSensitivity", "QuantizedLayer", "SensitivityResult",
-           "float_layers", "fp32_weights", "layer_qdq", "measure", "plot_sensitivity", "quantizable_layers",
-           "quantization_noise", "qdq_node_names", "resolve_layers", "sensitivity_markdown", "sort_layers",
-           "variant"]
+           "exact_scorer", "float_layers", "fp32_weights", "layer_qdq", "measure", "plot_sensitivity",
+           "quantizable_layers", "quantization_noise", "qdq_node_names", "resolve_layers", "sensitivity_markdown",
+           "sort_layers", "variant"]

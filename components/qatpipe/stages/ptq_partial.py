@@ -9,7 +9,7 @@ import logging
 import tempfile
 from pathlib import Path
 
-from qatpipe.errors import DataError, QatpipeError
+from qatpipe.errors import QatpipeError
 from qatpipe.fileio import write_json
 from qatpipe.spec import ExperimentSpec
 from qatpipe.tracking.records import StageRecord
@@ -42,15 +42,14 @@ def ptq_partial(spec: ExperimentSpec, fp32_onnx: str | Path, ptq_onnx: str | Pat
     TensorRT 11 build runs them), ptq_partial.json and a tracking record beside it. With keep_float auto the
     layers come from `sensitivity_dir`'s sensitivity.json of the PTQ model, scored on the same val sample as
     the sensitivity stage (spec.sensitivity)."""
-    from qatpipe.data.splits import sample_split
     from qatpipe.export.onnx_export import save_onnx
     from qatpipe.export.qdq import check_explicit_quantization
     from qatpipe.inference import onnx_forward
     from qatpipe.models import get_architecture
     from qatpipe.onnx_model import load_onnx_proto
-    from qatpipe.quantization.partial import PartialResult, Step, exact_scorer, keep_float, search
-    from qatpipe.quantization.sensitivity import fp32_weights, quantizable_layers, resolve_layers
-    from qatpipe.stages.sensitivity import scorer
+    from qatpipe.quantization.partial import PartialResult, Step, keep_float, search
+    from qatpipe.quantization.sensitivity import exact_scorer, fp32_weights, quantizable_layers, resolve_layers
+    from qatpipe.stages.sensitivity import val_sample
 
     fp32_onnx, ptq_onnx, output = Path(fp32_onnx), Path(ptq_onnx), Path(output)
     arch = get_architecture(spec)
@@ -63,23 +62,19 @@ def ptq_partial(spec: ExperimentSpec, fp32_onnx: str | Path, ptq_onnx: str | Pat
         order = _ranking(Path(sensitivity_dir) if sensitivity_dir else None)
     else:  # a name that is no quantizable layer fails here, naming it, before any scoring
         order = [layer.node for layer in resolve_layers(int8, settings)] if settings else []
-    samples = sample_split(spec, "val", spec.sensitivity.val_images, spec.sensitivity.seed)
-    if not any(len(s.classes) for s in samples):
-        raise DataError(spec.dataset.val, "dataset.val: no labelled objects in the sample, so mAP is undefined")
-    score_path, _, provider = scorer(spec, samples, arch)
+    samples, score_path, _, provider = val_sample(spec, arch)  # the sensitivity stage's sample and scoring
     with tempfile.TemporaryDirectory(prefix="qatpipe-partial-") as folder:
         score = exact_scorer(score_path, folder)
         map50_fp32 = score_path(fp32_onnx)
         if settings == "auto":
             model, result = search(int8, order, score, map50_fp32, budget, reference)
         else:  # the named layers, scored for the report
-            floats = order
-            model = keep_float(int8, floats, reference)
+            model = keep_float(int8, order, reference)
             map50 = score(model)
-            map50_int8 = score(int8) if floats else map50
-            result = PartialResult(floats, map50, map50_fp32, map50_int8, map50_fp32 - budget, budget,
+            map50_int8 = score(int8) if order else map50
+            result = PartialResult(order, map50, map50_fp32, map50_int8, map50_fp32 - budget, budget,
                                    map50 >= map50_fp32 - budget, "list", len(quantizable_layers(int8)),
-                                   [Step(floats, map50)])
+                                   [Step(order, map50)])
     check = check_explicit_quantization(model)
     if check.problems:
         raise QatpipeError(f"{output}: the partial model breaks TensorRT's Q/DQ rules: {'; '.join(check.problems[:5])}")

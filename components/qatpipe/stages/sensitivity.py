@@ -41,8 +41,9 @@ def scorer(spec: ExperimentSpec, samples, arch):
     return score, batches, available_providers()[0]
 
 
-def _sample(spec: ExperimentSpec, arch):
-    """The seeded val sample every model is scored on, and its scorer (the images read once for all models)."""
+def val_sample(spec: ExperimentSpec, arch):
+    """(samples, score, batches, provider): the seeded val sample (spec.sensitivity) every model is scored on,
+    and its scorer (the images read once for all models); ptq-partial scores on the same sample."""
     from qatpipe.data.splits import sample_split
 
     samples = sample_split(spec, "val", spec.sensitivity.val_images, spec.sensitivity.seed)
@@ -62,7 +63,7 @@ def _output_folder(output_dir: str | Path) -> Path:
 
 def _measure_model(spec: ExperimentSpec, model_path: Path, output_dir: Path, fp32_onnx: Path | None, sample,
                    title: str):
-    """Measure one Q/DQ model on the shared `sample` (_sample's) and write sensitivity.json / .png / .md into
+    """Measure one Q/DQ model on the shared `sample` (val_sample's) and write sensitivity.json / .png / .md into
     `output_dir`; returns the SensitivityResult."""
     from qatpipe.quantization.sensitivity import measure, plot_sensitivity, sensitivity_markdown
 
@@ -112,7 +113,7 @@ def sensitivity(spec: ExperimentSpec, model_path: str | Path, output_dir: str | 
     if fp32_onnx is not None:
         onnx_forward(Path(fp32_onnx), arch)
     result = _measure_model(spec, model_path, output_dir, Path(fp32_onnx) if fp32_onnx else None,
-                            _sample(spec, arch), f"Layer sensitivity of {model_path.name}")
+                            val_sample(spec, arch), f"Layer sensitivity of {model_path.name}")
     top = result.layers[0] if result.layers else None
     StageRecord(
         stage=stage_name,
@@ -146,7 +147,7 @@ def sensitivity_models(spec: ExperimentSpec, fp32_onnx: str | Path | None, model
     paths = {name: Path(path) for name, path in models.items()}
     for path in [*paths.values(), *([Path(fp32_onnx)] if fp32_onnx else [])]:
         onnx_forward(path, arch)  # every model fits the spec's detector, checked before any is measured
-    sample = _sample(spec, arch)
+    sample = val_sample(spec, arch)
     results = {name: _measure_model(spec, path, _output_folder(output_dir / name), Path(fp32_onnx) if fp32_onnx
                                     else None, sample, f"Layer sensitivity of the {name} model ({path.name})")
                for name, path in paths.items()}
@@ -187,5 +188,5 @@ def overview_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["sensitivity", "sensitivity_models", "overview_markdown", "scorer", "JSON_FILE", "CHART_FILE",
-           "MARKDOWN_FILE", "HTML_FILE"]
+__all__ = ["sensitivity", "sensitivity_models", "overview_markdown", "scorer", "val_sample", "JSON_FILE",
+           "CHART_FILE", "MARKDOWN_FILE", "HTML_FILE"]

@@ -51,7 +51,7 @@ def faked(monkeypatch, tmp_path):
 
     monkeypatch.setattr(library, "measure", measure)
     monkeypatch.setattr(qatpipe.inference, "onnx_forward", lambda path, arch: None)
-    monkeypatch.setattr(stage, "_sample", lambda spec, arch: (
+    monkeypatch.setattr(stage, "val_sample", lambda spec, arch: (
         [None] * spec.sensitivity.val_images, lambda path: 0.5, [np.zeros((1, 8, 8, 3))], "CPUExecutionProvider"))
     data = tmp_path / "dataset"
     data.mkdir()
