@@ -391,3 +391,60 @@ def test_ptq_partial_stage_writes_the_variant_and_refuses_an_unknown_layer(ptq_m
     (ranking_dir / JSON_FILE).write_text(json.dumps({"layers": rows}))
     report = ptq_partial(spec, fp32_path, planted_path, tmp_path / "auto" / "model.onnx", ranking_dir)
     assert report["mode"] == "auto" and report["float_layers"] == [planted] and report["budget_met"]
+
+
+def test_qat_excluded_layers_auto_keeps_float_what_partial_ptq_keeps_float(trained_tiny, tmp_path, monkeypatch):
+    """qat.excluded_layers auto on the tiny detector, its PTQ given the planted range (as ptq_models plants it,
+    after the real ptq stage): the search of the FP32 start keeps that layer float, the QAT retrain keeps the same
+    Keras layer float and every other weighted layer quantized, its record says so, and a resumed retrain reads
+    the names back without searching again."""
+    import qatpipe.stages.ptq as ptq_stage
+    from qatpipe.errors import SpecError
+    from qatpipe.models import get_architecture
+    from qatpipe.models.io import load_keras_model
+    from qatpipe.quantization.layers import quantized_layers
+    from qatpipe.quantization.sensitivity import layer_name
+    from qatpipe.quantization.transform import quantize_model
+    from qatpipe.spec import stage_view
+    from qatpipe.stages.retrain import AUTO_FILE, AUTO_FOLDER, auto_excluded_layers, retrain
+    from qatpipe.stages.sensitivity import JSON_FILE
+    from qatpipe.tracking.records import StageRecord
+
+    spec, model = trained_tiny
+    spec = spec.model_copy(deep=True)
+    spec.qat.enabled, spec.retrain.epochs, spec.qat.calibration_batches = True, 1, 2
+    spec.qat.excluded_layers = "auto"
+    spec.validate_.max_map_drop = 0.05  # the planted range costs ~9 points on 32 val images, PTQ alone ~3
+    spec.sensitivity.val_images, spec.sensitivity.max_layers = 32, 3
+    assert "sensitivity:" in stage_view(spec, "retrain_qat")  # the view carries what the search reads ...
+    real, planted = ptq_stage.ptq, []
+
+    def ptq_planted(spec, fp32_onnx, output):
+        report = real(spec, fp32_onnx, output)
+        quantized = onnx.load(output)
+        planted.append(plant_bad_range(quantized))
+        onnx.save(quantized, output)
+        return report
+
+    monkeypatch.setattr(ptq_stage, "ptq", ptq_planted)
+    summary = retrain(spec, model, tmp_path / "qat")
+    found = summary["qat"]["excluded_layers_auto"]
+    [node] = planted
+    assert found["float_nodes"] == [node] and found["budget_met"], found
+    name = layer_name(node)
+    assert found["excluded_layers"] == [name] and found["map50_subset_int8"] < found["map50_subset"]
+    qat_model = load_keras_model(summary["model"], get_architecture(spec))
+    quantized = {layer.name for layer in quantized_layers(qat_model)}
+    assert name not in quantized and len(quantized) >= 10  # only it kept float
+    record = StageRecord.read(tmp_path / "qat")
+    assert record.tags["qat.excluded_layers"] == f"auto: {name}" and record.metrics["qat_auto.float_layers"] == 1
+    assert (tmp_path / "qat" / AUTO_FOLDER / "sensitivity" / JSON_FILE).is_file()
+
+    monkeypatch.setattr(ptq_stage, "ptq", lambda *args: pytest.fail("searched again"))
+    assert auto_excluded_layers(spec, model, tmp_path / "qat") == [name]  # as a resumed retrain finds them
+    assert json.loads((tmp_path / "qat" / AUTO_FOLDER / AUTO_FILE).read_text())["excluded_layers"] == [name]
+    spec.qat.excluded_layers = []
+    assert "sensitivity:" not in stage_view(spec, "retrain_qat")  # ... only under auto
+    spec.qat.excluded_layers = "auto"
+    with pytest.raises(SpecError, match="auto is resolved by the QAT retrain"):
+        quantize_model(load_keras_model(model, get_architecture(spec)), spec.qat)

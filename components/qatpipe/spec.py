@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Literal, Optional, Union, get_args
+from typing import Annotated, Any, Callable, Iterable, Literal, Optional, Union, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
@@ -440,7 +440,10 @@ class QatSpec(_Section):
         "retrain.epochs")
     calibration_batches: int = Field(8, ge=1, description="training batches that initialise activation ranges")
     ema_decay: float = Field(0.999, ge=0, lt=1, description="moving average of activation ranges in training")
-    excluded_layers: list[str] = Field(default_factory=list, description="layer names kept in float")
+    excluded_layers: Union[Literal["auto"], list[str]] = Field(
+        default_factory=list, description="layer names kept in float; or auto: the layers partial PTQ keeps float "
+        "in the FP32 model QAT starts from (its PTQ, that model's layer sensitivity, then ptq.keep_float auto's "
+        "search to validate.max_map_drop; stages/retrain.py, docs/quantization.md), resolved by the QAT retrain")
     excluded_layer_types: list[str] = Field(default_factory=list, description="layer classes kept in float, e.g. Dense")
     quantize_outputs: list[str] = Field(
         default_factory=list, description="model outputs given Q/DQ too; none by default (TAO: a quantized bbox "
@@ -834,6 +837,14 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Sections a view carries only under a setting that reads them, so that changing them re-runs no task that does
+# not: qat.excluded_layers auto makes the QAT retrain export, PTQ-calibrate and search its FP32 start as the
+# export, ptq, sensitivity and ptq-partial tasks do (their sections; validate: the budget)
+SETTING_SECTIONS: tuple[tuple[str, tuple[str, ...], Callable[[ExperimentSpec], bool]], ...] = (
+    ("retrain_qat", ("export", "ptq", "sensitivity", "validate"), lambda spec: spec.qat.excluded_layers == "auto"),
+)
+
+
 def field_default(section: type[BaseModel], name: str) -> Any:
     """A spec field's default, for code that takes the setting outside a spec (a CLI flag, a layer argument):
     the spec stays the one home of every default."""
@@ -851,10 +862,12 @@ def spec_output_name(view: str) -> str:
 
 
 def stage_view(spec: ExperimentSpec, stage: str) -> str:
-    """The spec YAML that `stage` needs (see STAGE_SECTIONS)."""
+    """The spec YAML that `stage` needs (see STAGE_SECTIONS, and SETTING_SECTIONS where a setting asks for more)."""
     try:
         sections = STAGE_SECTIONS[stage]
     except KeyError:
         raise SpecError(f"no spec view for stage {stage!r}; add it to STAGE_SECTIONS") from None
+    sections += tuple(section for view, extra, needed in SETTING_SECTIONS if view == stage and needed(spec)
+                      for section in extra if section not in sections)
     full = spec.to_dict()
     return yaml.safe_dump({key: full[key] for key in sections}, sort_keys=False)

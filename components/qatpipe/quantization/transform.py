@@ -29,6 +29,9 @@ def quantize_model(model: keras.Model, settings, rules=None) -> keras.Model:
     settings.relu6 swaps ReLU for ReLU6 first, as TAO's QAT does: a bounded activation keeps the int8
     range of the next layer's input tight.
     """
+    if settings.excluded_layers == "auto":  # names come from a search of the model (stages/retrain.py)
+        raise SpecError("qat.excluded_layers: auto is resolved by the QAT retrain stage into layer names; give "
+                        "names here")
     names = {layer.name for layer in model.layers}
     unknown = sorted(set(settings.excluded_layers) - names)
     if unknown:

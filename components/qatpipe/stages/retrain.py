@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 SOURCE_FILE = "source_model.json"
 QAT_RANGES_FILE = "qat_ranges.json"
+AUTO_FOLDER = "qat_auto"  # qat.excluded_layers auto: the FP32 start's export, PTQ, sensitivity and search
+AUTO_FILE = "excluded_layers.json"  # ... and the layer names QAT keeps float, written last
 
 
 def hand_on(retrained_dir: str | Path, results_dir: str | Path) -> dict:
@@ -70,7 +72,10 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
     arch = get_architecture(spec)
     model = load_keras_model(pruned_model_path, arch)
     _claim(results_dir, pruned_model_path, write=world.is_chief)
+    auto = qat and spec.qat.excluded_layers == "auto"
     if qat:
+        if auto:
+            spec.qat.excluded_layers = auto_excluded_layers(spec, pruned_model_path, results_dir, world.is_chief)
         if use_amp or (use_amp is None and spec.train.use_amp):
             log.warning("QAT trains in FP32: fake quantization under mixed precision would not match TensorRT's int8")
         use_amp = False
@@ -90,7 +95,73 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
 
         summary["qat"] = {"activation_ranges": len(activation_ranges(model))}
         write_json(results_dir / QAT_RANGES_FILE, activation_ranges(model))
+    if auto:
+        summary["qat"]["excluded_layers_auto"] = _record_auto(results_dir)
     return summary
+
+
+def _record_auto(results_dir: Path) -> dict:
+    """The retrain's tracking record gets qat.excluded_layers auto's search (its names, figures and reports)."""
+    from qatpipe.stages.ptq_partial import REPORT_FILE
+    from qatpipe.tracking.records import StageRecord
+
+    found = json.loads((results_dir / AUTO_FOLDER / AUTO_FILE).read_text())
+    record = StageRecord.read(results_dir)
+    record.tags["qat.excluded_layers"] = "auto: " + (",".join(found["excluded_layers"]) or "none")[:4000]
+    record.metrics.update({"qat_auto.float_layers": len(found["excluded_layers"]),
+                           "qat_auto.budget_met": int(found["budget_met"]),
+                           **{f"qat_auto.{key}": found[key] for key in ("map50_subset", "map50_subset_fp32",
+                                                                         "map50_subset_int8")}})
+    record.artifacts += [f"{AUTO_FOLDER}/{AUTO_FILE}", f"{AUTO_FOLDER}/sensitivity",
+                         f"{AUTO_FOLDER}/partial/{REPORT_FILE}"]
+    record.write(results_dir)
+    return found
+
+
+def auto_excluded_layers(spec: ExperimentSpec, fp32_model: Path, results_dir: Path, write: bool = True
+                         ) -> list[str]:
+    """qat.excluded_layers auto: the layers partial PTQ keeps float in `fp32_model`, the FP32 model QAT starts
+    from, to come within validate.max_map_drop of it, as the pipeline's tasks would find them for that model: its
+    ONNX export, its PTQ, the PTQ model's layer sensitivity, then ptq.keep_float auto's search (fewest layers
+    first). Their Keras layer names; the work goes to results_dir/qat_auto (`write`; a temporary folder where
+    not: Horovod's other ranks) and a resumed retrain reads the names back from it."""
+    import tempfile
+
+    from qatpipe.onnx_model import load_onnx_proto
+    from qatpipe.quantization.sensitivity import resolve_layers
+    from qatpipe.stages.export import export
+    from qatpipe.stages.ptq import ptq
+    from qatpipe.stages.ptq_partial import ptq_partial
+    from qatpipe.stages.sensitivity import sensitivity
+
+    saved = results_dir / AUTO_FOLDER / AUTO_FILE
+    if saved.is_file():
+        names = json.loads(saved.read_text())["excluded_layers"]
+        log.info("qat.excluded_layers auto: %s, as found before (%s)", ", ".join(names) or "none", saved)
+        return names
+    probe = spec.model_copy(deep=True)  # the tasks' settings, less the side files QAT does not read
+    probe.export.fp16_onnx, probe.export.target, probe.ptq.report_images = False, "gpu", 0
+    probe.ptq.keep_float = "auto"
+    with tempfile.TemporaryDirectory(prefix="qatpipe-qat-auto-") as scratch:
+        folder = saved.parent if write else Path(scratch)
+        log.info("qat.excluded_layers auto: searching %s's PTQ for the layers to keep float (%s)", fp32_model, folder)
+        fp32_onnx, ptq_onnx = folder / "fp32" / "model.onnx", folder / "ptq" / "model.onnx"
+        export(probe, fp32_model, fp32_onnx)
+        ptq(probe, fp32_onnx, ptq_onnx)
+        sensitivity(probe, ptq_onnx, folder / "sensitivity", fp32_onnx)
+        report = ptq_partial(probe, fp32_onnx, ptq_onnx, folder / "partial" / "model.onnx", folder / "sensitivity")
+        names = list(dict.fromkeys(layer.name for layer in resolve_layers(load_onnx_proto(ptq_onnx),
+                                                                           report["float_layers"])))
+        found = {"excluded_layers": names, "float_nodes": report["float_layers"], "map50_subset": report["map50"],
+                 "map50_subset_fp32": report["map50_fp32"], "map50_subset_int8": report["map50_int8"],
+                 "budget": report["budget"], "budget_met": report["budget_met"], "source": str(fp32_model)}
+        if write:
+            write_json(saved, found)
+    log.info("qat.excluded_layers auto: %s (PTQ of the FP32 start: %.4f with them float, %.4f all INT8, FP32 "
+             "%.4f on %d val images; budget %s)", ", ".join(names) or "none", found["map50_subset"],
+             found["map50_subset_int8"], found["map50_subset_fp32"], report["val_images"],
+             "met" if found["budget_met"] else "NOT met")
+    return names
 
 
 def _distillation(spec: ExperimentSpec, arch, teacher, source: Path):
