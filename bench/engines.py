@@ -1,20 +1,19 @@
-"""Benchmark: ONNX Runtime engines of the FP32, PTQ INT8 and QAT INT8 models, one harness, one run.
+"""Benchmark: ONNX Runtime engines of the FP32, PTQ INT8, ptq-partial and QAT INT8 models, one harness, one run.
 
     python bench/engines.py --run DIR [--batch-sizes 1 8] [--iterations 50] [--min-seconds 5] [--rounds 5]
                             [--profile] [--without REWRITE ...] [--openvino]
 
-DIR is a `qatpipe run --local` output folder (for instance bench/pipeline_local.py's WORK/run): the script
-takes the newest run's three ONNX models, builds each into an ONNX Runtime engine (`qatpipe build-engine
---backend onnxruntime`): the INT8 models in both CPU forms (`engine.cpu_form` fast, the default where the CPU
-has VNNI or AMX, and exact, TensorRT's numbers), and with `--without` in the fast form less each named speed rewrite
-(engines/cpu_qdq.OPTIONAL_REWRITES), to show what it buys. It times them with the latency harness of `qatpipe
-bench-engine` on random inputs of the spec's image size, every engine in this one process, once a round for
-`--rounds` rounds: a slow spell of a shared machine then hits every engine alike. Figures are the rounds'
-medians, and each speed-up's range over the rounds (each round's FP32 over the engine's) is printed beside it.
-With `--openvino` the same ONNX models also run in OpenVINO (if installed), the candidate CPU runtime the
-issue asked to measure. Prints p50 / p99 latency and throughput per batch size, the speed-up over FP32, how
-many convolutions run as integer kernels, and each engine's mAP@0.5 on the run's val set; writes
-DIR/bench_engines.json.
+DIR is a `qatpipe run --local` output folder (for instance bench/pipeline_local.py's WORK/run): the script takes the
+newest run's ONNX models (ptq-partial's too where the run has that variant), builds each into an ONNX Runtime engine
+(`qatpipe build-engine --backend onnxruntime`): the INT8 models in both CPU forms (`engine.cpu_form` fast, the
+default where the CPU has VNNI or AMX, and exact, TensorRT's numbers), and with `--without` in the fast form less
+each named speed rewrite (engines/cpu_qdq.OPTIONAL_REWRITES), to show what it buys. It times them with the latency
+harness of `qatpipe bench-engine` on random inputs of the spec's image size, every engine in this one process, once
+a round for `--rounds` rounds: a slow spell of a shared machine then hits every engine alike. Figures are the
+rounds' medians, and each speed-up's range over the rounds (each round's FP32 over the engine's) is printed beside
+it. With `--openvino` the same ONNX models also run in OpenVINO (if installed), the candidate CPU runtime the issue
+asked to measure. Prints p50 / p99 latency and throughput per batch size, the speed-up over FP32, how many
+convolutions run as integer kernels, and each engine's mAP@0.5 on the run's val set; writes DIR/bench_engines.json.
 
 Targets: deployment issue, INT8 at least 2x FP32's throughput at batch 8 on this 2-core CPU; "Speed where the
 work is", the default QAT engine at least 3x (the limit of int8 VNNI over fp32 FMA is 4x).
@@ -28,6 +27,8 @@ import platform
 from pathlib import Path
 
 import numpy as np
+
+from runs import median_round, speedup_range, time_in_rounds  # bench/runs.py, beside this script
 
 log = logging.getLogger("bench")
 
@@ -59,7 +60,6 @@ def main() -> None:
 
     from qatpipe.engines import load_engine
     from qatpipe.data.prepare import spec_with_prepared_dataset
-    from qatpipe.engines.latency import measure_latency
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.spec_sources import load_spec_uri
     from qatpipe.stages.build_engine import build_engine
@@ -72,6 +72,8 @@ def main() -> None:
     # each INT8 model in both CPU forms: exact (TensorRT's numbers) and fast (BN folded, ReLU absorbed)
     engines = [("fp32", "fp32", "fast"), ("ptq exact", "ptq", "exact"), ("ptq fast", "ptq", "fast"),
                *((f"ptq fast without {w}", "ptq", "fast") for w in args.without),
+               *((("ptq-partial exact", "ptq-partial", "exact"), ("ptq-partial fast", "ptq-partial", "fast"))
+                 if "ptq-partial" in sources else ()),
                ("qat exact", "qat", "exact"), ("qat fast", "qat", "fast"),
                *((f"qat fast without {w}", "qat", "fast") for w in args.without)]
     runners = {}
@@ -96,20 +98,11 @@ def main() -> None:
         if args.profile:
             batch = rng.uniform(size=(max(args.batch_sizes), size.height, size.width, 3)).astype(np.float32)
             results[variant]["profile"] = _profile(engine_dir / "model.onnx", batch, args.threads)
-    # timed in rounds, every engine once a round: a slow spell of this shared machine hits all engines alike
-    # and shows as the spread of the per-round speed-ups, not as one engine's figure
     batches = {b: rng.uniform(size=(b, size.height, size.width, 3)).astype(np.float32) for b in args.batch_sizes}
-    rounds: dict[str, dict[int, list[dict]]] = {v: {b: [] for b in args.batch_sizes} for v in runners}
-    for round_ in range(args.rounds):
-        for variant, runner in runners.items():
-            for batch_size, batch in batches.items():
-                rounds[variant][batch_size].append(measure_latency(
-                    runner.run, batch, warmup=5, iterations=max(1, args.iterations // args.rounds),
-                    min_seconds=args.min_seconds / args.rounds).to_dict())
-        log.info("round %d/%d: %s", round_ + 1, args.rounds, ", ".join(
-            f"{v} {r[max(args.batch_sizes)][-1]['latency_ms_p50']:.1f} ms" for v, r in rounds.items()))
+    rounds = time_in_rounds({v: runner.run for v, runner in runners.items()}, batches, args.rounds,
+                            args.iterations, args.min_seconds, log)
     for variant, per_batch in rounds.items():
-        results[variant]["batches"] = {b: _median_round(timings) for b, timings in per_batch.items()}
+        results[variant]["batches"] = {b: median_round(timings) for b, timings in per_batch.items()}
         results[variant]["rounds"] = per_batch
     largest = max(args.batch_sizes)
     if args.openvino:
@@ -121,7 +114,7 @@ def main() -> None:
         "models": {name: str(path) for name, path in sources.items()}, "rounds": args.rounds, "results": results,
         "speedup_vs_fp32_at_largest_batch": {v: round(fp32 / r["batches"][largest]["latency_ms_p50"], 2)
                                              for v, r in results.items()},
-        "speedup_range_over_rounds": {v: _speedup_range(rounds["fp32"][largest], per_batch[largest])
+        "speedup_range_over_rounds": {v: speedup_range(rounds["fp32"][largest], per_batch[largest])
                                       for v, per_batch in rounds.items()},
     }
     (args.run / "bench_engines.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -165,21 +158,6 @@ def _rebuild_without(source: Path, engine_dir: Path, rewrite: str) -> None:
     metadata.write(engine_dir)
 
 
-def _median_round(timings: list[dict]) -> dict:
-    """One engine's figures at one batch size over the rounds: each latency the median of the rounds'."""
-    merged = {key: round(float(np.median([t[key] for t in timings])), 3)
-              for key in timings[0] if key.startswith("latency_ms_")}
-    return {**merged, "batch_size": timings[0]["batch_size"], "iterations": sum(t["iterations"] for t in timings),
-            "throughput": round(timings[0]["batch_size"] * 1000.0 / merged["latency_ms_p50"], 2)}
-
-
-def _speedup_range(fp32_rounds: list[dict], engine_rounds: list[dict]) -> list[float]:
-    """[lowest, highest] over the rounds of that round's FP32 p50 over the engine's: the spread the machine
-    gives a speed-up."""
-    ratios = [f["latency_ms_p50"] / e["latency_ms_p50"] for f, e in zip(fp32_rounds, engine_rounds)]
-    return [round(min(ratios), 2), round(max(ratios), 2)]
-
-
 def _range(report: dict, variant: str) -> str:
     low_high = report["speedup_range_over_rounds"].get(variant)
     return f" ({low_high[0]:.2f}-{low_high[1]:.2f})" if low_high else ""
@@ -219,8 +197,8 @@ def _openvino(sources: dict[str, Path], size, batch_size: int, min_seconds: floa
 
 
 def _onnx_models(run_dir: Path) -> dict[str, Path]:
-    """The FP32, PTQ and QAT ONNX of the newest pipeline run in `run_dir` (kfp.local names task folders by
-    task id, so the exports are told apart by their reports)."""
+    """The FP32, PTQ, QAT and (where the run has one) ptq-partial ONNX of the newest pipeline run in `run_dir`
+    (kfp.local names task folders by task id, so the exports are told apart by their reports)."""
     from qatpipe.export.bundle import REPORT_SUFFIX, ExportBundle
 
     runs = sorted((run_dir / "kfp").glob("*/ptq/int8_onnx/model.onnx"), key=lambda p: p.stat().st_mtime)
@@ -228,6 +206,8 @@ def _onnx_models(run_dir: Path) -> dict[str, Path]:
         raise SystemExit(f"{run_dir}: no pipeline run with a PTQ model found")
     run = runs[-1].parents[2]
     found = {"ptq": runs[-1]}
+    if (partial := run / "ptq-partial" / "onnx_model" / "model.onnx").is_file():
+        found["ptq-partial"] = partial
     for report in run.glob(f"export*/onnx_model/*{REPORT_SUFFIX}"):
         kind = "qat" if "QAT" in json.loads(report.read_text())["quantization"] else "fp32"
         found[kind] = ExportBundle.of_report(report).onnx

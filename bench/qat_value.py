@@ -1,6 +1,7 @@
 """Benchmark: what QAT adds where it counts (issue 37): FP32, PTQ, PTQ-partial, QAT and QAT + distillation.
 
     python bench/qat_value.py [--work DIR] [--backbones mobilenet_v2 ...] [--distill-weight W] [--set KEY=VALUE ...]
+                              [--describe-only]
 
 Per backbone it runs the whole pipeline (`qatpipe run --local`, default spec, only `model.backbone.name` and the
 `--set` overrides changed; the val set is the default's), which measures the sensitivity of the PTQ and QAT
@@ -10,8 +11,10 @@ exported and evaluated on the same val images. QAT + distillation has QAT's grap
 
 Prints per backbone and variant: mAP@0.5 with its 95% bootstrap CI, the paired difference from FP32 and from PTQ
 with CIs, the compute layers INT8 / FP16 / FP32 of its engine's ONNX, how many layers ptq-partial kept float and
-whether that met the budget, the CPU engine's throughput at the largest benchmarked batch (8) and its speed-up,
-the CI half-width of QAT - FP32, and the wall time of each part. Writes WORK/bench_qat_value.json.
+whether that met the budget, the CPU engines' throughput at batch 8 and speed-up over FP32 (the engines the
+pipeline built and validated, the exact CPU form, timed here once a round for 5 rounds in one process: a slow
+spell of the machine hits all alike and shows as the speed-up's range over the rounds), the CI half-width of
+QAT - FP32, and the wall time of each part. Writes WORK/bench_qat_value.json.
 
 Targets (issue 37): on at least one depthwise backbone QAT (with or without distillation) beats PTQ with a CI
 that excludes 0 and sits within 0.5 points of FP32; ptq-partial reaches the budget with the fewest float layers
@@ -26,7 +29,7 @@ import time
 from pathlib import Path
 
 from recipe import _json  # bench/recipe.py, beside this script
-from runs import stage_folder, stage_folders
+from runs import engine_folders, median_round, speedup_range, stage_folder, stage_folders, time_in_rounds
 
 log = logging.getLogger("bench")
 
@@ -80,12 +83,13 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None, dis
     pairs = [(v, "fp32") for v in VARIANTS[1:]] + [(v, "ptq") for v in ("ptq-partial", "qat", "qat+distill")]
     scored = uncertainty(evaluations, pairs=pairs)
     partial = _json(stage_folder(run, "ptq_partial") / "ptq_partial.json")
+    speeds = engine_speeds(run, sets)
     variants = {}
     for name in VARIANTS:
         row = summary.get("variants", {}).get("qat" if name == "qat+distill" else name, {})
         value = scored["variants"][name]["map50"]
         variants[name] = {"map50": value["value"], "ci95": value.get("ci95"), "layers": row.get("layers"),
-                          "throughput": row.get("throughput"), "speedup_vs_fp32": row.get("speedup_vs_fp32")}
+                          **speeds.get(name, {}), "throughput_in_pipeline": row.get("throughput")}
     return {"backbone": backbone, "overrides": sets, "variants": variants,
             "pairs": {key: pair["map50"] for key, pair in scored["pairs"].items()},
             "val_images": scored["images"],
@@ -93,6 +97,27 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None, dis
                                                               "map50_fp32", "map50_int8", "val_images", "steps")},
             "wall_seconds": None if wall is None else round(wall, 1),
             "distill_seconds": None if distill_wall is None else round(distill_wall, 1)}
+
+
+def engine_speeds(run: Path, sets: list[str], batch_size: int = 8, rounds: int = 5) -> dict[str, dict]:
+    """The run's engines (each variant's, as its validate task scored it: the exact CPU form) timed here at
+    `batch_size`, every engine once a round for `rounds` rounds, in this one process: variant -> img/s (the
+    rounds' median), its speed-up over FP32 and that speed-up's range over the rounds. The pipeline's own
+    build-engine figures come from tasks run minutes to hours apart, each under whatever else the machine ran."""
+    import numpy as np
+
+    from qatpipe.engines import load_engine
+    from qatpipe.spec import bundled_spec_path, load_spec
+
+    size = load_spec(bundled_spec_path("default"), sets).dataset.image_size
+    runners = {variant: load_engine(folder).run for variant, folder in engine_folders(run).items()}
+    batch = np.random.default_rng(0).uniform(size=(batch_size, size.height, size.width, 3)).astype(np.float32)
+    timed = {name: per[batch_size] for name, per in
+             time_in_rounds(runners, {batch_size: batch}, rounds, 50, 10.0, log).items()}
+    return {name: {"throughput": median_round(t)["throughput"],
+                   "speedup_vs_fp32": round(median_round(timed["fp32"])["latency_ms_p50"]
+                                            / median_round(t)["latency_ms_p50"], 2),
+                   "speedup_range": speedup_range(timed["fp32"], t)} for name, t in timed.items()}
 
 
 def _ci(ci, scale: float = 1.0, sign: str = "") -> str:
@@ -103,20 +128,23 @@ def _ci(ci, scale: float = 1.0, sign: str = "") -> str:
 def print_report(rows: list[dict]) -> None:
     for row in rows:
         partial = row["ptq_partial"]
-        print(f"\n{row['backbone']}: whole pipeline {row['wall_seconds']} s, QAT + distillation {row['distill_seconds']}"
-              f" s; ptq-partial kept {len(partial['float_layers'] or [])} of {partial['layers_total']} layers float "
+        print(f"\n{row['backbone']}: whole pipeline {row['wall_seconds']} s, QAT + distillation "
+              f"{row['distill_seconds']} s; ptq-partial kept {len(partial['float_layers'] or [])} of "
+              f"{partial['layers_total']} layers float "
               f"({', '.join(partial['float_layers'] or []) or 'none'}), budget "
               f"{'met' if partial['budget_met'] else 'NOT met'} on its {partial['val_images']} val images "
-              f"({partial['map50']:.4f} against FP32 {partial['map50_fp32']:.4f}, all INT8 {partial['map50_int8']:.4f})")
+              f"({partial['map50']:.4f} against FP32 {partial['map50_fp32']:.4f}, all INT8 "
+              f"{partial['map50_int8']:.4f})")
         print("variant      mAP@0.5  95% CI             - FP32 (points)         - PTQ (points)          "
-              "layers INT8/FP16/FP32  img/s@8  speed-up")
+              "layers INT8/FP16/FP32  img/s@8  speed-up (range over rounds)")
         for name, v in row["variants"].items():
             cells = []
             for other in ("fp32", "ptq"):
                 pair = row["pairs"].get(f"{name}-{other}")
                 cells.append(f"{100 * pair['diff']:+6.2f} {_ci(pair['ci95'], 100, '+')}" if pair else "")
             speed = "(QAT's graph)" if name == "qat+distill" else (
-                f"{v['throughput']:7.1f}  {v['speedup_vs_fp32']:.2f}x" if v["throughput"] else "n/a")
+                f"{v['throughput']:7.1f}  {v['speedup_vs_fp32']:.2f}x ({v['speedup_range'][0]:.2f}-"
+                f"{v['speedup_range'][1]:.2f})" if v.get("throughput") else "n/a")
             print(f"{name:<12} {v['map50']:.4f}   {_ci(v['ci95']):<18} {cells[0]:<23} {cells[1]:<23} "
                   f"{str(v['layers'] or ''):<22} {speed}")
         qat = row["pairs"].get("qat-fp32")
@@ -131,15 +159,24 @@ def main() -> None:
     parser.add_argument("--backbones", nargs="+", default=["mobilenet_v2", "resnet", "efficientnet_b0"])
     parser.add_argument("--distill-weight", type=float, default=1.0)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--describe-only", action="store_true",
+                        help="run nothing: read the finished runs in WORK again (and time their engines again)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # each run's local SQLite store
     args.work.mkdir(parents=True, exist_ok=True)
     out = args.work / "bench_qat_value.json"
-    rows = [row for row in _json(out).get("rows", []) if row["backbone"] not in args.backbones]
+    before = {row["backbone"]: row for row in _json(out).get("rows", [])}
+    rows = [row for name, row in before.items() if name not in args.backbones]
     for backbone in args.backbones:
-        rows.append(run_backbone(backbone, args.work, args.overrides, args.distill_weight))
+        if args.describe_only:  # the wall times stay those of the run that made them
+            old = before.get(backbone, {})
+            rows.append(describe(backbone, args.work, [f"model.backbone.name={backbone}", *args.overrides],
+                                 old.get("wall_seconds"), args.work / f"{backbone}_distill" / "evaluation",
+                                 old.get("distill_seconds")))
+        else:
+            rows.append(run_backbone(backbone, args.work, args.overrides, args.distill_weight))
         out.write_text(json.dumps({"distill_weight": args.distill_weight, "rows": rows}, indent=2))
         print_report(rows[-1:])
     print_report(rows)
