@@ -1,13 +1,14 @@
 """Benchmark: what QAT adds where it counts (issue 37): FP32, PTQ, PTQ-partial, QAT and QAT + distillation.
 
     python bench/qat_value.py [--work DIR] [--backbones mobilenet_v2 ...] [--distill-weight W] [--set KEY=VALUE ...]
-                              [--describe-only]
+                              [--qat-auto] [--describe-only]
 
 Per backbone it runs the whole pipeline (`qatpipe run --local`, default spec, only `model.backbone.name` and the
 `--set` overrides changed; the val set is the default's), which measures the sensitivity of the PTQ and QAT
 models and makes the ptq-partial variant (`ptq.keep_float: auto`). Then QAT + distillation: the run's own QAT
 retrain spec with `qat.distill_weight` W, from the same start (the FP32 retrain's model, also the teacher),
-exported and evaluated on the same val images. QAT + distillation has QAT's graph, so its engine speed is QAT's.
+exported, built into an engine and evaluated on the same val images; with --qat-auto, the same again with
+`qat.excluded_layers: auto` (the variant qat-auto: the layers partial PTQ of that start keeps float stay float).
 
 Prints per backbone and variant: mAP@0.5 with its 95% bootstrap CI, the paired difference from FP32 and from PTQ
 with CIs, the compute layers INT8 / FP16 / FP32 of its engine's ONNX, how many layers ptq-partial kept float and
@@ -34,73 +35,96 @@ from runs import engine_folders, median_round, speedup_range, stage_folder, stag
 log = logging.getLogger("bench")
 
 VARIANTS = ("fp32", "ptq", "ptq-partial", "qat", "qat+distill")
+# the extra QAT retrains beside the pipeline's, by variant: their folder under WORK/<backbone>_<folder> and the qat
+# settings they change; qat-auto only with --qat-auto
+EXTRA_QAT = {"qat+distill": "distill", "qat-auto": "qat_auto"}
 
 
-def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight: float) -> dict:
+def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight: float, qat_auto: bool) -> dict:
     from qatpipe_pipelines.local_run import run_local
 
     sets = [f"model.backbone.name={backbone}", *overrides]
     started = time.perf_counter()
     run_local(work / backbone, "default", sets)
     wall = time.perf_counter() - started
-    started = time.perf_counter()
-    distill = distilled_qat(backbone, work, distill_weight)
-    return describe(backbone, work, sets, wall, distill, time.perf_counter() - started)
+    extra = {"qat+distill": {"distill_weight": distill_weight}}
+    if qat_auto:
+        extra["qat-auto"] = {"excluded_layers": "auto"}
+    seconds = {}
+    for variant, settings in extra.items():
+        started = time.perf_counter()
+        retrained_qat(backbone, work, EXTRA_QAT[variant], settings)
+        seconds[variant] = round(time.perf_counter() - started, 1)
+    return describe(backbone, work, sets, round(wall, 1), seconds)
 
 
-def distilled_qat(backbone: str, work: Path, weight: float) -> Path:
-    """The run's QAT retrain again with qat.distill_weight `weight`, same spec and start; exported and evaluated
-    into WORK/<backbone>_distill/evaluation (reused when there)."""
+def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict) -> Path:
+    """The run's QAT retrain again with the qat `settings` changed, same spec and start (the FP32 retrain's
+    model, also distillation's teacher); exported, built into an engine as the pipeline builds them (exact CPU
+    form here) and evaluated into WORK/<backbone>_<folder_name> (reused when there)."""
     from qatpipe.spec import load_spec
+    from qatpipe.stages.build_engine import build_engine
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.export import export
     from qatpipe.stages.retrain import retrain
 
-    folder = work / f"{backbone}_distill"
+    folder = work / f"{backbone}_{folder_name}"
     if (folder / "evaluation" / "metrics.json").is_file():
-        return folder / "evaluation"
+        return folder
     run = work / backbone
     fp32_folder = stage_folder(run, "retrain_fp32")
     # the QAT retrain's spec; before that task has finished, its twin's (finetune-fp32 has the same view and
-    # start), so this can run beside the pipeline's last retrain
+    # start), so this can run beside the pipeline's last retrain. The sections the view leaves out (export, ptq,
+    # sensitivity, validate: what qat.excluded_layers auto reads) are their defaults, as in the default spec.
     twin = (stage_folders(run / "kfp", "retrain_qat") or [stage_folder(run, "finetune_fp32")])[0]
     spec = load_spec(twin / "spec.yaml")
-    spec.qat.enabled, spec.qat.distill_weight = True, weight
+    spec.qat.enabled = True
+    for key, value in settings.items():
+        setattr(spec.qat, key, value)
     summary = retrain(spec, fp32_folder / "model.keras", folder / "retrain")
     export(spec, summary["model"], folder / "model.onnx")
+    if not (folder / "engine" / "engine.json").is_file():
+        build_engine(spec, folder / "model.onnx", folder / "engine", backend="onnxruntime")
     evaluate(spec, folder / "model.onnx", folder / "evaluation")
-    return folder / "evaluation"
+    return folder
 
 
-def describe(backbone: str, work: Path, sets: list[str], wall: float | None, distill_eval: Path,
-             distill_wall: float | None) -> dict:
+def describe(backbone: str, work: Path, sets: list[str], wall: float | None, seconds: dict[str, float]) -> dict:
     from qatpipe.stages.compare import uncertainty
 
     run = work / backbone
     summary = _json(run / "summary.json")
     evaluations = {name: stage_folder(run, f"evaluate_{name.replace('-', '_')}") for name in VARIANTS[:4]}
-    evaluations["qat+distill"] = distill_eval
-    pairs = [(v, "fp32") for v in VARIANTS[1:]] + [(v, "ptq") for v in ("ptq-partial", "qat", "qat+distill")]
+    extra = {name: work / f"{backbone}_{folder}" for name, folder in EXTRA_QAT.items()
+             if (work / f"{backbone}_{folder}" / "evaluation" / "metrics.json").is_file()}
+    evaluations.update({name: folder / "evaluation" for name, folder in extra.items()})
+    pairs = [(v, "fp32") for v in evaluations if v != "fp32"] + [(v, "ptq") for v in evaluations
+                                                                 if v not in ("fp32", "ptq")]
     scored = uncertainty(evaluations, pairs=pairs)
     partial = _json(stage_folder(run, "ptq_partial") / "ptq_partial.json")
-    speeds = engine_speeds(run, sets)
+    engines = engine_folders(run)
+    engines.update({name: folder / "engine" for name, folder in extra.items() if (folder / "engine").is_dir()})
+    speeds = engine_speeds(engines, sets)
     variants = {}
-    for name in VARIANTS:
-        row = summary.get("variants", {}).get("qat" if name == "qat+distill" else name, {})
+    for name in evaluations:
+        row = summary.get("variants", {}).get("qat" if name == "qat+distill" else name, {})  # QAT's graph
         value = scored["variants"][name]["map50"]
         variants[name] = {"map50": value["value"], "ci95": value.get("ci95"), "layers": row.get("layers"),
                           **speeds.get(name, {}), "throughput_in_pipeline": row.get("throughput")}
+    if "qat-auto" in extra:
+        variants["qat-auto"]["excluded_layers_auto"] = _json(
+            extra["qat-auto"] / "retrain" / "qat_auto" / "excluded_layers.json")
     return {"backbone": backbone, "overrides": sets, "variants": variants,
             "pairs": {key: pair["map50"] for key, pair in scored["pairs"].items()},
             "val_images": scored["images"],
             "ptq_partial": {key: partial.get(key) for key in ("float_layers", "layers_total", "budget_met", "map50",
                                                               "map50_fp32", "map50_int8", "val_images", "steps")},
-            "wall_seconds": None if wall is None else round(wall, 1),
-            "distill_seconds": None if distill_wall is None else round(distill_wall, 1)}
+            "wall_seconds": wall, "extra_qat_seconds": seconds}
 
 
-def engine_speeds(run: Path, sets: list[str], batch_size: int = 8, rounds: int = 5) -> dict[str, dict]:
-    """The run's engines (each variant's, as its validate task scored it: the exact CPU form) timed here at
+def engine_speeds(engines: dict[str, Path], sets: list[str], batch_size: int = 8, rounds: int = 5
+                  ) -> dict[str, dict]:
+    """The engines (variant -> folder: the run's, as its validate tasks scored them) timed here at
     `batch_size`, every engine once a round for `rounds` rounds, in this one process: variant -> img/s (the
     rounds' median), its speed-up over FP32 and that speed-up's range over the rounds. The pipeline's own
     build-engine figures come from tasks run minutes to hours apart, each under whatever else the machine ran."""
@@ -110,7 +134,7 @@ def engine_speeds(run: Path, sets: list[str], batch_size: int = 8, rounds: int =
     from qatpipe.spec import bundled_spec_path, load_spec
 
     size = load_spec(bundled_spec_path("default"), sets).dataset.image_size
-    runners = {variant: load_engine(folder).run for variant, folder in engine_folders(run).items()}
+    runners = {variant: load_engine(folder).run for variant, folder in engines.items()}
     batch = np.random.default_rng(0).uniform(size=(batch_size, size.height, size.width, 3)).astype(np.float32)
     timed = {name: per[batch_size] for name, per in
              time_in_rounds(runners, {batch_size: batch}, rounds, 50, 10.0, log).items()}
@@ -128,8 +152,9 @@ def _ci(ci, scale: float = 1.0, sign: str = "") -> str:
 def print_report(rows: list[dict]) -> None:
     for row in rows:
         partial = row["ptq_partial"]
-        print(f"\n{row['backbone']}: whole pipeline {row['wall_seconds']} s, QAT + distillation "
-              f"{row['distill_seconds']} s; ptq-partial kept {len(partial['float_layers'] or [])} of "
+        extra = ", ".join(f"{name} {sec} s" for name, sec in row.get("extra_qat_seconds", {}).items())
+        print(f"\n{row['backbone']}: whole pipeline {row['wall_seconds']} s, {extra or 'no extra QAT retrain'}; "
+              f"ptq-partial kept {len(partial['float_layers'] or [])} of "
               f"{partial['layers_total']} layers float "
               f"({', '.join(partial['float_layers'] or []) or 'none'}), budget "
               f"{'met' if partial['budget_met'] else 'NOT met'} on its {partial['val_images']} val images "
@@ -142,11 +167,15 @@ def print_report(rows: list[dict]) -> None:
             for other in ("fp32", "ptq"):
                 pair = row["pairs"].get(f"{name}-{other}")
                 cells.append(f"{100 * pair['diff']:+6.2f} {_ci(pair['ci95'], 100, '+')}" if pair else "")
-            speed = "(QAT's graph)" if name == "qat+distill" else (
-                f"{v['throughput']:7.1f}  {v['speedup_vs_fp32']:.2f}x ({v['speedup_range'][0]:.2f}-"
-                f"{v['speedup_range'][1]:.2f})" if v.get("throughput") else "n/a")
+            speed = (f"{v['throughput']:7.1f}  {v['speedup_vs_fp32']:.2f}x ({v['speedup_range'][0]:.2f}-"
+                     f"{v['speedup_range'][1]:.2f})" if v.get("throughput") else
+                     "(QAT's graph)" if name == "qat+distill" else "n/a")
             print(f"{name:<12} {v['map50']:.4f}   {_ci(v['ci95']):<18} {cells[0]:<23} {cells[1]:<23} "
                   f"{str(v['layers'] or ''):<22} {speed}")
+        if auto := row["variants"].get("qat-auto", {}).get("excluded_layers_auto"):
+            print(f"qat-auto kept float: {', '.join(auto['excluded_layers']) or 'none'} (partial PTQ of the FP32 "
+                  f"start: {auto['map50_subset']:.4f} with them float, {auto['map50_subset_int8']:.4f} all INT8, FP32 "
+                  f"{auto['map50_subset_fp32']:.4f}; budget {'met' if auto['budget_met'] else 'NOT met'})")
         qat = row["pairs"].get("qat-fp32")
         if qat:
             print(f"QAT - FP32 CI half-width: {50 * (qat['ci95'][1] - qat['ci95'][0]):.2f} points "
@@ -159,6 +188,8 @@ def main() -> None:
     parser.add_argument("--backbones", nargs="+", default=["mobilenet_v2", "resnet", "efficientnet_b0"])
     parser.add_argument("--distill-weight", type=float, default=1.0)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--qat-auto", action="store_true",
+                        help="also the variant qat-auto: the QAT retrain again with qat.excluded_layers auto")
     parser.add_argument("--describe-only", action="store_true",
                         help="run nothing: read the finished runs in WORK again (and time their engines again)")
     args = parser.parse_args()
@@ -173,10 +204,9 @@ def main() -> None:
         if args.describe_only:  # the wall times stay those of the run that made them
             old = before.get(backbone, {})
             rows.append(describe(backbone, args.work, [f"model.backbone.name={backbone}", *args.overrides],
-                                 old.get("wall_seconds"), args.work / f"{backbone}_distill" / "evaluation",
-                                 old.get("distill_seconds")))
+                                 old.get("wall_seconds"), old.get("extra_qat_seconds", {})))
         else:
-            rows.append(run_backbone(backbone, args.work, args.overrides, args.distill_weight))
+            rows.append(run_backbone(backbone, args.work, args.overrides, args.distill_weight, args.qat_auto))
         out.write_text(json.dumps({"distill_weight": args.distill_weight, "rows": rows}, indent=2))
         print_report(rows[-1:])
     print_report(rows)
