@@ -1,7 +1,7 @@
 """Benchmark: what QAT adds where it counts (issue 37): FP32, PTQ, PTQ-partial, QAT and QAT + distillation.
 
     python bench/qat_value.py [--work DIR] [--backbones mobilenet_v2 ...] [--distill-weight W] [--set KEY=VALUE ...]
-                              [--qat-auto] [--describe-only]
+                              [--qat-auto] [--no-pipeline]
 
 Per backbone it runs the whole pipeline (`qatpipe run --local`, default spec, only `model.backbone.name` and the
 `--set` overrides changed; the val set is the default's), which measures the sensitivity of the PTQ and QAT
@@ -40,28 +40,34 @@ VARIANTS = ("fp32", "ptq", "ptq-partial", "qat", "qat+distill")
 EXTRA_QAT = {"qat+distill": "distill", "qat-auto": "qat_auto"}
 
 
-def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight: float, qat_auto: bool) -> dict:
+def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight: float, qat_auto: bool,
+                 before: dict | None = None) -> dict:
+    """The pipeline run (none where `before`, the row of a finished one, is given), then the extra QAT
+    retrains it lacks."""
     from qatpipe_pipelines.local_run import run_local
 
     sets = [f"model.backbone.name={backbone}", *overrides]
-    started = time.perf_counter()
-    run_local(work / backbone, "default", sets)
-    wall = time.perf_counter() - started
+    if before is None:
+        started = time.perf_counter()
+        run_local(work / backbone, "default", sets)
+        wall, seconds = round(time.perf_counter() - started, 1), {}
+    else:  # the times stay those of the runs that made them
+        wall, seconds = before.get("wall_seconds"), dict(before.get("extra_qat_seconds") or (
+            {"qat+distill": before["distill_seconds"]} if before.get("distill_seconds") else {}))  # older rows
     extra = {"qat+distill": {"distill_weight": distill_weight}}
     if qat_auto:
         extra["qat-auto"] = {"excluded_layers": "auto"}
-    seconds = {}
     for variant, settings in extra.items():
         started = time.perf_counter()
-        retrained_qat(backbone, work, EXTRA_QAT[variant], settings)
-        seconds[variant] = round(time.perf_counter() - started, 1)
-    return describe(backbone, work, sets, round(wall, 1), seconds)
+        if retrained_qat(backbone, work, EXTRA_QAT[variant], settings):
+            seconds[variant] = round(time.perf_counter() - started, 1)
+    return describe(backbone, work, sets, wall, seconds)
 
 
-def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict) -> Path:
+def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict) -> bool:
     """The run's QAT retrain again with the qat `settings` changed, same spec and start (the FP32 retrain's
     model, also distillation's teacher); exported, built into an engine as the pipeline builds them (exact CPU
-    form here) and evaluated into WORK/<backbone>_<folder_name> (reused when there)."""
+    form here) and evaluated into WORK/<backbone>_<folder_name>. False where that folder was there already."""
     from qatpipe.spec import load_spec
     from qatpipe.stages.build_engine import build_engine
     from qatpipe.stages.evaluate import evaluate
@@ -70,7 +76,7 @@ def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict) -
 
     folder = work / f"{backbone}_{folder_name}"
     if (folder / "evaluation" / "metrics.json").is_file():
-        return folder
+        return False
     run = work / backbone
     fp32_folder = stage_folder(run, "retrain_fp32")
     # the QAT retrain's spec; before that task has finished, its twin's (finetune-fp32 has the same view and
@@ -86,7 +92,7 @@ def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict) -
     if not (folder / "engine" / "engine.json").is_file():
         build_engine(spec, folder / "model.onnx", folder / "engine", backend="onnxruntime")
     evaluate(spec, folder / "model.onnx", folder / "evaluation")
-    return folder
+    return True
 
 
 def describe(backbone: str, work: Path, sets: list[str], wall: float | None, seconds: dict[str, float]) -> dict:
@@ -190,8 +196,9 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--qat-auto", action="store_true",
                         help="also the variant qat-auto: the QAT retrain again with qat.excluded_layers auto")
-    parser.add_argument("--describe-only", action="store_true",
-                        help="run nothing: read the finished runs in WORK again (and time their engines again)")
+    parser.add_argument("--no-pipeline", action="store_true",
+                        help="run no pipeline: take WORK's finished runs as they are, run the extra QAT retrains "
+                             "they lack, score and time them all again")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -201,12 +208,8 @@ def main() -> None:
     before = {row["backbone"]: row for row in _json(out).get("rows", [])}
     rows = [row for name, row in before.items() if name not in args.backbones]
     for backbone in args.backbones:
-        if args.describe_only:  # the wall times stay those of the run that made them
-            old = before.get(backbone, {})
-            rows.append(describe(backbone, args.work, [f"model.backbone.name={backbone}", *args.overrides],
-                                 old.get("wall_seconds"), old.get("extra_qat_seconds", {})))
-        else:
-            rows.append(run_backbone(backbone, args.work, args.overrides, args.distill_weight, args.qat_auto))
+        rows.append(run_backbone(backbone, args.work, args.overrides, args.distill_weight, args.qat_auto,
+                                 before.get(backbone, {}) if args.no_pipeline else None))
         out.write_text(json.dumps({"distill_weight": args.distill_weight, "rows": rows}, indent=2))
         print_report(rows[-1:])
     print_report(rows)
