@@ -59,40 +59,43 @@ def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight
         extra["qat-auto"] = {"excluded_layers": "auto"}
     for variant, settings in extra.items():
         started = time.perf_counter()
-        if retrained_qat(backbone, work, EXTRA_QAT[variant], settings):
+        if retrained_qat(backbone, work, EXTRA_QAT[variant], settings, sets):
             seconds[variant] = round(time.perf_counter() - started, 1)
     return describe(backbone, work, sets, wall, seconds)
 
 
-def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict) -> bool:
+def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict, sets: list[str]) -> bool:
     """The run's QAT retrain again with the qat `settings` changed, same spec and start (the FP32 retrain's
     model, also distillation's teacher); exported, built into an engine as the pipeline builds them (exact CPU
-    form here) and evaluated into WORK/<backbone>_<folder_name>. False where that folder was there already."""
-    from qatpipe.spec import load_spec
+    form here) and evaluated into WORK/<backbone>_<folder_name>. False where it had been (its engine is built
+    where an older run of this script did not)."""
+    from qatpipe.spec import bundled_spec_path, load_spec
     from qatpipe.stages.build_engine import build_engine
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.export import export
     from qatpipe.stages.retrain import retrain
 
     folder = work / f"{backbone}_{folder_name}"
-    if (folder / "evaluation" / "metrics.json").is_file():
-        return False
     run = work / backbone
-    fp32_folder = stage_folder(run, "retrain_fp32")
-    # the QAT retrain's spec; before that task has finished, its twin's (finetune-fp32 has the same view and
-    # start), so this can run beside the pipeline's last retrain. The sections the view leaves out (export, ptq,
-    # sensitivity, validate: what qat.excluded_layers auto reads) are their defaults, as in the default spec.
+    # the QAT retrain's spec; before that task has finished, its twin's (finetune-fp32 has the same sections and
+    # start), so this can run beside the pipeline's last retrain; the sections that view leaves out (export, ptq,
+    # sensitivity, validate, engine: what qat.excluded_layers auto and the engine read) as the run had them
     twin = (stage_folders(run / "kfp", "retrain_qat") or [stage_folder(run, "finetune_fp32")])[0]
-    spec = load_spec(twin / "spec.yaml")
-    spec.qat.enabled = True
-    for key, value in settings.items():
-        setattr(spec.qat, key, value)
-    summary = retrain(spec, fp32_folder / "model.keras", folder / "retrain")
-    export(spec, summary["model"], folder / "model.onnx")
+    spec, full = load_spec(twin / "spec.yaml"), load_spec(bundled_spec_path("default"), sets)
+    for section in ("export", "ptq", "sensitivity", "validate_", "engine"):
+        setattr(spec, section, getattr(full, section))
+    done = (folder / "evaluation" / "metrics.json").is_file()
+    if not done:
+        spec.qat.enabled = True
+        for key, value in settings.items():
+            setattr(spec.qat, key, value)
+        summary = retrain(spec, stage_folder(run, "retrain_fp32") / "model.keras", folder / "retrain")
+        export(spec, summary["model"], folder / "model.onnx")
     if not (folder / "engine" / "engine.json").is_file():
         build_engine(spec, folder / "model.onnx", folder / "engine", backend="onnxruntime")
-    evaluate(spec, folder / "model.onnx", folder / "evaluation")
-    return True
+    if not done:
+        evaluate(spec, folder / "model.onnx", folder / "evaluation")
+    return not done
 
 
 def describe(backbone: str, work: Path, sets: list[str], wall: float | None, seconds: dict[str, float]) -> dict:
@@ -118,8 +121,12 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None, sec
         variants[name] = {"map50": value["value"], "ci95": value.get("ci95"), "layers": row.get("layers"),
                           **speeds.get(name, {}), "throughput_in_pipeline": row.get("throughput")}
     if "qat-auto" in extra:
+        from qatpipe.stages.retrain import AUTO_FILE, AUTO_FOLDER
+
         variants["qat-auto"]["excluded_layers_auto"] = _json(
-            extra["qat-auto"] / "retrain" / "qat_auto" / "excluded_layers.json")
+            extra["qat-auto"] / "retrain" / AUTO_FOLDER / AUTO_FILE)
+        layers = _json(extra["qat-auto"] / "engine" / "engine.json").get("layer_precision")  # as validate reads
+        variants["qat-auto"]["layers"] = f"{layers['int8']} / {layers['fp16']} / {layers['fp32']}" if layers else None
     return {"backbone": backbone, "overrides": sets, "variants": variants,
             "pairs": {key: pair["map50"] for key, pair in scored["pairs"].items()},
             "val_images": scored["images"],
@@ -130,7 +137,8 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None, sec
 
 def engine_speeds(engines: dict[str, Path], sets: list[str], batch_size: int = 8, rounds: int = 5
                   ) -> dict[str, dict]:
-    """The engines (variant -> folder: the run's, as its validate tasks scored them) timed here at
+    """The engines (variant -> folder: the run's, as its validate tasks scored them, and this script's extra
+    QAT retrains') timed here at
     `batch_size`, every engine once a round for `rounds` rounds, in this one process: variant -> img/s (the
     rounds' median), its speed-up over FP32 and that speed-up's range over the rounds. The pipeline's own
     build-engine figures come from tasks run minutes to hours apart, each under whatever else the machine ran."""
@@ -158,7 +166,9 @@ def _ci(ci, scale: float = 1.0, sign: str = "") -> str:
 def print_report(rows: list[dict]) -> None:
     for row in rows:
         partial = row["ptq_partial"]
-        extra = ", ".join(f"{name} {sec} s" for name, sec in row.get("extra_qat_seconds", {}).items())
+        seconds = row.get("extra_qat_seconds") or ({"qat+distill": row["distill_seconds"]}
+                                                   if row.get("distill_seconds") else {})  # older rows
+        extra = ", ".join(f"{name} {sec} s" for name, sec in seconds.items())
         print(f"\n{row['backbone']}: whole pipeline {row['wall_seconds']} s, {extra or 'no extra QAT retrain'}; "
               f"ptq-partial kept {len(partial['float_layers'] or [])} of "
               f"{partial['layers_total']} layers float "
@@ -173,8 +183,9 @@ def print_report(rows: list[dict]) -> None:
             for other in ("fp32", "ptq"):
                 pair = row["pairs"].get(f"{name}-{other}")
                 cells.append(f"{100 * pair['diff']:+6.2f} {_ci(pair['ci95'], 100, '+')}" if pair else "")
-            speed = (f"{v['throughput']:7.1f}  {v['speedup_vs_fp32']:.2f}x ({v['speedup_range'][0]:.2f}-"
-                     f"{v['speedup_range'][1]:.2f})" if v.get("throughput") else
+            spread = v.get("speedup_range")  # older rows quote the pipeline's figures, without one
+            speed = (f"{v['throughput']:7.1f}  {v['speedup_vs_fp32']:.2f}x"
+                     + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "") if v.get("throughput") else
                      "(QAT's graph)" if name == "qat+distill" else "n/a")
             print(f"{name:<12} {v['map50']:.4f}   {_ci(v['ci95']):<18} {cells[0]:<23} {cells[1]:<23} "
                   f"{str(v['layers'] or ''):<22} {speed}")

@@ -38,9 +38,9 @@ def stage_folder(run: Path, *stages: str) -> Path:
     return found[0]
 
 
-
 def engine_folders(run: Path) -> dict[str, Path]:
-    """variant -> the engine folder the run's validate task of that variant scored, newest pipeline run."""
+    """variant -> the engine folder the run's validate task of that variant scored (where the run folder holds
+    several pipeline runs, the newest one's)."""
     verdicts = sorted((run / "kfp").glob("*/validate*/results/validation.json"), key=lambda p: p.stat().st_mtime)
     return {verdict["variant"]: Path(verdict["engine"]) for verdict in map(_read, verdicts)}
 

@@ -145,9 +145,10 @@ def test_dag_shape(compiled):
     assert qat_view["retrain_spec"]["taskOutputParameter"]["outputParameterKey"] == "retrain_qat_spec"
     assert qat_view["qat"]["runtimeValue"]["constant"] is True
     assert tasks["retrain-fp32"]["inputs"]["parameters"]["qat"]["runtimeValue"]["constant"] is False
-    # the baseline reads qat.start and qat.finetune_epochs, so it gets the view with the qat section
+    # the baseline reads qat.start and qat.finetune_epochs, so it gets a view with the qat section: its own, which
+    # never carries what only QAT reads (qat.excluded_layers auto's sections)
     control = tasks["finetune-fp32"]["inputs"]["parameters"]
-    assert control["retrain_spec"]["taskOutputParameter"]["outputParameterKey"] == "retrain_qat_spec"
+    assert control["retrain_spec"]["taskOutputParameter"]["outputParameterKey"] == "finetune_fp32_spec"
     assert control["qat"]["runtimeValue"]["constant"] is False
 
 

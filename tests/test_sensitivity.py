@@ -439,6 +439,9 @@ def test_qat_excluded_layers_auto_keeps_float_what_partial_ptq_keeps_float(train
     record = StageRecord.read(tmp_path / "qat")
     assert record.tags["qat.excluded_layers"] == f"auto: {name}" and record.metrics["qat_auto.float_layers"] == 1
     assert (tmp_path / "qat" / AUTO_FOLDER / "sensitivity" / JSON_FILE).is_file()
+    assert not [path.name for path in (tmp_path / "qat" / AUTO_FOLDER).rglob("*") if path.suffix == ".onnx"
+                or path.name == "tracking.json"]  # the search's models and stage records do not travel on
+    assert record.params["validate.max_map_drop"] == 0.05 and record.params["sensitivity.max_layers"] == 3
 
     monkeypatch.setattr(ptq_stage, "ptq", lambda *args: pytest.fail("searched again"))
     assert auto_excluded_layers(spec, model, tmp_path / "qat") == [name]  # as a resumed retrain finds them

@@ -815,7 +815,7 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 # Which spec sections each pipeline stage reads: the one table. A stage gets only these (the rest left at
-# defaults), so a KFP cache key changes only when something that stage depends on changes: editing `validate`
+# defaults; SETTING_SECTIONS below adds a few where a setting makes a stage read more), so a KFP cache key changes only when something that stage depends on changes: editing `validate`
 # does not retrain. resolve-spec hands each view on as its output `<view>_spec` (spec_output_name), and the
 # tests check its outputs and their descriptions against this table. A new view adds its line here and its
 # output to resolve-spec's signature (KFP reads outputs from the source), which the tests then demand.
@@ -826,6 +826,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "prune": ("dataset", "model", "prune"),
     "retrain": ("dataset", "model", "augmentation", "train", "evaluate", "retrain"),
     "retrain_qat": ("dataset", "model", "augmentation", "train", "evaluate", "retrain", "qat"),
+    # the FP32 baseline fine-tuned as long as QAT: qat.start and finetune_epochs, never what only QAT reads
+    "finetune_fp32": ("dataset", "model", "augmentation", "train", "evaluate", "retrain", "qat"),
     "export": ("dataset", "model", "export"),
     "ptq": ("dataset", "model", "evaluate", "ptq"),
     "sensitivity": ("dataset", "model", "evaluate", "sensitivity"),  # scored as evaluate scores
@@ -840,8 +842,9 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 # Sections a view carries only under a setting that reads them, so that changing them re-runs no task that does
 # not: qat.excluded_layers auto makes the QAT retrain export, PTQ-calibrate and search its FP32 start as the
 # export, ptq, sensitivity and ptq-partial tasks do (their sections; validate: the budget)
-SETTING_SECTIONS: tuple[tuple[str, tuple[str, ...], Callable[[ExperimentSpec], bool]], ...] = (
-    ("retrain_qat", ("export", "ptq", "sensitivity", "validate"), lambda spec: spec.qat.excluded_layers == "auto"),
+SETTING_SECTIONS: tuple[tuple[str, tuple[str, ...], str, Callable[[ExperimentSpec], bool]], ...] = (
+    ("retrain_qat", ("export", "ptq", "sensitivity", "validate"), "qat.excluded_layers auto",
+     lambda spec: spec.qat.excluded_layers == "auto"),
 )
 
 
@@ -867,7 +870,7 @@ def stage_view(spec: ExperimentSpec, stage: str) -> str:
         sections = STAGE_SECTIONS[stage]
     except KeyError:
         raise SpecError(f"no spec view for stage {stage!r}; add it to STAGE_SECTIONS") from None
-    sections += tuple(section for view, extra, needed in SETTING_SECTIONS if view == stage and needed(spec)
+    sections += tuple(section for view, extra, _, needed in SETTING_SECTIONS if view == stage and needed(spec)
                       for section in extra if section not in sections)
     full = spec.to_dict()
     return yaml.safe_dump({key: full[key] for key in sections}, sort_keys=False)

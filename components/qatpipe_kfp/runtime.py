@@ -37,11 +37,13 @@ SpecViews = _spec_views()
 
 def spec_views_doc() -> str:
     """The Returns section of resolve-spec's docstring (KFP shows it as the outputs' descriptions)."""
-    from qatpipe.spec import STAGE_SECTIONS, spec_output_name
+    from qatpipe.spec import SETTING_SECTIONS, STAGE_SECTIONS, spec_output_name
 
+    more = {view: "".join(f"; under {setting} also {', '.join(extra)}" for v, extra, setting, _ in SETTING_SECTIONS
+                          if v == view) for view in STAGE_SECTIONS}
     lines = ["", "    Returns:", "        spec: The full resolved spec, as YAML."]
-    lines += [f"        {spec_output_name(view)}: The {view} view (sections {', '.join(sections)}), as YAML."
-              for view, sections in STAGE_SECTIONS.items()]
+    lines += [f"        {spec_output_name(view)}: The {view} view (sections {', '.join(sections)}{more[view]}), "
+              "as YAML." for view, sections in STAGE_SECTIONS.items()]
     lines.append("        registry_name: The name of the MLflow registered model (tracking.registered_model).")
     return "\n".join(lines) + "\n"
 

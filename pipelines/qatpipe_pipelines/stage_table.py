@@ -98,7 +98,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("retrain-fp32", retrain, {"qat": False, "dataset": DATASET, "pruned": From("prune", "pruned")},
           **TRAINING),
     Stage("finetune-fp32", retrain, {"qat": False, "dataset": DATASET, "pruned": From("prune", "pruned"),
-                                     "start": From("retrain-fp32", "model")}, view="retrain_qat", **TRAINING),
+                                     "start": From("retrain-fp32", "model")}, view="finetune_fp32", **TRAINING),
     Stage("retrain-qat", retrain, {"qat": True, "dataset": DATASET, "pruned": From("prune", "pruned"),
                                    "start": From("retrain-fp32", "model")}, view="retrain_qat", **TRAINING),
     *(Stage(f"export-{variant}", export, {"variant": variant, "dataset": DATASET, "model": From(source, "model")},

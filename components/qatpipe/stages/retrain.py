@@ -55,6 +55,9 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
     """Fine-tune the pruned model into `results_dir` (model.keras, checkpoints, logs, tracking.json); a QAT
     model when spec.qat.enabled (its activation ranges also go to qat_ranges.json).
 
+    With qat.excluded_layers auto, QAT keeps float the layers auto_excluded_layers finds in the model it starts
+    from (its reports in results_dir/qat_auto).
+
     With qat.distill_weight > 0 QAT also distils from the FP32 model it starts from, `pruned_model_path` itself,
     frozen (training/distillation.py): under qat.start fp32 the FP32 retrain's model, under qat.start pruned
     (TAO's order) the pruned model before any retraining."""
@@ -74,8 +77,9 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
     _claim(results_dir, pruned_model_path, write=world.is_chief)
     auto = qat and spec.qat.excluded_layers == "auto"
     if qat:
-        if auto:
-            spec.qat.excluded_layers = auto_excluded_layers(spec, pruned_model_path, results_dir, world.is_chief)
+        if auto:  # found once, by rank 0; Horovod's other ranks wait for its names and build the same model
+            names = auto_excluded_layers(spec, pruned_model_path, results_dir) if world.is_chief else None
+            spec.qat.excluded_layers = world.broadcast(names, "qat_excluded_layers_auto")
         if use_amp or (use_amp is None and spec.train.use_amp):
             log.warning("QAT trains in FP32: fake quantization under mixed precision would not match TensorRT's int8")
         use_amp = False
@@ -96,70 +100,78 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
         summary["qat"] = {"activation_ranges": len(activation_ranges(model))}
         write_json(results_dir / QAT_RANGES_FILE, activation_ranges(model))
     if auto:
-        summary["qat"]["excluded_layers_auto"] = _record_auto(results_dir)
+        summary["qat"]["excluded_layers_auto"] = _record_auto(spec, results_dir)
     return summary
 
 
-def _record_auto(results_dir: Path) -> dict:
-    """The retrain's tracking record gets qat.excluded_layers auto's search (its names, figures and reports)."""
+def _record_auto(spec: ExperimentSpec, results_dir: Path) -> dict:
+    """The retrain's tracking record gets qat.excluded_layers auto's search: the settings that chose the layers,
+    their names, the search's figures and reports."""
     from qatpipe.stages.ptq_partial import REPORT_FILE
     from qatpipe.tracking.records import StageRecord
 
     found = json.loads((results_dir / AUTO_FOLDER / AUTO_FILE).read_text())
     record = StageRecord.read(results_dir)
+    record.params.update({"qat.excluded_layers.source": "auto", "validate.max_map_drop": spec.validate_.max_map_drop,
+                          **{f"ptq.{key}": getattr(spec.ptq, key) for key in ("tool", "calibration_images")},
+                          "ptq.method": spec.ptq.calibration_method,
+                          **{f"sensitivity.{key}": value for key, value in spec.sensitivity.model_dump().items()}})
     record.tags["qat.excluded_layers"] = "auto: " + (",".join(found["excluded_layers"]) or "none")[:4000]
     record.metrics.update({"qat_auto.float_layers": len(found["excluded_layers"]),
                            "qat_auto.budget_met": int(found["budget_met"]),
                            **{f"qat_auto.{key}": found[key] for key in ("map50_subset", "map50_subset_fp32",
                                                                          "map50_subset_int8")}})
-    record.artifacts += [f"{AUTO_FOLDER}/{AUTO_FILE}", f"{AUTO_FOLDER}/sensitivity",
-                         f"{AUTO_FOLDER}/partial/{REPORT_FILE}"]
+    reports = [f"{AUTO_FOLDER}/{AUTO_FILE}", f"{AUTO_FOLDER}/sensitivity", f"{AUTO_FOLDER}/partial/{REPORT_FILE}"]
+    record.artifacts += [name for name in reports if name not in record.artifacts]  # a re-run trains nothing
     record.write(results_dir)
     return found
 
 
-def auto_excluded_layers(spec: ExperimentSpec, fp32_model: Path, results_dir: Path, write: bool = True
-                         ) -> list[str]:
+def auto_excluded_layers(spec: ExperimentSpec, fp32_model: Path, results_dir: Path) -> list[str]:
     """qat.excluded_layers auto: the layers partial PTQ keeps float in `fp32_model`, the FP32 model QAT starts
     from, to come within validate.max_map_drop of it, as the pipeline's tasks would find them for that model: its
     ONNX export, its PTQ, the PTQ model's layer sensitivity, then ptq.keep_float auto's search (fewest layers
-    first). Their Keras layer names; the work goes to results_dir/qat_auto (`write`; a temporary folder where
-    not: Horovod's other ranks) and a resumed retrain reads the names back from it."""
-    import tempfile
-
+    first). Their Keras layer names. The reports go to results_dir/qat_auto (the models made on the way are
+    deleted: they would travel with the QAT model), and a resumed retrain reads the names back from there."""
     from qatpipe.onnx_model import load_onnx_proto
     from qatpipe.quantization.sensitivity import resolve_layers
     from qatpipe.stages.export import export
     from qatpipe.stages.ptq import ptq
     from qatpipe.stages.ptq_partial import ptq_partial
     from qatpipe.stages.sensitivity import sensitivity
+    from qatpipe.tracking.records import RECORD_FILE
 
-    saved = results_dir / AUTO_FOLDER / AUTO_FILE
+    folder = results_dir / AUTO_FOLDER
+    saved = folder / AUTO_FILE
     if saved.is_file():
-        names = json.loads(saved.read_text())["excluded_layers"]
-        log.info("qat.excluded_layers auto: %s, as found before (%s)", ", ".join(names) or "none", saved)
-        return names
+        found = json.loads(saved.read_text())
+        log.info("qat.excluded_layers auto: %s, as found before for %s (%s; delete it to search again)",
+                 ", ".join(found["excluded_layers"]) or "none", found["source"], saved)
+        return found["excluded_layers"]
     probe = spec.model_copy(deep=True)  # the tasks' settings, less the side files QAT does not read
     probe.export.fp16_onnx, probe.export.target, probe.ptq.report_images = False, "gpu", 0
     probe.ptq.keep_float = "auto"
-    with tempfile.TemporaryDirectory(prefix="qatpipe-qat-auto-") as scratch:
-        folder = saved.parent if write else Path(scratch)
-        log.info("qat.excluded_layers auto: searching %s's PTQ for the layers to keep float (%s)", fp32_model, folder)
-        fp32_onnx, ptq_onnx = folder / "fp32" / "model.onnx", folder / "ptq" / "model.onnx"
-        export(probe, fp32_model, fp32_onnx)
-        ptq(probe, fp32_onnx, ptq_onnx)
-        sensitivity(probe, ptq_onnx, folder / "sensitivity", fp32_onnx)
-        report = ptq_partial(probe, fp32_onnx, ptq_onnx, folder / "partial" / "model.onnx", folder / "sensitivity")
-        names = list(dict.fromkeys(layer.name for layer in resolve_layers(load_onnx_proto(ptq_onnx),
-                                                                           report["float_layers"])))
-        found = {"excluded_layers": names, "float_nodes": report["float_layers"], "map50_subset": report["map50"],
-                 "map50_subset_fp32": report["map50_fp32"], "map50_subset_int8": report["map50_int8"],
-                 "budget": report["budget"], "budget_met": report["budget_met"], "source": str(fp32_model)}
-        if write:
-            write_json(saved, found)
+    log.info("qat.excluded_layers auto: searching %s's PTQ for the layers to keep float (%s)", fp32_model, folder)
+    fp32_onnx, ptq_onnx = folder / "fp32" / "model.onnx", folder / "ptq" / "model.onnx"
+    export(probe, fp32_model, fp32_onnx)
+    ptq(probe, fp32_onnx, ptq_onnx)
+    sensitivity(probe, ptq_onnx, folder / "sensitivity", fp32_onnx)
+    report = ptq_partial(probe, fp32_onnx, ptq_onnx, folder / "partial" / "model.onnx", folder / "sensitivity")
+    names = list(dict.fromkeys(layer.name for layer in resolve_layers(load_onnx_proto(ptq_onnx),
+                                                                       report["float_layers"])))
+    found = {"excluded_layers": names, "float_nodes": report["float_layers"], "map50_subset": report["map50"],
+             "map50_subset_fp32": report["map50_fp32"], "map50_subset_int8": report["map50_int8"],
+             "val_images": report["val_images"], "budget": report["budget"], "budget_met": report["budget_met"],
+             "source": str(fp32_model)}
+    shutil.rmtree(folder / "fp32")
+    shutil.rmtree(folder / "ptq")
+    (folder / "partial" / "model.onnx").unlink()
+    for record in folder.rglob(RECORD_FILE):  # the stages' records: this retrain's record carries the search
+        record.unlink()
+    write_json(saved, found)
     log.info("qat.excluded_layers auto: %s (PTQ of the FP32 start: %.4f with them float, %.4f all INT8, FP32 "
              "%.4f on %d val images; budget %s)", ", ".join(names) or "none", found["map50_subset"],
-             found["map50_subset_int8"], found["map50_subset_fp32"], report["val_images"],
+             found["map50_subset_int8"], found["map50_subset_fp32"], found["val_images"],
              "met" if found["budget_met"] else "NOT met")
     return names
 
@@ -211,4 +223,4 @@ def _claim(results_dir: Path, source: Path, write: bool = True) -> None:
     write_json(marker, {"path": str(source), "sha256": digest})
 
 
-__all__ = ["hand_on", "retrain", "retrain_spec"]
+__all__ = ["hand_on", "retrain", "retrain_spec", "auto_excluded_layers", "AUTO_FOLDER", "AUTO_FILE"]

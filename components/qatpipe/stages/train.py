@@ -357,8 +357,8 @@ def summary_metrics(summary: dict) -> dict[str, float]:
 
 def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dict, stage_name: str) -> None:
     # the FP32 control of a QAT fine-tuning records the qat section too: its start and epochs come from there
-    view = STAGE_SECTIONS["train" if stage_name == "train" else
-                          "retrain_qat" if spec.qat.enabled or stage_name == FINETUNE_FP32 else "retrain"]
+    view = STAGE_SECTIONS["train" if stage_name == "train" else "finetune_fp32" if stage_name == FINETUNE_FP32
+                          else "retrain_qat" if spec.qat.enabled else "retrain"]
     sections = {key: value for key, value in spec.to_dict().items() if key in view}
     diagnostics = summary["diagnostics"] or {}
     metrics = summary_metrics(summary)

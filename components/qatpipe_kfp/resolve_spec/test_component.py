@@ -14,7 +14,8 @@ def test_each_stage_gets_only_its_sections():
     for view, sections in STAGE_SECTIONS.items():
         assert list(yaml.safe_load(getattr(out, spec_output_name(view)))) == list(sections), view
         described = " ".join(resolve_spec.component_spec.outputs[spec_output_name(view)].description.split())
-        named = described[described.index("(section") + 1:described.index(")")].split(" ", 1)[1].split(", ")
+        named = described[described.index("(section") + 1:described.index(")")].split(";")[0].split(" ", 1)[1]
+        named = named.split(", ")  # ... then, after a ';', what a setting adds (spec.SETTING_SECTIONS)
         assert named == list(sections), (view, described)
     # what the table says, spelt out: training never sees the gate or export settings, validate no training
     assert set(yaml.safe_load(out.data_spec)) == {"dataset"}
@@ -40,6 +41,15 @@ def test_unrelated_change_keeps_the_training_input_identical():
     # nor does a QAT setting touch the FP32 retrain
     qat = resolve_spec.python_func(spec_uri="tiny", overrides=["qat.relu6=true"])
     assert qat.retrain_spec == base.retrain_spec and qat.retrain_qat_spec != base.retrain_qat_spec
+    # under qat.excluded_layers auto the QAT retrain reads the budget, ptq and sensitivity sections too (its
+    # search); its FP32 control does not, so a new budget re-runs the QAT retrain and the control stays cached
+    auto = resolve_spec.python_func(spec_uri="tiny", overrides=["qat.excluded_layers=auto"])
+    budget = resolve_spec.python_func(spec_uri="tiny", overrides=["qat.excluded_layers=auto",
+                                                                  "validate.max_map_drop=0.02"])
+    assert {"export", "ptq", "sensitivity", "validate"} <= set(yaml.safe_load(auto.retrain_qat_spec))
+    assert budget.retrain_qat_spec != auto.retrain_qat_spec and budget.finetune_fp32_spec == auto.finetune_fp32_spec
+    assert "validate" not in yaml.safe_load(auto.finetune_fp32_spec)
+    assert gated.retrain_qat_spec == base.retrain_qat_spec  # without auto the budget reaches no training
 
 
 def test_s3_data_without_keys_fails_first_naming_the_key(monkeypatch):

@@ -21,7 +21,9 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
 
     Args:
         retrain_spec: The spec's retrain view, as YAML: without the qat section for the FP32 task, with it for
-            the QAT task; its data paths are replaced by the prepared data set's.
+            the QAT task and its FP32 control; under qat.excluded_layers auto the QAT task's also has the export,
+            ptq, sensitivity and validate sections, which its search for the layers to keep float reads. Its data
+            paths are replaced by the prepared data set's.
         qat: Retrain quantization-aware (sets qat.enabled) instead of in FP32; also names the variant, qat or fp32.
         dataset: The prepared data set (prepare-data's `dataset`).
         pruned: The pruned model folder (prune's `pruned`); the file is its `file` metadata (default model.keras).
@@ -43,7 +45,8 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
             model and the FP32 task hands `start` on unchanged. Absent: a retrain of the pruned model.
 
     Returns:
-        model: Folder with model.keras, the training log and tracking.json (QAT: also qat_ranges.json); its
+        model: Folder with model.keras, the training log and tracking.json (QAT: also qat_ranges.json; under
+            qat.excluded_layers auto, qat_auto/ with the layers found and the search's reports); its
             metadata holds the framework, file, parameter count, variant and number of processes.
         metrics: The training summary's figures: throughput, time, size, final losses, the kept and best epochs,
             the best val mAP@0.5 and the learning check's figures.
