@@ -384,3 +384,30 @@ def test_retrain_refuses_checkpoints_of_other_qat_settings(qat_export):
     source = json.loads((folder / "source_model.json").read_text())["path"]
     with pytest.raises(QatpipeError, match="whose qat differs from this spec"):
         retrain(changed, source, folder)
+
+
+def test_a_layer_kept_float_passes_the_layer_check_with_its_folded_batch_norm(trained_tiny, tmp_path):
+    """qat.excluded_layers keeps conv1 float: tf2onnx folds its BatchNormalization into it, so conv1's ONNX output
+    holds bn_conv1's TensorFlow output, and the layers reading bn_conv1 are fed that (before, the check compared
+    it with conv1's own output and failed every layer downstream, on MobileNetV2 36 of 132)."""
+    import onnx
+
+    from qatpipe.data.pipeline import eval_dataset
+    from qatpipe.data.splits import sample_split
+    from qatpipe.export.layer_check import layer_differences, map_layers
+    from qatpipe.export.onnx_export import export_onnx
+    from qatpipe.models import get_architecture
+    from qatpipe.models.io import load_keras_model
+    from qatpipe.quantization.transform import calibrate, quantize_model
+    from qatpipe.spec import QatSpec
+
+    spec, model_path = trained_tiny
+    model = quantize_model(load_keras_model(model_path, get_architecture(spec)), QatSpec(excluded_layers=["conv1"]))
+    batches = [b.numpy() for b in eval_dataset(sample_split(spec, "train", 8, 0), spec, 4)]
+    calibrate(model, iter(batches), 2)
+    export_onnx(model, tmp_path / "model.onnx", spec.export.opset)
+    proto = onnx.load(tmp_path / "model.onnx")
+    [conv1] = [m for m in map_layers(model, proto)[0] if m.layer == "conv1"]
+    assert conv1.value == "bn_conv1" and not conv1.quantized
+    result = layer_differences(model, proto, batches[0])
+    assert result["failed"] == [] and "conv1" in result["layers"], result["failed"]

@@ -51,6 +51,10 @@ class LayerMapping:
     inputs: dict[str, str] = field(default_factory=dict)  # ONNX tensor -> the layer whose output it holds
     quantized_inputs: dict[str, float] = field(default_factory=dict)  # of those, the quantized ones -> amax
     output_quantized: bool = False
+    value: str = ""  # the layer whose TensorFlow output `output` holds: the layer, or the BN folded into it
+
+    def __post_init__(self):
+        self.value = self.value or self.layer
 
 
 def _input_ranges(layer) -> dict[int, float]:
@@ -110,6 +114,9 @@ def map_layers(model, proto) -> tuple[list[LayerMapping], dict[str, str]]:
     # becomes Resize__N): the layer reading it then takes its nodes along, fed the value before them.
     value_of: dict[str, str] = {}
     skipped: dict[str, str] = {}
+    # a float convolution's BatchNormalization (a layer qat.excluded_layers keeps float) has no nodes: tf2onnx
+    # folds it into the convolution, whose output tensor then holds the BN's output (layer -> its folded BN)
+    folded: dict[str, str] = {}
     for layer in model.layers:
         own = nodes_of.get(layer.name, [])
         value_of[layer.name] = layer.name
@@ -119,7 +126,11 @@ def map_layers(model, proto) -> tuple[list[LayerMapping], dict[str, str]]:
                 exit_of[layer.name] = graph_input
             elif len(inbound) == 1 and inbound[0].name in exit_of:
                 exit_of[layer.name] = exit_of[inbound[0].name]
-                value_of[layer.name] = value_of[inbound[0].name]
+                if (type(layer).__name__ == "BatchNormalization" and inbound[0].name not in skipped
+                        and len(_outbound(inbound[0])) == 1):
+                    folded[inbound[0].name] = layer.name
+                else:
+                    value_of[layer.name] = value_of[inbound[0].name]
             skipped[layer.name] = NO_NODES
             continue
         readers = set()
@@ -159,7 +170,8 @@ def map_layers(model, proto) -> tuple[list[LayerMapping], dict[str, str]]:
         else:
             mappings.append(LayerMapping(layer.name, type(layer).__name__, isinstance(layer, quantized_types),
                                          exit_of[layer.name], inputs, quantized_inputs,
-                                         output_quantized=hasattr(layer, "output_range")))
+                                         output_quantized=hasattr(layer, "output_range"),
+                                         value=folded.get(layer.name, layer.name)))
     return mappings, skipped
 
 
@@ -230,7 +242,7 @@ def layer_differences(model, proto, inputs: np.ndarray) -> dict:
 
     mappings, skipped = map_layers(model, proto)
     named = {layer.name: layer for layer in model.layers}
-    wanted = sorted({m.layer for m in mappings} | {name for m in mappings for name in m.inputs.values()})
+    wanted = sorted({m.value for m in mappings} | {name for m in mappings for name in m.inputs.values()})
     probe = keras.Model(model.inputs, [named[name].output for name in wanted])
     values = dict(zip(wanted, (v.numpy() if hasattr(v, "numpy") else v
                                for v in probe(inputs, training=False))))
@@ -262,7 +274,7 @@ def layer_differences(model, proto, inputs: np.ndarray) -> dict:
                 value = fake_quant_per_tensor(value, mapping.quantized_inputs[tensor]).numpy()
             feeds[tensor] = _to_layout(value, shapes.get(tensor, []))
         [onnx_out] = session.run([mapping.output], feeds)
-        expected = values[mapping.layer]
+        expected = values[mapping.value]
         if onnx_out.shape != expected.shape and onnx_out.ndim == 4:
             onnx_out = onnx_out.transpose(0, 2, 3, 1)
         if onnx_out.shape != expected.shape:
