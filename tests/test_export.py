@@ -411,3 +411,21 @@ def test_a_layer_kept_float_passes_the_layer_check_with_its_folded_batch_norm(tr
     assert conv1.value == "bn_conv1" and not conv1.quantized
     result = layer_differences(model, proto, batches[0])
     assert result["failed"] == [] and "conv1" in result["layers"], result["failed"]
+
+
+def test_weights_fold_to_the_codes_tensorflow_trained_with_at_a_tie():
+    """QAT's weight quantizer rounds w * (127 / max |w|) (quantization/quantizers.py); the export's fold of a
+    per-channel weight gives the same codes where w / scale would land a tie one code apart. The two weights of
+    this channel are the distilled MobileNetV2's block_14_expand pair that failed its layer check: -40.5 in
+    TensorFlow (half to even: -40), -40.500004 by division (-41)."""
+    import tensorflow as tf
+
+    from qatpipe.export.qdq import _quantize
+    from qatpipe.quantization.quantizers import fake_quant_per_channel
+
+    kernel = np.array([[-0.11164138466119766, 0.3500853180885315], [0.2, -0.5]], np.float32).T  # (2 in, 2 out)
+    amax = np.abs(kernel).max(axis=0)
+    trained = np.rint(fake_quant_per_channel(tf.constant(kernel), 1).numpy() / (amax / np.float32(127)))
+    assert trained[0, 0] == -40 and np.rint(kernel[0, 0] / (amax[0] / np.float32(127))) == -41
+    folded = _quantize(kernel, (amax / np.float32(127)).astype(np.float32), np.zeros(2, np.int8), 1)
+    assert (folded == trained).all(), (folded, trained)

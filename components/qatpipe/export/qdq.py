@@ -41,9 +41,18 @@ def _channel_index(shape: tuple, axis: int) -> np.ndarray:
 
 
 def _quantize(values: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int) -> np.ndarray:
-    """ONNX QuantizeLinear for int8: round half to even, saturate."""
+    """ONNX QuantizeLinear for int8: round half to even, saturate. Where the scale is the weights' own max |w|
+    / 127 per channel (QAT's weight quantizer, quantization/quantizers.py), the codes are TensorFlow's: it
+    rounds w * (127 / max |w|), and w / scale lands a weight on a tie at x.5 an ulp off it, one code apart."""
+    values = values.astype(np.float32)
     scale, zero_point = _along(scale, axis, values.ndim), _along(zero_point, axis, values.ndim)
-    q = np.rint(values.astype(np.float32) / scale.astype(np.float32))  # np.rint: half to even
+    divided = values / scale.astype(np.float32)
+    if values.ndim > 1 and scale.size > 1:
+        reduce = tuple(i for i in range(values.ndim) if i != axis)
+        amax = np.abs(values).max(axis=reduce, keepdims=True)
+        if np.allclose(amax / np.float32(127), scale, rtol=1e-6, atol=0) and np.all(amax > 0):
+            divided = values * (np.float32(127) / amax)  # float32 throughout, as TensorFlow computes it
+    q = np.rint(divided)  # np.rint: half to even, as TensorFlow's QuantizeAndDequantize rounds
     return np.clip(q + zero_point.astype(np.float32), -128, 127).astype(np.int8)
 
 
