@@ -444,7 +444,7 @@ def test_qat_excluded_layers_auto_keeps_float_what_partial_ptq_keeps_float(train
     assert record.params["validate.max_map_drop"] == 0.05 and record.params["sensitivity.max_layers"] == 3
 
     monkeypatch.setattr(ptq_stage, "ptq", lambda *args: pytest.fail("searched again"))
-    assert auto_excluded_layers(spec, model, tmp_path / "qat") == [name]  # as a resumed retrain finds them
+    assert auto_excluded_layers(spec, model, tmp_path / "qat") == found  # as a resumed retrain finds them
     assert json.loads((tmp_path / "qat" / AUTO_FOLDER / AUTO_FILE).read_text())["excluded_layers"] == [name]
     spec.qat.excluded_layers = []
     assert "sensitivity:" not in stage_view(spec, "retrain_qat")  # ... only under auto

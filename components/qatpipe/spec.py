@@ -816,9 +816,10 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 # Which spec sections each pipeline stage reads: the one table. A stage gets only these (the rest left at
 # defaults; SETTING_SECTIONS below adds a few where a setting makes a stage read more), so a KFP cache key
-# changes only when something that stage depends on changes: editing `validate` does not retrain. resolve-spec hands each view on as its output `<view>_spec` (spec_output_name), and the
-# tests check its outputs and their descriptions against this table. A new view adds its line here and its
-# output to resolve-spec's signature (KFP reads outputs from the source), which the tests then demand.
+# changes only when something that stage depends on changes: editing `validate` does not retrain. resolve-spec
+# hands each view on as its output `<view>_spec` (spec_output_name), and the tests check its outputs and their
+# descriptions against this table. A new view adds its line here and its output to resolve-spec's signature
+# (KFP reads outputs from the source), which the tests then demand.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "data": ("dataset",),  # fingerprint-data and prepare-data
     "train": ("dataset", "model", "augmentation", "train", "evaluate"),  # evaluate: validation during training

@@ -78,8 +78,9 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
     auto = qat and spec.qat.excluded_layers == "auto"
     if qat:
         if auto:  # found once, by rank 0; Horovod's other ranks wait for its names and build the same model
-            names = auto_excluded_layers(spec, pruned_model_path, results_dir) if world.is_chief else None
-            spec.qat.excluded_layers = world.broadcast(names, "qat_excluded_layers_auto")
+            found = auto_excluded_layers(spec, pruned_model_path, results_dir) if world.is_chief else None
+            spec.qat.excluded_layers = world.broadcast(found and found["excluded_layers"],
+                                                       "qat_excluded_layers_auto")
         if use_amp or (use_amp is None and spec.train.use_amp):
             log.warning("QAT trains in FP32: fake quantization under mixed precision would not match TensorRT's int8")
         use_amp = False
@@ -100,17 +101,16 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
         summary["qat"] = {"activation_ranges": len(activation_ranges(model))}
         write_json(results_dir / QAT_RANGES_FILE, activation_ranges(model))
     if auto:
-        summary["qat"]["excluded_layers_auto"] = _record_auto(spec, results_dir)
+        summary["qat"]["excluded_layers_auto"] = _record_auto(spec, results_dir, found)
     return summary
 
 
-def _record_auto(spec: ExperimentSpec, results_dir: Path) -> dict:
-    """The retrain's tracking record gets qat.excluded_layers auto's search: the settings that chose the layers,
-    their names, the search's figures and reports."""
+def _record_auto(spec: ExperimentSpec, results_dir: Path, found: dict) -> dict:
+    """The retrain's tracking record gets qat.excluded_layers auto's search (`found`, auto_excluded_layers'): the
+    settings that chose the layers, their names, the search's figures and reports."""
     from qatpipe.stages.ptq_partial import REPORT_FILE
     from qatpipe.tracking.records import StageRecord
 
-    found = json.loads((results_dir / AUTO_FOLDER / AUTO_FILE).read_text())
     record = StageRecord.read(results_dir)
     record.params.update({"qat.excluded_layers.source": "auto", "validate.max_map_drop": spec.validate_.max_map_drop,
                           **{f"ptq.{key}": getattr(spec.ptq, key) for key in ("tool", "calibration_images")},
@@ -127,14 +127,14 @@ def _record_auto(spec: ExperimentSpec, results_dir: Path) -> dict:
     return found
 
 
-def auto_excluded_layers(spec: ExperimentSpec, fp32_model: Path, results_dir: Path) -> list[str]:
+def auto_excluded_layers(spec: ExperimentSpec, fp32_model: Path, results_dir: Path) -> dict:
     """qat.excluded_layers auto: the layers partial PTQ keeps float in `fp32_model`, the FP32 model QAT starts
     from, to come within validate.max_map_drop of it, as the pipeline's tasks would find them for that model: its
     ONNX export, its PTQ, the PTQ model's layer sensitivity, then ptq.keep_float auto's search (fewest layers
-    first). Their Keras layer names. The reports go to results_dir/qat_auto (the models made on the way are
-    deleted: they would travel with the QAT model), and a resumed retrain reads the names back from there."""
-    from qatpipe.onnx_model import load_onnx_proto
-    from qatpipe.quantization.sensitivity import resolve_layers
+    first). Returns what it found: their Keras layer names (`excluded_layers`), the ONNX nodes and the search's
+    figures. The reports go to results_dir/qat_auto (the models made on the way are deleted: they would travel
+    with the QAT model), and a resumed retrain reads what was found back from there."""
+    from qatpipe.quantization.sensitivity import layer_name
     from qatpipe.stages.export import export
     from qatpipe.stages.ptq import ptq
     from qatpipe.stages.ptq_partial import ptq_partial
@@ -147,7 +147,7 @@ def auto_excluded_layers(spec: ExperimentSpec, fp32_model: Path, results_dir: Pa
         found = json.loads(saved.read_text())
         log.info("qat.excluded_layers auto: %s, as found before for %s (%s; delete it to search again)",
                  ", ".join(found["excluded_layers"]) or "none", found["source"], saved)
-        return found["excluded_layers"]
+        return found
     probe = spec.model_copy(deep=True)  # the tasks' settings, less the side files QAT does not read
     probe.export.fp16_onnx, probe.export.target, probe.ptq.report_images = False, "gpu", 0
     probe.ptq.keep_float = "auto"
@@ -157,8 +157,7 @@ def auto_excluded_layers(spec: ExperimentSpec, fp32_model: Path, results_dir: Pa
     ptq(probe, fp32_onnx, ptq_onnx)
     sensitivity(probe, ptq_onnx, folder / "sensitivity", fp32_onnx)
     report = ptq_partial(probe, fp32_onnx, ptq_onnx, folder / "partial" / "model.onnx", folder / "sensitivity")
-    names = list(dict.fromkeys(layer.name for layer in resolve_layers(load_onnx_proto(ptq_onnx),
-                                                                       report["float_layers"])))
+    names = list(dict.fromkeys(layer_name(node) for node in report["float_layers"]))  # the Keras layers
     found = {"excluded_layers": names, "float_nodes": report["float_layers"], "map50_subset": report["map50"],
              "map50_subset_fp32": report["map50_fp32"], "map50_subset_int8": report["map50_int8"],
              "val_images": report["val_images"], "budget": report["budget"], "budget_met": report["budget_met"],
@@ -173,7 +172,7 @@ def auto_excluded_layers(spec: ExperimentSpec, fp32_model: Path, results_dir: Pa
              "%.4f on %d val images; budget %s)", ", ".join(names) or "none", found["map50_subset"],
              found["map50_subset_int8"], found["map50_subset_fp32"], found["val_images"],
              "met" if found["budget_met"] else "NOT met")
-    return names
+    return found
 
 
 def _distillation(spec: ExperimentSpec, arch, teacher, source: Path):
