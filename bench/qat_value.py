@@ -52,8 +52,7 @@ def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight
         run_local(work / backbone, "default", sets)
         wall, seconds = round(time.perf_counter() - started, 1), {}
     else:  # the times stay those of the runs that made them
-        wall, seconds = before.get("wall_seconds"), dict(before.get("extra_qat_seconds") or (
-            {"qat+distill": before["distill_seconds"]} if before.get("distill_seconds") else {}))  # older rows
+        wall, seconds = before.get("wall_seconds"), extra_seconds(before)
     extra = {"qat+distill": {"distill_weight": distill_weight}}
     if qat_auto:
         extra["qat-auto"] = {"excluded_layers": "auto"}
@@ -62,6 +61,12 @@ def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight
         if retrained_qat(backbone, work, EXTRA_QAT[variant], settings, sets):
             seconds[variant] = round(time.perf_counter() - started, 1)
     return describe(backbone, work, sets, wall, seconds)
+
+
+def extra_seconds(row: dict) -> dict[str, float]:
+    """A JSON row's seconds per extra QAT retrain (rows of the script before qat-auto: distill_seconds alone)."""
+    return dict(row.get("extra_qat_seconds") or (
+        {"qat+distill": row["distill_seconds"]} if row.get("distill_seconds") else {}))
 
 
 def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict, sets: list[str]) -> bool:
@@ -142,10 +147,10 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None, sec
 def engine_speeds(engines: dict[str, Path], sets: list[str], batch_size: int = 8, rounds: int = 5
                   ) -> dict[str, dict]:
     """The engines (variant -> folder: the run's, as its validate tasks scored them, and this script's extra
-    QAT retrains') timed here at
-    `batch_size`, every engine once a round for `rounds` rounds, in this one process: variant -> img/s (the
-    rounds' median), its speed-up over FP32 and that speed-up's range over the rounds. The pipeline's own
-    build-engine figures come from tasks run minutes to hours apart, each under whatever else the machine ran."""
+    QAT retrains') timed here at `batch_size`, every engine once a round for `rounds` rounds, in this one
+    process: variant -> img/s (the rounds' median), its speed-up over FP32 and that speed-up's range over the
+    rounds. The pipeline's own build-engine figures come from tasks run minutes to hours apart, each under
+    whatever else the machine ran."""
     import numpy as np
 
     from qatpipe.engines import load_engine
@@ -156,9 +161,9 @@ def engine_speeds(engines: dict[str, Path], sets: list[str], batch_size: int = 8
     batch = np.random.default_rng(0).uniform(size=(batch_size, size.height, size.width, 3)).astype(np.float32)
     timed = {name: per[batch_size] for name, per in
              time_in_rounds(runners, {batch_size: batch}, rounds, 50, 10.0, log).items()}
-    return {name: {"throughput": median_round(t)["throughput"],
-                   "speedup_vs_fp32": round(median_round(timed["fp32"])["latency_ms_p50"]
-                                            / median_round(t)["latency_ms_p50"], 2),
+    medians = {name: median_round(t) for name, t in timed.items()}
+    return {name: {"throughput": medians[name]["throughput"],
+                   "speedup_vs_fp32": round(medians["fp32"]["latency_ms_p50"] / medians[name]["latency_ms_p50"], 2),
                    "speedup_range": speedup_range(timed["fp32"], t)} for name, t in timed.items()}
 
 
@@ -170,9 +175,7 @@ def _ci(ci, scale: float = 1.0, sign: str = "") -> str:
 def print_report(rows: list[dict]) -> None:
     for row in rows:
         partial = row["ptq_partial"]
-        seconds = row.get("extra_qat_seconds") or ({"qat+distill": row["distill_seconds"]}
-                                                   if row.get("distill_seconds") else {})  # older rows
-        extra = ", ".join(f"{name} {sec} s" for name, sec in seconds.items())
+        extra = ", ".join(f"{name} {sec} s" for name, sec in extra_seconds(row).items())
         print(f"\n{row['backbone']}: whole pipeline {row['wall_seconds']} s, {extra or 'no extra QAT retrain'}; "
               f"ptq-partial kept {len(partial['float_layers'] or [])} of "
               f"{partial['layers_total']} layers float "
