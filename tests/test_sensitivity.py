@@ -446,6 +446,12 @@ def test_qat_excluded_layers_auto_keeps_float_what_partial_ptq_keeps_float(train
     monkeypatch.setattr(ptq_stage, "ptq", lambda *args: pytest.fail("searched again"))
     assert auto_excluded_layers(spec, model, tmp_path / "qat") == found  # as a resumed retrain finds them
     assert json.loads((tmp_path / "qat" / AUTO_FOLDER / AUTO_FILE).read_text())["excluded_layers"] == [name]
+    for bad in ("{not json", '{"excluded_layers": "conv1"}'):  # a damaged finding fails naming the file
+        (tmp_path / "bad" / AUTO_FOLDER).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "bad" / AUTO_FOLDER / AUTO_FILE).write_text(bad)
+        with pytest.raises(QatpipeError, match=rf"{AUTO_FILE}: cannot read the layers qat.excluded_layers auto "
+                                               r"found \(delete the file to search again\)"):
+            auto_excluded_layers(spec, model, tmp_path / "bad")
     spec.qat.excluded_layers = []
     assert "sensitivity:" not in stage_view(spec, "retrain_qat")  # ... only under auto
     spec.qat.excluded_layers = "auto"

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from qatpipe.errors import QatpipeError
-from qatpipe.fileio import write_json
+from qatpipe.fileio import read_json, write_json
 from qatpipe.spec import ExperimentSpec
 from qatpipe.stages.retrain_plan import FINETUNE_FP32, RETRAIN_FP32, RETRAIN_QAT
 
@@ -144,7 +144,10 @@ def auto_excluded_layers(spec: ExperimentSpec, fp32_model: Path, results_dir: Pa
     folder = results_dir / AUTO_FOLDER
     saved = folder / AUTO_FILE
     if saved.is_file():
-        found = json.loads(saved.read_text())
+        what = "layers qat.excluded_layers auto found (delete the file to search again)"
+        found = read_json(saved, what)
+        if not isinstance(found, dict) or not isinstance(found.get("excluded_layers"), list):
+            raise QatpipeError(f"{saved}: cannot read the {what}: no `excluded_layers` list")
         log.info("qat.excluded_layers auto: %s, as found before for %s (%s; delete it to search again)",
                  ", ".join(found["excluded_layers"]) or "none", found["source"], saved)
         return found
