@@ -45,6 +45,14 @@ def plant_bad_range(model) -> str:
     return layer.node
 
 
+def _requantization(model, node_name) -> set[str]:
+    """The Q/DQ pairs (by name) that quantize the node's output."""
+    node = next(n for n in model.graph.node if n.name == node_name)
+    quantizers = [n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] in node.output]
+    return {n.name for q in quantizers for n in model.graph.node
+            if n is q or (n.op_type == "DequantizeLinear" and n.input[0] == q.output[0])}
+
+
 def _input_dq(model, node_name):
     node = next(n for n in model.graph.node if n.name == node_name)
     return _producers(model)[node.input[0]]
@@ -83,6 +91,7 @@ def test_variants_keep_exactly_the_named_layers_qdq(ptq_models):
     for node in model.graph.node:
         for name in node.input:
             readers.setdefault(name, set()).add(node.name)
+    requantized_layers = 0
     for layer in layers:
         own = layer_qdq(model, layer.node)
         assert len(own) == 3  # the input's Q and DQ, the weight's DQ (int8 initializer)
@@ -96,15 +105,22 @@ def test_variants_keep_exactly_the_named_layers_qdq(ptq_models):
             if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
                 continue
             assert any(dequantized) == (node.name == layer.node), node.name
-        # every layer but this one: its Q/DQ go, except a pair another layer reads too
+        # every layer but this one: its Q/DQ go, except a pair another layer reads too, and so does the
+        # requantization of its output (ORT's PTQ quantizes each convolution's output): a float layer's output
+        # stays float up to the next layer's input quantizer
         all_but, _ = variant(model, ALL_BUT, layer.node)
         input_dq = _input_dq(model, layer.node)
         pair_shared = len(readers[input_dq.output[0]]) > 1
-        expected = every - own | ({input_dq.name, _producers(model)[input_dq.input[0]].name} if pair_shared else set())
+        requantized = _requantization(model, layer.node)
+        expected = every - own - requantized | (
+            {input_dq.name, _producers(model)[input_dq.input[0]].name} if pair_shared else set())
         assert qdq_node_names(all_but) == expected, layer.node
         node = next(n for n in all_but.graph.node if n.name == layer.node)
         assert _producers(all_but)[node.input[0]].op_type != "DequantizeLinear"
         assert node.input[1] not in _producers(all_but)  # a float initializer
+        assert not any(n.op_type == "QuantizeLinear" and n.input[0] in node.output for n in all_but.graph.node)
+        requantized_layers += bool(requantized)
+    assert requantized_layers == len(layers)  # ORT quantizes every convolution's output, the heads' too
     assert not qdq_node_names(variant(model, "float")[0])
 
 
@@ -281,6 +297,8 @@ def test_ranking_orders_by_recovery_then_drop():
     rows = [{"node": "a", "recovery": 0.01, "drop_only_int8": 0.09}, {"node": "b", "recovery": 0.05,
             "drop_only_int8": 0.0}, {"node": "c", "recovery": 0.01, "drop_only_int8": 0.10}]
     assert ranking({"layers": rows}) == ["b", "c", "a"]
+    # the layers sensitivity.max_layers left unscored follow, the noisiest first
+    assert ranking({"layers": rows, "skipped": {"d": 0.001, "e": 0.003}}) == ["b", "c", "a", "e", "d"]
     with pytest.raises(QatpipeError, match="no `layers` list"):
         ranking({})
 

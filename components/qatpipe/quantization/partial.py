@@ -24,11 +24,15 @@ KEEP_FLOAT_KEY = "qatpipe.keep_float"  # ONNX metadata: the layers a partial mod
 def ranking(sensitivity: dict) -> list[str]:
     """The layers of a sensitivity.json (quantization/sensitivity.py), in the order to keep them float: the most
     recovered by keeping the layer float first (what NNCF's accuracy-aware search ranks by), then the largest
-    drop with only it INT8."""
+    drop with only it INT8; then the layers it did not score (sensitivity.max_layers screened them out), the
+    noisiest first. Where the loss is spread over many layers (MobileNetV2's PTQ), the scored ones alone may
+    not reach the budget (bench/README.md, ptq_partial.py)."""
     rows = sensitivity.get("layers")
     if not isinstance(rows, list):
         raise QatpipeError("the sensitivity report has no `layers` list")
-    return [row["node"] for row in sorted(rows, key=lambda r: (-r["recovery"], -r["drop_only_int8"], r["node"]))]
+    skipped = sensitivity.get("skipped") or {}
+    return [row["node"] for row in sorted(rows, key=lambda r: (-r["recovery"], -r["drop_only_int8"], r["node"]))] + \
+        sorted(skipped, key=lambda node: (-skipped[node], node))
 
 
 @dataclass

@@ -8,7 +8,9 @@ as NVIDIA's QAT toolkit's per-layer sensitivity analysis toggles them. For each 
 
 - only L in INT8: every other Q/DQ bypassed (the other layers, the residual Adds, a PTQ model's
   requantization after each convolution read float), L's input and weight quantized as in the model;
-- every layer but L in INT8: L's input and weight read float, every other Q/DQ as in the model.
+- every layer but L in INT8: L's input and weight read float, and so does every reader of L's output
+  requantization (a PTQ model's Q/DQ on L's output: a float layer's output stays float up to the next INT8
+  layer's input quantizer); every other Q/DQ as in the model.
 
 Both drops are measured from the model with no Q/DQ at all (`map50_float`): the first is what L's int8 costs on
 its own, the second what the whole INT8 model costs while L stays float (compared with the full INT8 model's
@@ -283,7 +285,8 @@ def variant(model, mode: str, layer: str | None = None, reference: dict | None =
     - mode "float": no Q/DQ at all (every layer, Add and output reads float);
     - mode ONLY ("only_int8"): only `layer` (an ONNX node name) reads its input and weight through its Q/DQ,
       everything else float;
-    - mode ALL_BUT ("all_but"): `layer`'s input and weight read float, every other Q/DQ as it is.
+    - mode ALL_BUT ("all_but"): `layer`'s input and weight read float, its output requantization too
+      (float_layers), every other Q/DQ as it is.
     Float weights: `reference` (fp32_weights of the FP32 ONNX) where one matches, else dequantized (module
     docstring). Returns (model, {DequantizeLinear output: where its float weight came from})."""
     import onnx
@@ -304,18 +307,35 @@ def variant(model, mode: str, layer: str | None = None, reference: dict | None =
 
 
 def float_layers(model, layers: Sequence[str], reference: dict | None = None):
-    """A copy of the Q/DQ `model` where each of `layers` (ONNX node names) reads its input and weight float and
-    every other Q/DQ stays: the all-but variant of a set of layers, and a partially quantized model
-    (quantization/partial.py). Float weights as in `variant`. Returns (model, {DequantizeLinear output: where its
-    float weight came from})."""
+    """A copy of the Q/DQ `model` where each of `layers` (ONNX node names) reads its input and weight float, its
+    output's requantization (output_requantization) is read float too, and every other Q/DQ stays: the all-but
+    variant of a set of layers, and a partially quantized model (quantization/partial.py). Float weights as in
+    `variant`. Returns (model, {DequantizeLinear output: where its float weight came from})."""
     import onnx
 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     sources = FloatSources(copy, reference)
     nodes = [_node(copy, layer) for layer in layers]
-    _bypass(copy, [(node, index) for node in nodes for index in (0, 1)], sources)
+    reads = [(node, index) for node in nodes for index in (0, 1)] + output_requantization(copy, nodes)
+    _bypass(copy, list({(id(node), index): (node, index) for node, index in reads}.values()), sources)
     return copy, sources.weight_source
+
+
+def output_requantization(model, nodes: Sequence) -> list[tuple]:
+    """Every (node, input index) that reads a DequantizeLinear whose QuantizeLinear quantizes an output of one of
+    `nodes`: a PTQ model's requantization after a layer (ONNX Runtime quantizes each convolution's output again),
+    or a residual Add's quantizer on a layer's output. A layer kept float keeps its output float up to the next
+    INT8 layer's input quantizer (with these left in, no set of float layers could bring a PTQ model back to
+    FP32: docs/quantization.md)."""
+    producers = _producers(model.graph)
+    outputs = {name for node in nodes for name in node.output}
+
+    def requantizes(name: str) -> bool:
+        quantizer = producers.get(producers[name].input[0])
+        return quantizer is not None and quantizer.op_type == "QuantizeLinear" and quantizer.input[0] in outputs
+
+    return [(node, index) for node, index in _dequantized_reads(model) if requantizes(node.input[index])]
 
 
 def layer_qdq(model, layer: str) -> set[str]:
@@ -351,43 +371,39 @@ def quantization_noise(model, layers: Sequence[QuantizedLayer], batch: np.ndarra
     """A cheap pre-screen, for choosing which layers to score when there are more than can be: per layer, the
     noise-to-signal power ratio that its input quantizer adds to its float input (the model with no Q/DQ run on
     `batch`), plus its weight's (float weight against the int8 one; 0 where only the dequantized weight is
-    known)."""
+    known), plus that of each requantization of its output (output_requantization: what keeping it float also
+    drops)."""
     import onnxruntime as ort
     from onnx import helper
 
     float_model, _ = variant(model, "float", reference=reference)
     sources = FloatSources(model, reference)  # names only: the tensors `variant` made have the same names
     producers = sources.producers
-    wanted, quantizers = {}, {}
+    dequantizers = {node.input[0]: node for node in model.graph.node if node.op_type == "DequantizeLinear"}
+    quantizers: dict[str, list[tuple]] = {}  # layer -> [(float tensor, QuantizeLinear, DequantizeLinear)]
     for layer in layers:
         node = _node(model, layer.node)
         dq = producers[node.input[0]]
-        tensor, chain = dq.input[0], 0
+        tensor = dq.input[0]
         while producers[tensor].op_type in RANGE_KEEPING_OPS:
-            tensor, chain = producers[tensor].input[0], chain + 1
+            tensor = producers[tensor].input[0]
         quantizer = producers[tensor]
-        wanted[layer.node] = quantizer.input[0]  # the same values as the float input, before any layout op
-        quantizers[layer.node] = (quantizer, dq)
+        # the same values as the float input, before any layout op
+        quantizers[layer.node] = [(quantizer.input[0], quantizer, dq)] + [
+            (q.input[0], q, dequantizers[q.output[0]]) for q in model.graph.node
+            if q.op_type == "QuantizeLinear" and q.input[0] in node.output and q.output[0] in dequantizers]
+    wanted = sorted({tensor for found in quantizers.values() for tensor, _, _ in found})
     known = {o.name for o in float_model.graph.output}
-    for name in sorted(set(wanted.values()) - known):
+    for name in sorted(set(wanted) - known):
         float_model.graph.output.append(helper.make_empty_tensor_value_info(name))
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(float_model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    names = sorted(set(wanted.values()))
-    values = dict(zip(names, session.run(names, {session.get_inputs()[0].name: np.asarray(batch, np.float32)})))
+    values = dict(zip(wanted, session.run(wanted, {session.get_inputs()[0].name: np.asarray(batch, np.float32)})))
     noise = {}
     for layer in layers:
-        x = values[wanted[layer.node]].astype(np.float64)
-        quantizer, dq = quantizers[layer.node]
-        q_scale = float(sources.array(quantizer.input[1]).reshape(-1)[0])
-        dq_scale = float(sources.array(dq.input[1]).reshape(-1)[0])
-        has_zero = len(quantizer.input) > 2 and quantizer.input[2]
-        zero = sources.array(quantizer.input[2]).reshape(-1) if has_zero else np.zeros(1, np.uint8)
-        low, high = np.iinfo(zero.dtype).min, np.iinfo(zero.dtype).max
-        q_zero = float(zero[0])
-        x_hat = (np.clip(np.rint(x / q_scale) + q_zero, low, high) - q_zero) * dq_scale
-        ratio = float(np.sum((x - x_hat) ** 2) / max(np.sum(x ** 2), 1e-30))
+        ratio = sum(_noise_ratio(values[tensor].astype(np.float64), quantizer, dq, sources)
+                    for tensor, quantizer, dq in quantizers[layer.node])
         w_dq = producers[_node(model, layer.node).input[1]]
         if w_dq.input[0] in sources.inits:
             match = sources.fp32_match(w_dq, layer.node)
@@ -396,6 +412,18 @@ def quantization_noise(model, layers: Sequence[QuantizedLayer], batch: np.ndarra
                 ratio += float(np.sum((w - sources.dequantized(w_dq)) ** 2) / max(np.sum(w ** 2), 1e-30))
         noise[layer.node] = ratio
     return noise
+
+
+def _noise_ratio(x: np.ndarray, quantizer, dq, sources: FloatSources) -> float:
+    """The noise-to-signal power ratio a per-tensor Q/DQ pair adds to the float tensor `x`."""
+    q_scale = float(sources.array(quantizer.input[1]).reshape(-1)[0])
+    dq_scale = float(sources.array(dq.input[1]).reshape(-1)[0])
+    has_zero = len(quantizer.input) > 2 and quantizer.input[2]
+    zero = sources.array(quantizer.input[2]).reshape(-1) if has_zero else np.zeros(1, np.uint8)
+    low, high = np.iinfo(zero.dtype).min, np.iinfo(zero.dtype).max
+    q_zero = float(zero[0])
+    x_hat = (np.clip(np.rint(x / q_scale) + q_zero, low, high) - q_zero) * dq_scale
+    return float(np.sum((x - x_hat) ** 2) / max(np.sum(x ** 2), 1e-30))
 
 
 # ------------------------------------------------------------------------------------------------- scoring
@@ -580,6 +608,6 @@ def sensitivity_markdown(result: SensitivityResult, title: str = "Layer sensitiv
 
 
 __all__ = ["ALL_BUT", "ONLY", "FloatSources", "LayerSensitivity", "QuantizedLayer", "SensitivityResult",
-           "exact_scorer", "float_layers", "fp32_weights", "layer_qdq", "measure", "plot_sensitivity",
-           "quantizable_layers", "quantization_noise", "qdq_node_names", "resolve_layers", "sensitivity_markdown",
-           "sort_layers", "variant"]
+           "exact_scorer", "float_layers", "fp32_weights", "layer_qdq", "measure", "output_requantization",
+           "plot_sensitivity", "quantizable_layers", "quantization_noise", "qdq_node_names", "resolve_layers",
+           "sensitivity_markdown", "sort_layers", "variant"]
