@@ -12,6 +12,7 @@ from mlflow import MlflowClient
 from qatpipe.cli import main
 from qatpipe.errors import TrackingError
 from qatpipe.export.bundle import ExportBundle
+from qatpipe.quantization.partial import ranking
 from qatpipe.tracking.mlflow_runs import LIVE_TAG, PARENT_TAG, STAGE_TAG
 from qatpipe_pipelines.local_run import PipelineFailed, run_local
 from qatpipe_pipelines.stage_table import stage_names
@@ -174,10 +175,10 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert {a.path for name in ("ptq", "qat") for a in client.list_artifacts(measured.info.run_id, name)} >= {
         "ptq/sensitivity.png", "ptq/sensitivity.json", "qat/sensitivity.png"}
     assert "sensitivity.html" in {a.path for a in client.list_artifacts(measured.info.run_id)}
-    # ... and PTQ's ranking is what ptq-partial kept float (keep_float auto), within the gate's budget
+    # ... and the head of PTQ's ranking is what ptq-partial kept float (keep_float auto), within the gate's budget
     [partial] = [json.loads(path.read_text()) for path in out.rglob("ptq_partial.json")]
     assert partial["keep_float"] == "auto" and partial["budget_met"] is True
-    assert set(partial["float_layers"]) <= {row["node"] for row in ranked["layers"]}
+    assert partial["float_layers"] == ranking(ranked)[:len(partial["float_layers"])]
     assert children["ptq_partial"].data.metrics["float_layers"] == len(partial["float_layers"])
     assert parent.data.metrics["comparison.ptq-partial-ptq.map50_diff"] == pytest.approx(
         summary["comparisons"]["ptq-partial-ptq"]["map50"]["diff"])
