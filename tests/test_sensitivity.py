@@ -124,6 +124,34 @@ def test_variants_keep_exactly_the_named_layers_qdq(ptq_models):
     assert not qdq_node_names(variant(model, "float")[0])
 
 
+def test_the_screen_counts_the_requantization_of_a_layers_output(ptq_models):
+    """A coarse range planted on one layer's output requantization (not its input) makes that layer the
+    noisiest: keeping it float drops that Q/DQ too (output_requantization), so the screen counts it."""
+    from qatpipe.data.pipeline import eval_dataset
+    from qatpipe.data.splits import sample_split
+    from qatpipe.quantization.sensitivity import output_requantization, quantization_noise
+
+    spec, _, ptq_path, _, _ = ptq_models
+    model = onnx.load(ptq_path)
+    batch = next(iter(eval_dataset(sample_split(spec, "val", 8, 0), spec))).numpy()
+    layers = quantizable_layers(model)
+    before = quantization_noise(model, layers, batch)
+    target = layers[5]
+    node = next(n for n in model.graph.node if n.name == target.node)
+    [(reader, index)] = output_requantization(model, [node])[:1]
+    dq = _producers(model)[reader.input[index]]
+    q = _producers(model)[dq.input[0]]
+    inits = {i.name: i for i in model.graph.initializer}
+    scale = numpy_helper.to_array(inits[dq.input[1]]) * PLANTED_FACTOR
+    model.graph.initializer.append(numpy_helper.from_array(scale.astype(np.float32), "planted_output_scale"))
+    q.input[1] = dq.input[1] = "planted_output_scale"
+    after = quantization_noise(model, layers, batch)
+    assert max(before, key=before.get) != target.node
+    assert max(after, key=after.get) == target.node and after[target.node] > 10 * before[target.node]
+    assert {name: after[name] for name in after if name != target.node} == pytest.approx(
+        {name: before[name] for name in before if name != target.node})
+
+
 def test_bypassed_weights_are_the_fp32_models_where_they_match(ptq_models):
     """With the FP32 ONNX, the float variant computes what the FP32 model does; without it, the dequantized
     weights stand in, within half an int8 step of them."""
