@@ -34,7 +34,7 @@ def partial_again(run: Path, sets: list[str], out: Path) -> dict:
     from qatpipe.stages.sensitivity import sensitivity
     from qatpipe.stages.validate import validate
 
-    dataset = next((run / "kfp").glob("*/prepare-data/dataset"))
+    dataset = stage_folder(run, "prepare_data")
     spec = spec_with_prepared_dataset(load_spec(bundled_spec_path("default"), sets), dataset)
     fp32_onnx = stage_folder(run, "export_fp32") / "model.onnx"
     ptq_onnx = stage_folder(run, "ptq") / "model.onnx"

@@ -275,6 +275,34 @@ def qat_form_graph(rng, names=("conv1", "conv2")):
     return model, w1, w2
 
 
+def test_a_float_layers_output_quantizer_stays_where_the_next_int8_layer_reads_it():
+    """conv1 -> Q/DQ -> conv2 with no activation between (MobileNetV2's project -> expand): that pair is conv1's
+    output requantization and conv2's input quantizer. Keeping conv1 float drops it only for its other readers
+    (an Add here); conv2 stays INT8, reading both its input and its weight quantized as TensorRT's rule asks."""
+    from qatpipe.export.qdq import check_explicit_quantization
+    from qatpipe.quantization.sensitivity import float_layers, output_requantization
+
+    model, _, _ = qat_form_graph(np.random.default_rng(0))
+    graph = model.graph
+    graph.node.remove(next(n for n in graph.node if n.name == "relu1"))
+    next(n for n in graph.node if n.name == "r1_q").input[0] = "c1"
+    graph.node.append(helper.make_node("Add", ["r1_dq", "r1_dq"], ["side"], name="side_add"))
+    graph.output.append(helper.make_tensor_value_info("side", TensorProto.FLOAT, [1, 4, 6, 6]))
+    onnx.checker.check_model(model)
+    conv1 = next(n for n in graph.node if n.name == "conv1")
+    assert [(node.name, index) for node, index in output_requantization(model, [conv1])] == [("side_add", 0),
+                                                                                             ("side_add", 1)]
+    partial, _ = float_layers(model, ["conv1"])
+    assert [layer.node for layer in quantizable_layers(partial)] == ["conv2"]
+    assert {"r1_q", "r1_dq"} <= qdq_node_names(partial)
+    check = check_explicit_quantization(partial)  # (its one problem: this graph's QAT-form weight, not int8)
+    assert check.quantized == ["conv2"] and check.float_ == ["conv1"]
+    assert not [problem for problem in check.problems if "not quantized" in problem]
+    add = next(n for n in partial.graph.node if n.name == "side_add")
+    assert list(add.input) == ["c1", "c1"]  # the Add reads conv1's float output
+    assert not quantizable_layers(float_layers(model, ["conv1", "conv2"])[0])
+
+
 def test_float_tensors_behind_layout_ops_and_quantized_float_weights():
     """A QAT export's forms: the input's Transpose between its Q and DQ (copied onto the float tensor), and a
     weight quantized from a float initializer (read as it is); the float variant computes the float graph."""

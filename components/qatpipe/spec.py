@@ -476,7 +476,8 @@ class PtqSpec(_Section):
                                "the INT8 model against FP32 layer by layer); 0: no report")
     keep_float: Union[Literal["auto"], list[str]] = Field(
         "auto", description="the ptq-partial variant (stages/ptq_partial.py): layers of the PTQ model kept float. "
-        "auto: the most sensitive (the sensitivity stage's ranking), fewest first, until the model scores within "
+        "auto: the most sensitive (the sensitivity stage's ranking, then the layers it did not score), fewest "
+        "first, until the model scores within "
         "validate.max_map_drop of FP32 on the sensitivity val sample; or a list of layer / ONNX node names")
 
     @model_validator(mode="after")
@@ -501,7 +502,8 @@ class SensitivitySpec(_Section):
     val_images: int = Field(100, ge=1, description="dataset.val images (a seeded sample) every variant is scored "
                             "on; two variants per layer, so the time grows with layers x images")
     max_layers: int = Field(32, ge=1, description="score at most this many layers: where the model has more, those "
-                            "whose input and weight quantizers add the most noise on one batch")
+                            "whose quantizers (input, weight, output requantization) add the most noise on one "
+                            "batch")
     layers: list[str] = Field(default_factory=list, description="the layers to score, by ONNX node name (or the "
                               "layer name the report shows); empty: every quantizable layer")
     seed: int = 0

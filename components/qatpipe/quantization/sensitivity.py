@@ -325,17 +325,20 @@ def float_layers(model, layers: Sequence[str], reference: dict | None = None):
 def output_requantization(model, nodes: Sequence) -> list[tuple]:
     """Every (node, input index) that reads a DequantizeLinear whose QuantizeLinear quantizes an output of one of
     `nodes`: a PTQ model's requantization after a layer (ONNX Runtime quantizes each convolution's output again),
-    or a residual Add's quantizer on a layer's output. A layer kept float keeps its output float up to the next
-    INT8 layer's input quantizer (with these left in, no set of float layers could bring a PTQ model back to
-    FP32: docs/quantization.md)."""
+    or a residual Add's quantizer on a layer's output; except the reads of a quantizable layer not in `nodes`,
+    whose input quantizer that pair also is. A layer kept float keeps its output float up to the next INT8
+    layer's input quantizer (docs/quantization.md)."""
     producers = _producers(model.graph)
     outputs = {name for node in nodes for name in node.output}
+    floats = {_label(node) for node in nodes}
+    int8_layers = {layer.node for layer in quantizable_layers(model)} - floats
 
     def requantizes(name: str) -> bool:
         quantizer = producers.get(producers[name].input[0])
         return quantizer is not None and quantizer.op_type == "QuantizeLinear" and quantizer.input[0] in outputs
 
-    return [(node, index) for node, index in _dequantized_reads(model) if requantizes(node.input[index])]
+    return [(node, index) for node, index in _dequantized_reads(model) if requantizes(node.input[index])
+            and not (index in (0, 1) and _label(node) in int8_layers)]
 
 
 def layer_qdq(model, layer: str) -> set[str]:
@@ -379,7 +382,6 @@ def quantization_noise(model, layers: Sequence[QuantizedLayer], batch: np.ndarra
     float_model, _ = variant(model, "float", reference=reference)
     sources = FloatSources(model, reference)  # names only: the tensors `variant` made have the same names
     producers = sources.producers
-    dequantizers = {node.input[0]: node for node in model.graph.node if node.op_type == "DequantizeLinear"}
     quantizers: dict[str, list[tuple]] = {}  # layer -> [(float tensor, QuantizeLinear, DequantizeLinear)]
     for layer in layers:
         node = _node(model, layer.node)
@@ -388,10 +390,12 @@ def quantization_noise(model, layers: Sequence[QuantizedLayer], batch: np.ndarra
         while producers[tensor].op_type in RANGE_KEEPING_OPS:
             tensor = producers[tensor].input[0]
         quantizer = producers[tensor]
-        # the same values as the float input, before any layout op
-        quantizers[layer.node] = [(quantizer.input[0], quantizer, dq)] + [
-            (q.input[0], q, dequantizers[q.output[0]]) for q in model.graph.node
-            if q.op_type == "QuantizeLinear" and q.input[0] in node.output and q.output[0] in dequantizers]
+        found = [(quantizer.input[0], quantizer, dq)]  # the same values as the float input, before any layout op
+        # ... and each Q/DQ pair on its output that keeping it float drops, once
+        requantized = {reader.input[index]: producers[reader.input[index]]
+                       for reader, index in output_requantization(model, [node])}
+        found += [(producers[r.input[0]].input[0], producers[r.input[0]], r) for r in requantized.values()]
+        quantizers[layer.node] = found
     wanted = sorted({tensor for found in quantizers.values() for tensor, _, _ in found})
     known = {o.name for o in float_model.graph.output}
     for name in sorted(set(wanted) - known):
