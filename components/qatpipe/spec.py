@@ -477,8 +477,8 @@ class PtqSpec(_Section):
     keep_float: Union[Literal["auto"], list[str]] = Field(
         "auto", description="the ptq-partial variant (stages/ptq_partial.py): layers of the PTQ model kept float. "
         "auto: the most sensitive (the sensitivity stage's ranking, then the layers it did not score), fewest "
-        "first, until the model scores within "
-        "validate.max_map_drop of FP32 on the sensitivity val sample; or a list of layer / ONNX node names")
+        "first, until the model scores within validate.max_map_drop of FP32 on the sensitivity val sample; or a "
+        "list of layer / ONNX node names")
 
     @model_validator(mode="after")
     def _check_method(self) -> "PtqSpec":

@@ -4,7 +4,8 @@ Starting from the all-INT8 model (a PTQ model), layers are kept float in the ord
 fewest first, until the model scores within the budget of the FP32 model (NNCF's accuracy-aware quantization
 and Model Optimizer's AutoQuantize do the same search for PyTorch / OpenVINO). A layer kept float reads its
 input and weight without Q/DQ (sensitivity.float_layers: the FP32 ONNX's weight where it matches) and its output
-stays float up to the next INT8 layer's input quantizer, so TensorRT runs it in the float region: FP16 in the model's FP16 form (export/fp16.py), FP32 in the exact CPU form.
+stays float up to the next INT8 layer's input quantizer, so TensorRT runs it in the float region: FP16 in the
+model's FP16 form (export/fp16.py), FP32 in the exact CPU form.
 """
 
 from __future__ import annotations
