@@ -27,6 +27,8 @@ RUN_VARIANTS = ("fp32", "ptq", "ptq-partial")  # the run's validations this one 
 
 
 def partial_again(run: Path, sets: list[str], out: Path) -> dict:
+    """The run's PTQ model through the sensitivity and ptq-partial stages, built and validated, into `out` (made
+    anew): the ptq-partial report, the gate's verdict, the stage seconds and the engine's compute layers."""
     from qatpipe.data.prepare import spec_with_prepared_dataset
     from qatpipe.spec import bundled_spec_path, load_spec
     from qatpipe.stages.build_engine import build_engine
