@@ -20,7 +20,7 @@ import shutil
 import time
 from pathlib import Path
 
-from runs import stage_folder  # bench/runs.py, beside this script
+from runs import ci_text, stage_folder  # bench/runs.py, beside this script
 
 log = logging.getLogger("bench")
 RUN_VARIANTS = ("fp32", "ptq", "ptq-partial")  # the run's validations this one is paired with
@@ -94,10 +94,9 @@ def main() -> None:
           f"gate {'passed' if row['gate_passed'] else 'FAILED'}")
     print(f"mAP@0.5 on {row['val_images']} val images, TensorRT's numbers (paired bootstrap, 95% CI):")
     for name, v in row["variants"].items():
-        print(f"  {name:<18} {v['value']:.4f} [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}]")
+        print(f"  {name:<18} {v['value']:.4f} {ci_text(v['ci95'])}")
     for key, pair in row["pairs"].items():
-        print(f"  {key:<30} {100 * pair['diff']:+.2f} [{100 * pair['ci95'][0]:+.2f}, {100 * pair['ci95'][1]:+.2f}]"
-              " points")
+        print(f"  {key:<30} {100 * pair['diff']:+.2f} {ci_text(pair['ci95'], 100, '+')} points")
 
 
 if __name__ == "__main__":

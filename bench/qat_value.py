@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from recipe import _json  # bench/recipe.py, beside this script
-from runs import engine_folders, median_round, speedup_range, stage_folder, stage_folders, time_in_rounds
+from runs import ci_text, engine_folders, median_round, speedup_range, stage_folder, stage_folders, time_in_rounds
 
 log = logging.getLogger("bench")
 
@@ -167,11 +167,6 @@ def engine_speeds(engines: dict[str, Path], sets: list[str], batch_size: int = 8
                    "speedup_range": speedup_range(timed["fp32"], t)} for name, t in timed.items()}
 
 
-def _ci(ci, scale: float = 1.0, sign: str = "") -> str:
-    return f"[{scale * ci[0]:{sign}.{2 if scale > 1 else 3}f}, {scale * ci[1]:{sign}.{2 if scale > 1 else 3}f}]" \
-        if ci else "n/a"
-
-
 def print_report(rows: list[dict]) -> None:
     for row in rows:
         partial = row["ptq_partial"]
@@ -189,12 +184,12 @@ def print_report(rows: list[dict]) -> None:
             cells = []
             for other in ("fp32", "ptq"):
                 pair = row["pairs"].get(f"{name}-{other}")
-                cells.append(f"{100 * pair['diff']:+6.2f} {_ci(pair['ci95'], 100, '+')}" if pair else "")
+                cells.append(f"{100 * pair['diff']:+6.2f} {ci_text(pair['ci95'], 100, '+')}" if pair else "")
             spread = v.get("speedup_range")  # older rows quote the pipeline's figures, without one
             speed = (f"{v['throughput']:7.1f}  {v['speedup_vs_fp32']:.2f}x"
                      + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "") if v.get("throughput") else
                      "(QAT's graph)" if name == "qat+distill" else "n/a")
-            print(f"{name:<12} {v['map50']:.4f}   {_ci(v['ci95']):<18} {cells[0]:<23} {cells[1]:<23} "
+            print(f"{name:<12} {v['map50']:.4f}   {ci_text(v['ci95']):<18} {cells[0]:<23} {cells[1]:<23} "
                   f"{str(v['layers'] or ''):<22} {speed}")
         if auto := row["variants"].get("qat-auto", {}).get("excluded_layers_auto"):
             print(f"qat-auto kept float: {', '.join(auto['excluded_layers']) or 'none'} (partial PTQ of the FP32 "

@@ -80,6 +80,12 @@ def median_round(timings: list[dict]) -> dict:
             "throughput": round(timings[0]["batch_size"] * 1000.0 / merged["latency_ms_p50"], 2)}
 
 
+def ci_text(ci, scale: float = 1.0, sign: str = "") -> str:
+    """A CI as printed: "[lo, hi]", 3 decimals, or 2 where `scale` makes it points (100; `sign` "+" signs them)."""
+    return f"[{scale * ci[0]:{sign}.{2 if scale > 1 else 3}f}, {scale * ci[1]:{sign}.{2 if scale > 1 else 3}f}]" \
+        if ci else "n/a"
+
+
 def speedup_range(fp32_rounds: list[dict], engine_rounds: list[dict]) -> list[float]:
     """[lowest, highest] over the rounds of that round's FP32 p50 over the engine's: the spread the machine
     gives a speed-up."""
