@@ -359,6 +359,18 @@ def test_ranking_orders_by_recovery_then_drop():
         ranking({})
 
 
+def test_a_missing_or_damaged_sensitivity_report_is_named(tmp_path):
+    from qatpipe.stages.ptq_partial import _ranking
+
+    path = tmp_path / "sensitivity.json"
+    with pytest.raises(QatpipeError, match=f"{path}: no sensitivity report"):
+        _ranking(tmp_path)
+    for text, kind in (("{not json", "JSONDecodeError"), ('{"layers": [], "skipped": ["conv1"]}', "TypeError")):
+        path.write_text(text)
+        with pytest.raises(QatpipeError, match=f"{path}: not a sensitivity report: {kind}"):
+            _ranking(tmp_path)
+
+
 def _subset_scorer(spec, folder):
     """score(onnx.ModelProto) on 32 val images in the exact CPU form, as the ptq-partial stage scores."""
     from qatpipe.data.splits import sample_split
