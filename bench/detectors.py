@@ -106,7 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    os.environ.setdefault("MLFLOW_TRACKING_URI", (args.work / "mlruns").resolve().as_uri())
+    os.environ.pop("MLFLOW_TRACKING_URI", None)  # each run's local SQLite store (mlflow 3 refuses a file store)
     args.work.mkdir(parents=True, exist_ok=True)
     rows = []
     for kind in args.kinds:
