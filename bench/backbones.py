@@ -27,7 +27,8 @@ import os
 import time
 from pathlib import Path
 
-from recipe import PAIRS, _ci, _num, collect  # bench/recipe.py, beside this script
+from recipe import PAIRS, _num, collect  # bench/recipe.py, beside this script
+from runs import ci_text  # bench/runs.py
 
 from qatpipe.models.backbones import BACKBONES
 
@@ -209,7 +210,7 @@ def print_report(rows: list[dict]) -> None:
     for row in rows:
         for name, v in row["variants"].items():
             print(f"{row['backbone']:<16} {name:<8} {v.get('params') or 0:<10} {_num(v.get('gflops'), '{:.3f}'):<7} "
-                  f"{v['map50']:.4f}   {_ci(v['map50_ci95']):<17} {_num(v.get('latency_ms_p50'), '{:.3f}'):<17} "
+                  f"{v['map50']:.4f}   {ci_text(v['map50_ci95']):<17} {_num(v.get('latency_ms_p50'), '{:.3f}'):<17} "
                   f"{v.get('engine') or 'n/a'}")
     print("\nbackbone         pair       mAP@0.5 diff (points)  95% CI (points)")
     for row in rows:

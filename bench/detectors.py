@@ -6,8 +6,9 @@ For each data set kind (default: shapes, glyphs, photos, traffic) and each model
 ssd) it runs `qatpipe run --local` on the default spec with only `dataset.synthetic.kind`, the kind's classes and
 `model.arch` changed (plus the `--set` overrides, the same for every run; no per-set tuning), and prints per run:
 FP32 / PTQ / QAT mAP@0.5 with 95% bootstrap CIs, QAT - FP32 with its CI, AP@0.5 of the objects under 28 px wide
-(class-aware and class-agnostic, pycocotools with the width as the area range), the training time and the whole
-run's wall time; per data set, the first arch's FP32 mAP@0.5 minus the second's with its paired CI. `--train-only`
+(class-aware and class-agnostic, pycocotools with the width as the area range), each variant's CPU engine img/s at
+batch 8, the seconds inside the main job's training stages and the others, and the run's wall time (and its ratio
+to the first arch's); per data set, the first arch's FP32 mAP@0.5 minus the second's with its paired CI. `--train-only`
 runs train + evaluate (FP32, unpruned) instead of the whole pipeline.
 Writes WORK/bench_detectors.json.
 
@@ -26,6 +27,8 @@ import os
 from pathlib import Path
 
 from pretrained import map50_ci, run_pipeline, train_and_evaluate  # bench/pretrained.py, beside this script
+from recipe import _num  # bench/recipe.py
+from runs import ci_text  # bench/runs.py
 
 KINDS = ("shapes", "glyphs", "photos", "traffic")
 ARCHS = ("detectnet_v2", "ssd")
@@ -114,7 +117,7 @@ def main() -> None:
             name = f"{kind}_{arch}"
             sets = [*kind_sets(kind), f"model.arch={arch}", *args.overrides]
             runner = train_and_evaluate if args.train_only else run_pipeline
-            row = {"kind": kind, "arch": arch, **runner(name, args.work, sets)}
+            row = {**runner(name, args.work, sets), "kind": kind, "arch": arch}  # collect() names the run "kind"
             row["small"] = small_object_ap(Path(row["evaluation"]))
             if "map50_ci95" not in row["variants"]["fp32"] or row["variants"]["fp32"]["map50_ci95"] is None:
                 row["variants"]["fp32"]["map50_ci95"] = map50_ci(Path(row["evaluation"]))
@@ -124,21 +127,19 @@ def main() -> None:
     report(rows)
 
 
-def _ci(ci) -> str:
-    return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "n/a"
+TRAINING_STAGES = ("train", "retrain-fp32", "finetune-fp32", "retrain-qat")  # the main job's training tasks
 
 
 def report(rows: list[dict]) -> None:
-    print(f"\ndata set  arch          variant  mAP@0.5  95% CI            AP@0.5 <{SMALL_PX}px (agnostic, objects)  "
-          "train s  run s")
+    print(f"\ndata set  arch          variant      mAP@0.5  95% CI            img/s @8  AP@0.5 <{SMALL_PX}px "
+          "(agnostic, objects)")
     for row in rows:
         small = row["small"]
         for name, v in row["variants"].items():
-            print(f"{row['kind']:<9} {row['arch']:<13} {name:<8} {v['map50']:.4f}   {_ci(v.get('map50_ci95')):<17} "
-                  f"{small['map50'] if name == 'fp32' and small['map50'] is not None else float('nan'):.4f} "
-                  f"({small['agnostic'] if small['agnostic'] is not None else float('nan'):.4f}, "
-                  f"{small['objects']})          {row.get('train_seconds') or 0:>7.0f}  "
-                  f"{row.get('wall_seconds') or 0:>5.0f}")
+            fp32 = name == "fp32" and small["map50"] is not None
+            print(f"{row['kind']:<9} {row['arch']:<13} {name:<12} {v['map50']:.4f}   {ci_text(v.get('map50_ci95')):<17} "
+                  f"{_num(v.get('throughput'), '{:.1f}'):<9} "
+                  + (f"{small['map50']:.4f} ({_num(small['agnostic'])}, {small['objects']})" if fp32 else ""))
     for kind in dict.fromkeys(row["kind"] for row in rows):
         runs = {row["arch"]: Path(row["evaluation"]) for row in rows if row["kind"] == kind}
         if len(runs) == 2:
@@ -150,6 +151,22 @@ def report(rows: list[dict]) -> None:
         if c:
             print(f"{row['kind']:<9} {row['arch']:<13} qat - fp32 {100 * c['diff']:+.2f} points "
                   f"[{100 * c['ci95'][0]:+.2f}, {100 * c['ci95'][1]:+.2f}]")
+    print("\nmain-job seconds inside the stages (" + " / ".join(TRAINING_STAGES) + " / all other stages) and wall")
+    walls = {}
+    for row in rows:
+        stages = row.get("stage_seconds")
+        if not stages:  # a --train-only row
+            continue
+        wall = row.get("run_wall_seconds") or row.get("wall_seconds")
+        walls[row["kind"], row["arch"]] = wall
+        cells = [_num(stages.get(name), "{:.0f}") for name in TRAINING_STAGES]
+        rest = sum(s or 0 for name, s in stages.items() if name not in TRAINING_STAGES)
+        print(f"{row['kind']:<9} {row['arch']:<13} {' / '.join(cells)} / {rest:.0f}   wall {_num(wall, '{:.0f}')}")
+    for kind in dict.fromkeys(kind for kind, _ in walls):
+        (base, base_wall), *others = [(arch, wall) for (k, arch), wall in walls.items() if k == kind]
+        for arch, wall in others:
+            if base_wall and wall:
+                print(f"{kind:<9} {arch} wall / {base}'s: {wall / base_wall:.2f}x")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 from paired import paired_difference  # bench/paired.py, beside this script
-from recipe import _ci, _classes, _num, collect  # bench/recipe.py
-from runs import evaluation_folders, stage_folder  # bench/runs.py, beside this script
+from recipe import _classes, _num, collect  # bench/recipe.py
+from runs import ci_text, evaluation_folders, stage_folder  # bench/runs.py, beside this script
 
 log = logging.getLogger("bench")
 
@@ -221,7 +221,7 @@ def report(rows: list[dict]) -> None:
         print("run              variant  mAP@0.5  95% CI")
         for name, run in row["runs"].items():
             for variant, v in run["variants"].items():
-                print(f"{name:<16} {variant:<8} {v['map50']:.4f}   {_ci(v['map50_ci95'])}")
+                print(f"{name:<16} {variant:<8} {v['map50']:.4f}   {ci_text(v['map50_ci95'])}")
         print("run              FP32 - scratch (points, paired 95% CI)   unpruned mAP@0.5  train s  wall s")
         for name, run in row["runs"].items():
             diff = _diff(run["fp32_vs_scratch"]["map50"]) if "fp32_vs_scratch" in run else "-"

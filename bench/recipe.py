@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+from runs import ci_text, evaluation_folders  # bench/runs.py, beside this script
+
 log = logging.getLogger("bench")
 
 PAIRS = ("qat-fp32", "ptq-fp32", "qat-ptq")
@@ -52,7 +54,6 @@ def collect(kind: str, work: Path, sets: list[str], wall: float | None) -> dict:
     summary = _json(work / kind / "summary.json")
     kfp_root = work / kind / "kfp"
     train_summary = _json(_find(kfp_root, "train_summary.json", "train") or Path("-"))
-    from runs import evaluation_folders  # bench/runs.py, beside this script
 
     evaluations = {model: _json(folder / "metrics.json") for model, folder in evaluation_folders(kfp_root).items()}
     fp32_metrics = evaluations.get("fp32", {})
@@ -61,9 +62,11 @@ def collect(kind: str, work: Path, sets: list[str], wall: float | None) -> dict:
         "variants": {name: {"map50": row["map50"], "map": row["map"],
                             "map50_ci95": [row.get("map50_ci95_lo"), row.get("map50_ci95_hi")]
                             if row.get("map50_ci95_lo") is not None else None,
-                            **{key: row.get(key) for key in ("params", "gflops", "latency_ms_p50", "engine")}}
+                            **{key: row.get(key) for key in ("params", "gflops", "latency_ms_p50", "throughput", "throughput_batch", "engine")}}
                      for name, row in summary["variants"].items()},
         "comparisons": summary.get("comparisons", {}),
+        "stage_seconds": {name: row.get("seconds") for name, row in summary.get("stages", {}).items()},
+        "run_wall_seconds": summary.get("wall_seconds"),  # the pipeline's own, also when the bench re-reads a run
         "pruning": summary.get("pruning", {}),
         "unpruned_map50": summary.get("pruning", {}).get("unpruned_map50"),
         "best_epoch": train_summary.get("best_epoch"), "epochs": train_summary.get("epochs"),
@@ -74,15 +77,11 @@ def collect(kind: str, work: Path, sets: list[str], wall: float | None) -> dict:
     }
 
 
-def _ci(ci) -> str:
-    return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "n/a"
-
-
 def print_report(rows: list[dict]) -> None:
     print("\ndata set  variant  mAP@0.5  95% CI            mAP@[.5:.95]")
     for row in rows:
         for name, v in row["variants"].items():
-            print(f"{row['kind']:<9} {name:<8} {v['map50']:.4f}   {_ci(v['map50_ci95']):<17} {v['map']:.4f}")
+            print(f"{row['kind']:<9} {name:<8} {v['map50']:.4f}   {ci_text(v['map50_ci95']):<17} {v['map']:.4f}")
     print("\ndata set  pair       mAP@0.5 diff (points)  95% CI (points)")
     for row in rows:
         for pair in PAIRS:
