@@ -162,11 +162,10 @@ def report(rows: list[dict]) -> None:
         cells = [_num(stages.get(name), "{:.0f}") for name in TRAINING_STAGES]
         rest = sum(s or 0 for name, s in stages.items() if name not in TRAINING_STAGES)
         print(f"{row['kind']:<9} {row['arch']:<13} {' / '.join(cells)} / {rest:.0f}   wall {_num(wall, '{:.0f}')}")
-    for kind in dict.fromkeys(kind for kind, _ in walls):
-        (base, base_wall), *others = [(arch, wall) for (k, arch), wall in walls.items() if k == kind]
-        for arch, wall in others:
-            if base_wall and wall:
-                print(f"{kind:<9} {arch} wall / {base}'s: {wall / base_wall:.2f}x")
+    for (kind, arch), wall in walls.items():  # each arch's wall over DetectNet_v2's (the issue's 1.5x)
+        base = walls.get((kind, ARCHS[0]))
+        if arch != ARCHS[0] and base and wall:
+            print(f"{kind:<9} {arch} wall / {ARCHS[0]}'s: {wall / base:.2f}x")
 
 
 if __name__ == "__main__":
