@@ -1,14 +1,16 @@
 """Benchmark: what QAT adds where it counts (issue 37): FP32, PTQ, PTQ-partial, QAT and QAT + distillation.
 
     python bench/qat_value.py [--work DIR] [--backbones mobilenet_v2 ...] [--distill-weight W] [--set KEY=VALUE ...]
-                              [--qat-auto] [--no-pipeline]
+                              [--qat-auto] [--qat-freeze N] [--no-pipeline]
 
 Per backbone it runs the whole pipeline (`qatpipe run --local`, default spec, only `model.backbone.name` and the
 `--set` overrides changed; the val set is the default's), which measures the sensitivity of the PTQ and QAT
 models and makes the ptq-partial variant (`ptq.keep_float: auto`). Then QAT + distillation: the run's own QAT
 retrain spec with `qat.distill_weight` W, from the same start (the FP32 retrain's model, also the teacher),
 exported, built into an engine and evaluated on the same val images; with --qat-auto, the same again with
-`qat.excluded_layers: auto` (the variant qat-auto: the layers partial PTQ of that start keeps float stay float).
+`qat.excluded_layers: auto` (the variant qat-auto: the layers partial PTQ of that start keeps float stay float);
+with --qat-freeze N, with BatchNormalization statistics and activation ranges frozen after N epochs (qat-freeze:
+`qat.bn_update_epochs` and `qat.range_update_epochs` N).
 
 Prints per backbone and variant: mAP@0.5 with its 95% bootstrap CI, the paired difference from FP32 and from PTQ
 with CIs, the compute layers INT8 / FP16 / FP32 of its engine's ONNX, how many layers ptq-partial kept float and
@@ -36,12 +38,12 @@ log = logging.getLogger("bench")
 
 VARIANTS = ("fp32", "ptq", "ptq-partial", "qat", "qat+distill")
 # the extra QAT retrains beside the pipeline's, by variant: their folder under WORK/<backbone>_<folder> and the qat
-# settings they change; qat-auto only with --qat-auto
-EXTRA_QAT = {"qat+distill": "distill", "qat-auto": "qat_auto"}
+# settings they change; qat-auto only with --qat-auto, qat-freeze only with --qat-freeze
+EXTRA_QAT = {"qat+distill": "distill", "qat-auto": "qat_auto", "qat-freeze": "qat_freeze"}
 
 
 def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight: float, qat_auto: bool,
-                 before: dict | None = None) -> dict:
+                 before: dict | None = None, qat_freeze: int | None = None) -> dict:
     """The pipeline run (none where `before`, the row of a finished one, is given), then the extra QAT
     retrains it lacks."""
     from qatpipe_pipelines.local_run import run_local
@@ -56,6 +58,8 @@ def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight
     extra = {"qat+distill": {"distill_weight": distill_weight}}
     if qat_auto:
         extra["qat-auto"] = {"excluded_layers": "auto"}
+    if qat_freeze is not None:
+        extra["qat-freeze"] = {"bn_update_epochs": qat_freeze, "range_update_epochs": qat_freeze}
     for variant, settings in extra.items():
         started = time.perf_counter()
         if retrained_qat(backbone, work, EXTRA_QAT[variant], settings, sets):
@@ -209,6 +213,9 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--qat-auto", action="store_true",
                         help="also the variant qat-auto: the QAT retrain again with qat.excluded_layers auto")
+    parser.add_argument("--qat-freeze", type=int, metavar="N",
+                        help="also the variant qat-freeze: the QAT retrain again with BatchNormalization statistics "
+                             "and activation ranges frozen after N epochs (qat.bn_update_epochs, range_update_epochs)")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="run no pipeline: take WORK's finished runs as they are, run the extra QAT retrains "
                              "they lack, score and time them all again")
@@ -222,7 +229,7 @@ def main() -> None:
     rows = [row for name, row in before.items() if name not in args.backbones]
     for backbone in args.backbones:
         rows.append(run_backbone(backbone, args.work, args.overrides, args.distill_weight, args.qat_auto,
-                                 before.get(backbone, {}) if args.no_pipeline else None))
+                                 before.get(backbone, {}) if args.no_pipeline else None, args.qat_freeze))
         out.write_text(json.dumps({"distill_weight": args.distill_weight, "rows": rows}, indent=2))
         print_report(rows[-1:])
     print_report(rows)

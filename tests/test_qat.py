@@ -244,3 +244,70 @@ def test_qat_conv_model_loads_in_both_formats(tmp_path, suffix):
     loaded = load_keras_model(tmp_path / f"qat{suffix}")
     assert activation_ranges(loaded) == activation_ranges(qat)
     np.testing.assert_array_equal(loaded(x).numpy(), qat(x).numpy())
+
+
+class _Snapshots(keras.callbacks.Callback):
+    """Per epoch, at its start and end: the BN's moving mean and scale, the conv's kernel and its input range."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def _take(self):
+        bn, conv = self.model.get_layer("bn"), self.model.get_layer("conv")
+        return {"moving_mean": bn.moving_mean.numpy().copy(), "gamma": bn.gamma.numpy().copy(),
+                "kernel": conv.kernel.numpy().copy(), "amax": float(conv.input_range.amax.numpy())}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.seen.append([self._take()])
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen[-1].append(self._take())
+
+
+@pytest.mark.parametrize("bn_epochs, range_epochs", [(1, 1), (None, None), (1, None), (None, 2)])
+def test_late_qat_freezes_bn_statistics_and_ranges_from_the_epoch_named(bn_epochs, range_epochs):
+    """qat.bn_update_epochs / range_update_epochs: from that epoch BatchNormalization uses and keeps its moving
+    statistics and the ranges stay put, while the weights and BN's scale still train; not before, and never
+    without the keys (the control, which shows they would have moved)."""
+    import tensorflow as tf
+
+    from qatpipe.quantization.freeze import freeze_late
+
+    tf.keras.utils.set_random_seed(0)
+    settings = QatSpec(ema_decay=0.5, bn_update_epochs=bn_epochs, range_update_epochs=range_epochs)
+    qat = quantize_model(identity_block(), settings)
+    rng = np.random.default_rng(4)
+    x = rng.uniform(size=(8, 8, 8, 4)).astype(np.float32)
+    calibrate(qat, [x], 1)
+    qat.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    snapshots = _Snapshots()
+    scales = rng.uniform(1.0, 3.0, size=(3, 8, 1, 1, 1)).astype(np.float32)  # each epoch's inputs move the ranges
+    data = tf.data.Dataset.from_tensor_slices((x * scales[0], np.ones((8, 8, 8, 4), np.float32))).batch(4)
+    for epoch in range(1, 3):  # an epoch: 2 steps, on inputs that grow epoch by epoch
+        data = data.concatenate(tf.data.Dataset.from_tensor_slices(
+            (x * scales[epoch], np.ones((8, 8, 8, 4), np.float32))).batch(4))
+    qat.fit(data, epochs=3, steps_per_epoch=2, verbose=0, callbacks=[*freeze_late(settings), snapshots])
+
+    def moved(epoch, key):
+        start, end = snapshots.seen[epoch]
+        return not np.array_equal(start[key], end[key])
+
+    for epoch in range(3):
+        assert moved(epoch, "kernel") and moved(epoch, "gamma"), epoch  # training goes on throughout
+        assert moved(epoch, "moving_mean") == (bn_epochs is None or epoch < bn_epochs), epoch
+        assert moved(epoch, "amax") == (range_epochs is None or epoch < range_epochs), epoch
+    # after training the layers are as they came: BatchNormalization's own call, ranges that track again
+    bn, conv = qat.get_layer("bn"), qat.get_layer("conv")
+    assert "call" not in vars(bn) and not conv.input_range.frozen
+    before = bn.moving_mean.numpy().copy()
+    qat(x * 5, training=True)
+    assert not np.array_equal(bn.moving_mean.numpy(), before)
+
+
+def test_late_qat_keys_refuse_a_negative_epoch_count():
+    from pydantic import ValidationError
+
+    for key in ("bn_update_epochs", "range_update_epochs"):
+        with pytest.raises(ValidationError, match=key):
+            QatSpec(**{key: -1})

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
+import re
 
 import numpy as np
 import pytest
@@ -207,14 +209,19 @@ def test_validation_scores_as_evaluate_does_and_leaves_the_training_alone(tiny_s
 
 
 @pytest.mark.slow
-def test_qat_retraining_validates_the_quantized_model(trained_tiny, tmp_path):
+def test_qat_retraining_validates_the_quantized_model_and_freezes_late(trained_tiny, tmp_path, caplog):
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.retrain import retrain
 
     spec, model = trained_tiny
     spec = spec.model_copy(deep=True)
     spec.qat.enabled, spec.retrain.epochs, spec.qat.calibration_batches = True, 2, 2
-    summary = retrain(spec, model, tmp_path / "qat")
+    # its second epoch with BatchNormalization's statistics and the ranges frozen (test_qat.py: what that does)
+    spec.qat.bn_update_epochs, spec.qat.range_update_epochs = 1, 1
+    with caplog.at_level(logging.INFO, "qatpipe.qat"):
+        summary = retrain(spec, model, tmp_path / "qat")
+    assert re.search(r"QAT from epoch 2: \d+ BatchNormalization layers use their moving statistics; \d+ activation "
+                     r"ranges stay as they are", caplog.text)
     rows = read_log(tmp_path / "qat")
     assert len(rows) == 2 and all(float(row["val_map50"]) > 0 for row in rows)
     assert summary["kept"] == "best" and summary["best_val_map50"] == max(float(row["val_map50"]) for row in rows)

@@ -440,6 +440,15 @@ class QatSpec(_Section):
         "retrain.epochs")
     calibration_batches: int = Field(8, ge=1, description="training batches that initialise activation ranges")
     ema_decay: float = Field(0.999, ge=0, lt=1, description="moving average of activation ranges in training")
+    bn_update_epochs: int | None = Field(
+        None, ge=0, description="BatchNormalization updates its moving statistics in the first N epochs of the QAT "
+        "retrain only; after them it normalises with those statistics, as the exported model does, while its scale "
+        "and offset keep training (PyTorch's freeze_bn_stats; torchvision's QAT recipe: 3). None: every epoch "
+        "(quantization/freeze.py)")
+    range_update_epochs: int | None = Field(
+        None, ge=0, description="activation ranges follow their moving average (ema_decay) in the first N epochs "
+        "of the QAT retrain only; after them they stay as they are (PyTorch's disable_observer; torchvision's QAT "
+        "recipe: 4). None: every epoch; 0: the calibrated ranges throughout")
     excluded_layers: Union[Literal["auto"], list[str]] = Field(
         default_factory=list, description="layer names kept in float; or auto: the layers partial PTQ keeps float "
         "in the FP32 model QAT starts from (its PTQ, that model's layer sensitivity, then ptq.keep_float auto's "

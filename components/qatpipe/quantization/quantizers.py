@@ -43,12 +43,14 @@ class ActivationRange:
 
     Three phases: calibration (`calibrating` set: pass values through unchanged and keep the largest |x| seen
     over the calibration batches), training (an exponential moving average of each batch's max |x|, as TFMOT
-    tracks its ranges), inference (the stored amax, a constant in the exported graph).
+    tracks its ranges; none once `frozen` is set: quantization/freeze.py), inference (the stored amax, a constant
+    in the exported graph).
     """
 
     def __init__(self, layer, name: str, ema_decay: float):
         self.ema_decay = ema_decay
         self.calibrating = False  # a Python flag: calibration runs eagerly, before any training graph is traced
+        self.frozen = False  # a Python flag too: the training step is traced again after it changes
         self.amax = layer.add_weight(f"{name}_amax", shape=(), initializer="zeros", trainable=False,
                                      dtype=tf.float32)
 
@@ -57,7 +59,7 @@ class ActivationRange:
         if self.calibrating:
             self.amax.assign(tf.maximum(self.amax, batch_amax))
             return x
-        if training:
+        if training and not self.frozen:
             batch_amax = tf.stop_gradient(batch_amax)
             tracked = self.ema_decay * self.amax + (1.0 - self.ema_decay) * batch_amax
             # never calibrated (amax 0): start from this batch rather than creep up from zero

@@ -63,6 +63,7 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
     (TAO's order) the pruned model before any retraining."""
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
+    from qatpipe.quantization.freeze import freeze_late
     from qatpipe.stages.train import train
     from qatpipe.training.distributed import init_world
 
@@ -91,7 +92,7 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
         distillation = None
     log.info("retraining %s (%d params, %s)", pruned_model_path, model.count_params(), "QAT" if qat else "FP32")
     summary = train(spec, results_dir, use_amp=use_amp, model=model, stage_name=stage_name,
-                    distillation=distillation)
+                    distillation=distillation, callbacks=freeze_late(spec.qat) if qat else None)
     summary["source_model"] = str(pruned_model_path)
     if not world.is_chief:  # under Horovod, rank 0 writes the results
         return summary

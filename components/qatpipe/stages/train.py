@@ -110,11 +110,13 @@ def _build_optimizer(spec: ExperimentSpec, total_steps: int, lr_scale: float = 1
 
 
 def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = None, model=None,
-          extra_callbacks: list | None = None, stage_name: str = "train", distillation=None) -> dict:
+          extra_callbacks: list | None = None, stage_name: str = "train", distillation=None,
+          callbacks: list | None = None) -> dict:
     """Train the spec's detector into `results_dir`; resumes from its latest checkpoint if there is one.
 
     `model` (optional) starts from an existing tf_keras model instead of a fresh one (used by retrain).
-    `extra_callbacks` run after the checkpoint callback (experiment tracking hooks in here).
+    `extra_callbacks` run after the checkpoint callback (experiment tracking hooks in here), on rank 0 only;
+    `callbacks` on every process, first (what changes how the model trains: retrain's late QAT freezing).
     Returns the training summary (also written to results_dir/train_summary.json); `stage_name` names the
     stage in its tracking record (results_dir/tracking.json).
     `distillation` (optional, a training.distillation.Distillation): the model also learns its teacher's
@@ -216,7 +218,8 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
         ]
         history = model.fit(
             dataset, epochs=spec.train.epochs, initial_epoch=initial_epoch, steps_per_epoch=steps,
-            verbose=0, callbacks=[*world.callbacks(), *(chief_callbacks if world.is_chief else [])],
+            verbose=0,
+            callbacks=[*world.callbacks(), *(callbacks or []), *(chief_callbacks if world.is_chief else [])],
         )
         final_losses = {k: float(v[-1]) for k, v in history.history.items() if not k.startswith("val_")}
     else:  # finished, but stopped before the model was exported
