@@ -40,6 +40,7 @@ VARIANTS = ("fp32", "ptq", "ptq-partial", "qat", "qat+distill")
 # the extra QAT retrains beside the pipeline's, by variant: their folder under WORK/<backbone>_<folder> and the qat
 # settings they change; qat-auto only with --qat-auto, qat-freeze only with --qat-freeze
 EXTRA_QAT = {"qat+distill": "distill", "qat-auto": "qat_auto", "qat-freeze": "qat_freeze"}
+QAT_GRAPH = ("qat+distill", "qat-freeze")  # extra retrains whose model has the QAT model's graph (layers, speed)
 
 
 def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight: float, qat_auto: bool,
@@ -121,7 +122,8 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None, sec
              if (work / f"{backbone}_{folder}" / "evaluation" / "metrics.json").is_file()}
     evaluations.update({name: folder / "evaluation" for name, folder in extra.items()})
     pairs = [(v, "fp32") for v in evaluations if v != "fp32"] + [(v, "ptq") for v in evaluations
-                                                                 if v not in ("fp32", "ptq")]
+                                                                 if v not in ("fp32", "ptq")] + [
+        (v, "qat") for v in extra]  # what each change to the QAT retrain gained over the pipeline's QAT
     scored = uncertainty(evaluations, pairs=pairs)
     partial = _json(stage_folder(run, "ptq_partial") / "ptq_partial.json")
     engines = engine_folders(run)
@@ -129,7 +131,7 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None, sec
     speeds = engine_speeds(engines, sets)
     variants = {}
     for name in evaluations:
-        row = summary.get("variants", {}).get("qat" if name == "qat+distill" else name, {})  # QAT's graph
+        row = summary.get("variants", {}).get("qat" if name in QAT_GRAPH else name, {})
         value = scored["variants"][name]["map50"]
         variants[name] = {"map50": value["value"], "ci95": value.get("ci95"), "layers": row.get("layers"),
                           **speeds.get(name, {}), "throughput_in_pipeline": row.get("throughput")}
@@ -192,13 +194,17 @@ def print_report(rows: list[dict]) -> None:
             spread = v.get("speedup_range")  # older rows quote the pipeline's figures, without one
             speed = (f"{v['throughput']:7.1f}  {v['speedup_vs_fp32']:.2f}x"
                      + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "") if v.get("throughput") else
-                     "(QAT's graph)" if name == "qat+distill" else "n/a")
+                     "(QAT's graph)" if name in QAT_GRAPH else "n/a")
             print(f"{name:<12} {v['map50']:.4f}   {ci_text(v['ci95']):<18} {cells[0]:<23} {cells[1]:<23} "
                   f"{str(v['layers'] or ''):<22} {speed}")
         if auto := row["variants"].get("qat-auto", {}).get("excluded_layers_auto"):
             print(f"qat-auto kept float: {', '.join(auto['excluded_layers']) or 'none'} (partial PTQ of the FP32 "
                   f"start: {auto['map50_subset']:.4f} with them float, {auto['map50_subset_int8']:.4f} all INT8, FP32 "
                   f"{auto['map50_subset_fp32']:.4f}; budget {'met' if auto['budget_met'] else 'NOT met'})")
+        for name in row["variants"]:
+            if pair := row["pairs"].get(f"{name}-qat"):
+                print(f"{name} - qat: {100 * pair['diff']:+.2f} points {ci_text(pair['ci95'], 100, '+')} (paired over "
+                      "the val images; the spread between training runs is not in it)")
         qat = row["pairs"].get("qat-fp32")
         if qat:
             print(f"QAT - FP32 CI half-width: {50 * (qat['ci95'][1] - qat['ci95'][0]):.2f} points "
