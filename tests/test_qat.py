@@ -247,11 +247,13 @@ def test_qat_conv_model_loads_in_both_formats(tmp_path, suffix):
 
 
 class _Snapshots(keras.callbacks.Callback):
-    """Per epoch, at its start and end: the BN's moving mean and scale, the conv's kernel and its input range."""
+    """Per epoch, at its start and end: the BN's moving mean and scale, the conv's kernel and its input range;
+    and at its end whether the BN, called in training mode, normalises with its moving statistics."""
 
     def __init__(self):
         super().__init__()
         self.seen = []
+        self.bn_as_inference = []
 
     def _take(self):
         bn, conv = self.model.get_layer("bn"), self.model.get_layer("conv")
@@ -263,6 +265,9 @@ class _Snapshots(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.seen[-1].append(self._take())
+        bn = self.model.get_layer("bn")
+        probe = np.random.default_rng(epoch).normal(5.0, 3.0, size=(2, 8, 8, 4)).astype(np.float32)
+        self.bn_as_inference.append(np.allclose(bn(probe, training=True), bn(probe, training=False)))
 
 
 @pytest.mark.parametrize("bn_epochs, range_epochs", [(1, 1), (None, None), (1, None), (None, 2)])
@@ -296,13 +301,32 @@ def test_late_qat_freezes_bn_statistics_and_ranges_from_the_epoch_named(bn_epoch
     for epoch in range(3):
         assert moved(epoch, "kernel") and moved(epoch, "gamma"), epoch  # training goes on throughout
         assert moved(epoch, "moving_mean") == (bn_epochs is None or epoch < bn_epochs), epoch
+        assert snapshots.bn_as_inference[epoch] == (bn_epochs is not None and epoch >= bn_epochs), epoch
         assert moved(epoch, "amax") == (range_epochs is None or epoch < range_epochs), epoch
     # after training the layers are as they came: BatchNormalization's own call, ranges that track again
     bn, conv = qat.get_layer("bn"), qat.get_layer("conv")
     assert "call" not in vars(bn) and not conv.input_range.frozen
+    assert (qat.train_function is None) == (bn_epochs is not None or range_epochs is not None)  # retraced by a next fit
     before = bn.moving_mean.numpy().copy()
     qat(x * 5, training=True)
     assert not np.array_equal(bn.moving_mean.numpy(), before)
+
+
+def test_late_qat_freezes_a_resumed_run_before_its_first_step():
+    """A retrain resumed past the epoch named trains frozen from its first step."""
+    from qatpipe.quantization.freeze import freeze_late
+
+    settings = QatSpec(ema_decay=0.5, bn_update_epochs=1, range_update_epochs=1)
+    qat = quantize_model(identity_block(), settings)
+    x = np.random.default_rng(5).uniform(size=(8, 8, 8, 4)).astype(np.float32)
+    calibrate(qat, [x], 1)
+    qat.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    snapshots = _Snapshots()
+    qat.fit(x * 3, np.ones_like(x), batch_size=4, epochs=3, initial_epoch=2, verbose=0,
+            callbacks=[*freeze_late(settings), snapshots])
+    [(start, end)] = snapshots.seen
+    assert np.array_equal(start["moving_mean"], end["moving_mean"]) and start["amax"] == end["amax"]
+    assert not np.array_equal(start["kernel"], end["kernel"]) and snapshots.bn_as_inference == [True]
 
 
 def test_late_qat_keys_refuse_a_negative_epoch_count():

@@ -19,21 +19,23 @@ class FreezeLate(keras.callbacks.Callback):
     too) every trainable BatchNormalization normalises with its moving statistics and stops updating them, its
     scale and offset still training; at epoch `range_update_epochs` every activation range stops following its
     moving average. None: never. The training step is traced again after each change (both are read when it is
-    traced); on every process of a Horovod run alike."""
+    traced); on every process of a Horovod run alike (whose epoch-end averaging of the statistics across processes
+    leaves them as they are, up to the last bit of a division)."""
 
     def __init__(self, bn_update_epochs: int | None, range_update_epochs: int | None):
         super().__init__()
         self.bn_update_epochs, self.range_update_epochs = bn_update_epochs, range_update_epochs
         self.frozen_bn: list = []
-        self.ranges_frozen = False
+        self.bn_frozen = self.ranges_frozen = False
 
     def on_epoch_begin(self, epoch, logs=None):
         changed = []
-        if self.bn_update_epochs is not None and epoch >= self.bn_update_epochs and not self.frozen_bn:
-            self.frozen_bn = [layer for layer in _layers(self.model)
+        if self.bn_update_epochs is not None and epoch >= self.bn_update_epochs and not self.bn_frozen:
+            self.frozen_bn = [layer for layer in _layers(self.model)  # model.freeze_bn's run that way already
                               if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable]
             for layer in self.frozen_bn:
                 layer.call = _inference_call(layer)
+            self.bn_frozen = True
             changed.append(f"{len(self.frozen_bn)} BatchNormalization layers use their moving statistics")
         if self.range_update_epochs is not None and epoch >= self.range_update_epochs and not self.ranges_frozen:
             ranges = [r for layer in quantized_layers(self.model) for r in layer.activation_ranges()]
@@ -46,11 +48,14 @@ class FreezeLate(keras.callbacks.Callback):
             log.info("QAT from epoch %d: %s", epoch + 1, "; ".join(changed))
 
     def on_train_end(self, logs=None):
-        for layer in self.frozen_bn:  # the class's call again: the model leaves training as it came
+        """The model leaves training as it came: the layers' own call, ranges that track, no frozen step."""
+        for layer in self.frozen_bn:
             del layer.call
         for layer in quantized_layers(self.model):
             for quantizer in layer.activation_ranges():
                 quantizer.frozen = False
+        if self.bn_frozen or self.ranges_frozen:
+            self.model.train_function = None  # a later fit traces its step again
 
 
 def freeze_late(settings) -> list[FreezeLate]:
