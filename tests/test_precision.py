@@ -67,12 +67,18 @@ def test_bf16_without_amx_warns_that_it_may_be_slower(monkeypatch, caplog, flags
     assert ("this CPU has no AMX" in caplog.text) is warned
 
 
-def test_bf16_training_step_gives_float32_outputs_and_a_float32_model(tiny_spec, tmp_path, monkeypatch):
+# each arch at a small size it takes (SSD's must be a multiple of its largest stride, 64)
+SMALL_ARCH = {"detectnet_v2": SMALL_IMAGES,
+              "ssd": ("model.arch=ssd", "dataset.image_size.height=128", "dataset.image_size.width=192")}
+
+
+@pytest.mark.parametrize("arch", SMALL_ARCH)
+def test_bf16_training_step_gives_float32_outputs_and_a_float32_model(tiny_spec, tmp_path, monkeypatch, arch):
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
 
     _host(monkeypatch, {"avx512_bf16"})
-    spec = tiny_spec("train.epochs=2", "model.backbone.width=0.125", *SMALL_IMAGES)
+    spec = tiny_spec("train.epochs=1", "model.backbone.width=0.125", *SMALL_ARCH[arch])
     try:
         summary = train(spec, tmp_path / "run", use_amp=True)
         assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
