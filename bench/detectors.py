@@ -137,7 +137,8 @@ def report(rows: list[dict]) -> None:
         small = row["small"]
         for name, v in row["variants"].items():
             fp32 = name == "fp32" and small["map50"] is not None
-            print(f"{row['kind']:<9} {row['arch']:<13} {name:<12} {v['map50']:.4f}   {ci_text(v.get('map50_ci95')):<17} "
+            print(f"{row['kind']:<9} {row['arch']:<13} {name:<12} {v['map50']:.4f}   "
+                  f"{ci_text(v.get('map50_ci95')):<17} "
                   f"{_num(v.get('throughput'), '{:.1f}'):<9} "
                   + (f"{small['map50']:.4f} ({_num(small['agnostic'])}, {small['objects']})" if fp32 else ""))
     for kind in dict.fromkeys(row["kind"] for row in rows):

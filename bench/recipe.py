@@ -62,7 +62,8 @@ def collect(kind: str, work: Path, sets: list[str], wall: float | None) -> dict:
         "variants": {name: {"map50": row["map50"], "map": row["map"],
                             "map50_ci95": [row.get("map50_ci95_lo"), row.get("map50_ci95_hi")]
                             if row.get("map50_ci95_lo") is not None else None,
-                            **{key: row.get(key) for key in ("params", "gflops", "latency_ms_p50", "throughput", "throughput_batch", "engine")}}
+                            **{key: row.get(key) for key in ("params", "gflops", "latency_ms_p50", "throughput",
+                                                             "throughput_batch", "engine")}}
                      for name, row in summary["variants"].items()},
         "comparisons": summary.get("comparisons", {}),
         "stage_seconds": {name: row.get("seconds") for name, row in summary.get("stages", {}).items()},
