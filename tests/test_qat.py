@@ -329,6 +329,22 @@ def test_late_qat_freezes_a_resumed_run_before_its_first_step():
     assert not np.array_equal(start["kernel"], end["kernel"]) and snapshots.bn_as_inference == [True]
 
 
+def test_late_qat_warns_where_the_epoch_named_never_comes(caplog):
+    import logging
+
+    from qatpipe.quantization.freeze import freeze_late
+
+    settings = QatSpec(bn_update_epochs=2, range_update_epochs=1)
+    qat = quantize_model(identity_block(), settings)
+    x = np.random.default_rng(6).uniform(size=(4, 8, 8, 4)).astype(np.float32)
+    calibrate(qat, [x], 1)
+    qat.compile(optimizer="sgd", loss="mse")
+    with caplog.at_level(logging.WARNING, "qatpipe.qat"):
+        qat.fit(x, x, batch_size=4, epochs=2, verbose=0, callbacks=freeze_late(settings))
+    assert "qat.bn_update_epochs: 2, but the QAT retrain has 2 epochs: nothing is frozen" in caplog.text
+    assert "range_update_epochs" not in caplog.text  # frozen from its second epoch, as asked
+
+
 def test_late_qat_keys_refuse_a_negative_epoch_count():
     from pydantic import ValidationError
 

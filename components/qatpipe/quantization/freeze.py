@@ -28,6 +28,13 @@ class FreezeLate(keras.callbacks.Callback):
         self.frozen_bn: list = []
         self.bn_frozen = self.ranges_frozen = False
 
+    def on_train_begin(self, logs=None):
+        epochs = self.params.get("epochs")
+        for key, value in (("bn_update_epochs", self.bn_update_epochs), ("range_update_epochs",
+                                                                          self.range_update_epochs)):
+            if value is not None and epochs is not None and value >= epochs:
+                log.warning("qat.%s: %d, but the QAT retrain has %d epochs: nothing is frozen", key, value, epochs)
+
     def on_epoch_begin(self, epoch, logs=None):
         changed = []
         if self.bn_update_epochs is not None and epoch >= self.bn_update_epochs and not self.bn_frozen:
