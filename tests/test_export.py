@@ -15,6 +15,7 @@ from qatpipe.errors import ModelFileError, QatpipeError
 from qatpipe.export.bundle import ExportBundle
 from qatpipe.export.qdq import read_calibration_cache
 from qatpipe.onnx_model import OnnxModel
+from qatpipe.quantization.ptq import OP_TYPES
 from qatpipe.stages.export import export
 
 
@@ -106,6 +107,12 @@ def test_ptq_gives_symmetric_int8_qdq_that_still_detects(trained_tiny, tmp_path,
         if weight.input[0] in inits:  # int8 weights with per-output-channel scales
             assert inits[weight.input[0]].dtype == np.int8
             assert inits[weight.input[1]].size == inits[weight.input[0]].shape[0]
+    # Q/DQ only where the QAT rules place it, on the reads of the ops they quantize: no requantization of an
+    # output read by a ReLU or a reshape (ONNX Runtime's default, which TensorRT's fusions and QAT do not have)
+    for node in graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] not in inits:
+            readers = {n.op_type for n in graph.node if node.output[0] in n.input}
+            assert readers <= set(OP_TYPES), (node.name, readers)
     fp32 = evaluate(spec, tmp_path / "fp32.onnx", tmp_path / "e_fp32")["map50"]
     int8 = evaluate(spec, tmp_path / "ptq.onnx", tmp_path / "e_ptq")["map50"]
     # measured on this fixture (6 epochs, 48 val images, one detection ~0.6 points): FP32 0.219, minmax 0.199,

@@ -110,12 +110,36 @@ def test_residual_rule_with_two_conv_branches_quantizes_the_one_not_fused(swap):
     assert placements["add"].options == {"quantized_inputs": [1]}
 
 
-def test_residual_rule_quantizes_every_input_when_no_conv_can_fuse():
+def no_fusable_block():
     x = keras.Input((8, 8, 4), name="input_1")
     conv = _conv(4, "conv")(x)
     y = L.Add(name="add")([conv, x])
-    model = keras.Model(x, [y, L.Activation("relu", name="other_use")(conv)])  # conv output used twice
-    assert plan(model, [ResidualAddInput()])["add"].options == {"quantized_inputs": [0, 1]}
+    return keras.Model(x, [y, L.Activation("relu", name="other_use")(conv)])  # conv output used twice
+
+
+def test_residual_rule_quantizes_every_input_when_no_conv_can_fuse():
+    assert plan(no_fusable_block(), [ResidualAddInput()])["add"].options == {"quantized_inputs": [0, 1]}
+
+
+@pytest.mark.parametrize("block", [identity_block, projection_block, lambda: projection_block(True),
+                                   no_fusable_block], ids=["identity", "projection", "swapped", "no_fusable"])
+def test_ptq_quantizes_the_residual_inputs_the_qat_rule_does(block, tmp_path):
+    """ONNX Runtime's PTQ quantizes every Add input; quantize_ptq then leaves the one the rule fuses float."""
+    import onnx
+
+    from qatpipe.export.onnx_export import export_onnx
+    from qatpipe.quantization.ptq import quantize_ptq
+
+    model = block()
+    export_onnx(model, tmp_path / "fp32.onnx", 17)
+    images = np.random.default_rng(0).random((8, 8, 8, 4), dtype=np.float32)
+    quantize_ptq(tmp_path / "fp32.onnx", tmp_path / "ptq.onnx", [images], "minmax")
+    graph = onnx.load(tmp_path / "ptq.onnx").graph
+    producers = {out: node for node in graph.node for out in node.output}
+    (add,) = [node for node in graph.node if node.op_type == "Add"]
+    dequantized = [i for i, name in enumerate(add.input)
+                   if name in producers and producers[name].op_type == "DequantizeLinear"]
+    assert dequantized == plan(model, [ResidualAddInput()])["add"].options["quantized_inputs"]
 
 
 def test_exclusions_by_name_and_type_win_over_later_rules():

@@ -16,6 +16,9 @@ from qatpipe.quantization.sensitivity import (ALL_BUT, DEQUANTIZED_WEIGHT, FP32_
                                               measure, qdq_node_names, quantizable_layers, resolve_layers, variant)
 
 PLANTED_FACTOR = 50.0  # the planted layer's input steps, times its calibrated ones: a few levels cover its range
+# a budget (validate.max_map_drop) the planted model meets with the planted layer float and not without it: on
+# the fixture's 32-image sample, float 0.223, planted PTQ 0.114, planted layer float 0.166 (PTQ alone 0.154)
+PLANTED_BUDGET = 0.08
 
 
 def _producers(model):
@@ -26,8 +29,8 @@ def plant_bad_range(model) -> str:
     """Multiply the input scale (its QuantizeLinear's and DequantizeLinear's) of the first quantized layer whose
     input Q/DQ pair it alone reads (the tiny detector's conv1, reading the image) by PLANTED_FACTOR, in place;
     returns the layer's node name. Its int8 input then keeps 3 levels of the image's range. (Measured on the
-    fixture, 32 val images: mAP@0.5 0.223 float, 0.193 PTQ, 0.101 planted; planted only 0.129, all but the
-    planted layer 0.219; 50 times block_2a_conv_2's scale costs 3 points alone, 200 times 13.)"""
+    fixture, 32 val images: mAP@0.5 0.223 float, 0.154 PTQ, 0.114 planted; planted only 0.129, all but the
+    planted layer 0.166.)"""
     producers = _producers(model)
     readers: dict[str, int] = {}
     for node in model.graph.node:
@@ -105,9 +108,9 @@ def test_variants_keep_exactly_the_named_layers_qdq(ptq_models):
             if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
                 continue
             assert any(dequantized) == (node.name == layer.node), node.name
-        # every layer but this one: its Q/DQ go, except a pair another layer reads too, and so does the
-        # requantization of its output (ORT's PTQ quantizes each convolution's output): a float layer's output
-        # stays float up to the next layer's input quantizer
+        # every layer but this one: its Q/DQ go, except a pair another layer reads too, and so does any
+        # requantization of its output (a residual Add's quantizer): a float layer's output stays float up to
+        # the next layer's input quantizer
         all_but, _ = variant(model, ALL_BUT, layer.node)
         input_dq = _input_dq(model, layer.node)
         pair_shared = len(readers[input_dq.output[0]]) > 1
@@ -120,7 +123,9 @@ def test_variants_keep_exactly_the_named_layers_qdq(ptq_models):
         assert node.input[1] not in _producers(all_but)  # a float initializer
         assert not any(n.op_type == "QuantizeLinear" and n.input[0] in node.output for n in all_but.graph.node)
         requantized_layers += bool(requantized)
-    assert requantized_layers == len(layers)  # ORT quantizes every convolution's output, the heads' too
+    # PTQ quantizes no layer's output but a residual Add's shortcut input (quantization/ptq.py): the tiny
+    # ResNet's 4 Adds each read a projection convolution's output through Q/DQ
+    assert requantized_layers == 4
     assert not qdq_node_names(variant(model, "float")[0])
 
 
@@ -136,9 +141,10 @@ def test_the_screen_counts_the_requantization_of_a_layers_output(ptq_models):
     batch = next(iter(eval_dataset(sample_split(spec, "val", 8, 0), spec))).numpy()
     layers = quantizable_layers(model)
     before = quantization_noise(model, layers, batch)
-    target = layers[5]
-    node = next(n for n in model.graph.node if n.name == target.node)
-    [(reader, index)] = output_requantization(model, [node])[:1]
+    nodes = {n.name: n for n in model.graph.node}
+    # the first layer whose output is quantized again (for a residual Add: PTQ quantizes no other output)
+    target = next(layer for layer in layers if output_requantization(model, [nodes[layer.node]]))
+    [(reader, index)] = output_requantization(model, [nodes[target.node]])[:1]
     dq = _producers(model)[reader.input[index]]
     q = _producers(model)[dq.input[0]]
     inits = {i.name: i for i in model.graph.initializer}
@@ -204,7 +210,7 @@ def test_the_planted_layer_ranks_first_and_keeping_it_float_recovers(ptq_models,
     from qatpipe.cli import main
     from qatpipe.stages.sensitivity import CHART_FILE, JSON_FILE, MARKDOWN_FILE
 
-    spec, fp32_path, _, planted_path, planted = ptq_models
+    spec, fp32_path, ptq_path, planted_path, planted = ptq_models
     data = ["--set", f"dataset.train={spec.dataset.train}", "--set", f"dataset.val={spec.dataset.val}"]
     out = tmp_path / "out"
     assert main(["sensitivity", "-e", "tiny", *data, "--set", "sensitivity.val_images=32", "-m", str(planted_path),
@@ -216,9 +222,19 @@ def test_the_planted_layer_ranks_first_and_keeping_it_float_recovers(ptq_models,
     drops = [row["drop_only_int8"] for row in result["layers"]]
     assert drops == sorted(drops, reverse=True)
     row = result["layers"][0]
-    lost = result["map50_float"] - result["map50_int8"]
-    assert row["drop_only_int8"] > 0.05 and lost > 0.05  # the planted range costs over 5 points on its own
-    assert row["recovery"] > 0.5 * lost and row["drop_all_but"] < 0.5 * lost, (row, lost)
+    assert row["drop_only_int8"] > 0.05  # the planted range costs over 5 points on its own
+    # keeping it float wins back the most, and at least what the plant cost: every other layer INT8 scores
+    # as well as the PTQ model without the plant, on the same sample in the same exact form
+    assert row["recovery"] == max(r["recovery"] for r in result["layers"])
+    from qatpipe.models import get_architecture
+    from qatpipe.quantization.sensitivity import exact_scorer
+    from qatpipe.stages.sensitivity import val_sample
+
+    sampled = spec.model_copy(deep=True)
+    sampled.sensitivity.val_images = 32
+    unplanted = exact_scorer(val_sample(sampled, get_architecture(sampled))[1], tmp_path)(onnx.load(ptq_path))
+    assert result["map50_int8"] < unplanted - 0.02  # (the plant costs: 0.114 against 0.154, measured)
+    assert result["map50_float"] - row["drop_all_but"] >= unplanted - 0.01, (row, unplanted)  # ~1 detection
     assert all(r["float_weight"] == FP32_WEIGHT for r in result["layers"])
     assert result["map50_fp32_onnx"] == pytest.approx(result["map50_float"], abs=0.01)
     assert (out / CHART_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -398,10 +414,10 @@ def test_auto_keeps_layers_float_fewest_first_and_stops_at_the_budget(ptq_models
     map50_fp32 = score_path(fp32_path)
     scored = []
     partial, result = search(model, [benign, planted, third], lambda m: scored.append(m) or score(m), map50_fp32,
-                             0.02, reference)
+                             PLANTED_BUDGET, reference)
     assert [step.float_layers for step in result.steps] == [[], [benign], [benign, planted]], result.steps
     assert result.budget_met and result.float_layers == [benign, planted] and len(scored) == 3
-    assert result.steps[0].map50 < map50_fp32 - 0.02 <= result.map50  # the planted range costs more than it
+    assert result.steps[0].map50 < map50_fp32 - PLANTED_BUDGET <= result.map50  # the plant costs more than it
     assert result.layers_total == 15 and result.map50_int8 == result.steps[0].map50
     recorded = dict((p.key, p.value) for p in partial.metadata_props)[KEEP_FLOAT_KEY]
     assert set(recorded.split(",")) == {benign, planted}  # in graph order
@@ -467,7 +483,7 @@ def test_ptq_partial_stage_writes_the_variant_and_refuses_an_unknown_layer(ptq_m
         ptq_partial(spec, fp32_path, ptq_path, tmp_path / "kept" / "model.onnx")
     assert (tmp_path / "kept" / "model.onnx").read_bytes() == b"earlier"
 
-    spec.ptq.keep_float = "auto"
+    spec.ptq.keep_float, spec.validate_.max_map_drop = "auto", PLANTED_BUDGET
     with pytest.raises(QatpipeError, match="sensitivity"):
         ptq_partial(spec, fp32_path, planted_path, tmp_path / "auto" / "model.onnx")
     ranking_dir = tmp_path / "sens"
@@ -500,7 +516,7 @@ def test_qat_excluded_layers_auto_keeps_float_what_partial_ptq_keeps_float(train
     spec = spec.model_copy(deep=True)
     spec.qat.enabled, spec.retrain.epochs, spec.qat.calibration_batches = True, 1, 2
     spec.qat.excluded_layers = "auto"
-    spec.validate_.max_map_drop = 0.05  # the planted range costs ~9 points on 32 val images, PTQ alone ~3
+    spec.validate_.max_map_drop = PLANTED_BUDGET
     spec.sensitivity.val_images, spec.sensitivity.max_layers = 32, 3
     assert "sensitivity:" in stage_view(spec, "retrain_qat")  # the view carries what the search reads ...
     real, planted = ptq_stage.ptq, []
@@ -527,7 +543,7 @@ def test_qat_excluded_layers_auto_keeps_float_what_partial_ptq_keeps_float(train
     assert (tmp_path / "qat" / AUTO_FOLDER / "sensitivity" / JSON_FILE).is_file()
     assert not [path.name for path in (tmp_path / "qat" / AUTO_FOLDER).rglob("*") if path.suffix == ".onnx"
                 or path.name == "tracking.json"]  # the search's models and stage records do not travel on
-    assert record.params["validate.max_map_drop"] == 0.05 and record.params["sensitivity.max_layers"] == 3
+    assert record.params["validate.max_map_drop"] == PLANTED_BUDGET and record.params["sensitivity.max_layers"] == 3
 
     monkeypatch.setattr(ptq_stage, "ptq", lambda *args: pytest.fail("searched again"))
     assert auto_excluded_layers(spec, model, tmp_path / "qat") == found  # as a resumed retrain finds them

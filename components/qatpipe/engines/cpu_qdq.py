@@ -7,8 +7,9 @@ nothing sits between Conv and Q except a ReLU whose Q has the lowest value as ze
 
 - `exact`: every activation Q/DQ pair moves from int8 to uint8 with zero point 128 over the same scale
   (q_u8 = q_i8 + 128; saturation at [-128, 127] becomes [0, 255]): the graph computes exactly the same
-  numbers, and ORT fuses what that allows (all of a PTQ model's convolutions; few of a QAT model's, whose
-  Q/DQ sit after ReLU, as TensorRT wants them).
+  numbers, and ORT fuses what that allows (few convolutions of a model whose Q/DQ sit after ReLU, as TensorRT
+  wants them and qatpipe's QAT and PTQ place them; all of a model quantized with ONNX Runtime's default
+  placement, which requantizes every convolution's output).
 - `fast`: BatchNormalization folded into the Q/DQ convolution before it, as TensorRT does (per channel: the
   weight scale times |gamma / sqrt(var + eps)|, int8 weights negated where that factor is negative, the new
   bias quantized to int32 at input scale x weight scale); zero point 0 for activations that follow a
@@ -19,9 +20,9 @@ nothing sits between Conv and Q except a ReLU whose Q has the lowest value as ze
   way); and float biases of Q/DQ convolutions quantized to int32 (ORT's integer convolution needs them so;
   TensorRT's parser wants them float, so the exported models keep them float).
   Not exact: float rounding of the folded scales, the bias step, and steps half as coarse after a ReLU,
-  and a residual conv output clipped to its Add's other input's range. Also merges requantization
-  chains Q(s1) -> DQ -> [ReLU] -> Q(s2), which ONNX Runtime's PTQ writes after every convolution, into one
-  Q(s2): one rounding instead of two.
+  and a residual conv output clipped to its Add's other input's range. Also merges requantization chains
+  Q(s1) -> DQ -> [ReLU] -> Q(s2), which ONNX Runtime's default PTQ placement writes after every convolution,
+  into one Q(s2): one rounding instead of two.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from qatpipe.errors import QatpipeError
+from qatpipe.export.onnx_graph import attribute, drop_unused_initializers, graph_maps
 from qatpipe.fileio import temp_path
 from qatpipe.onnx_model import load_onnx_proto
 from qatpipe.quantization.kinds import RESIDUAL_ADD_ONNX_OP, WEIGHTED_ONNX_OPS
@@ -20,7 +21,10 @@ from qatpipe.spec import PtqSpec, field_default
 log = logging.getLogger(__name__)
 
 METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
-# what ORT quantizes: the weighted kinds' ops and the residual Add, as the QAT rules place Q/DQ
+# what ORT quantizes: the inputs of the weighted kinds' ops and of the residual Add, as the QAT rules place Q/DQ.
+# Their outputs stay float (OpTypesToExcludeOutputQuantization): by default ORT also requantizes every output, a
+# Q/DQ that neither the QAT model nor TensorRT's fusions have, read by the ReLU after each convolution and by the
+# SSD heads' reshapes; most of PTQ's measured losses came from it (bench/README.md, bench/ptq_tools.py).
 OP_TYPES = [*WEIGHTED_ONNX_OPS, RESIDUAL_ADD_ONNX_OP]
 HISTOGRAM_BINS = 2048  # TensorRT's entropy calibrator's histogram
 # Levels of the quantized distribution the entropy search compares with: ORT's default, TensorRT's 128. On ORT's
@@ -144,6 +148,36 @@ def tensor_amax(fp32_onnx: str | Path, batches: Iterable[np.ndarray], method: st
             for name, ranges in data.data.items()}
 
 
+def float_fusable_add_inputs(model) -> int:
+    """rules.ResidualAddInput on a PTQ model: ONNX Runtime quantizes every input of an Add, the QAT rules all but
+    the one a convolution can fuse with (a non-grouped Conv whose output only this Add reads; the first such
+    input, as the Keras rule takes it). That input reads the convolution's float output again, where another
+    input stays quantized. Returns the Adds changed (changes `model` in place)."""
+    graph = model.graph
+    producers, consumers = graph_maps(graph)
+    changed = 0
+    for add in [node for node in graph.node if node.op_type == RESIDUAL_ADD_ONNX_OP]:
+        chains = []  # (input index, Q, DQ) of each dequantized input
+        for index, name in enumerate(add.input):
+            dq = producers.get(name)
+            q = producers.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
+            if q is not None and q.op_type == "QuantizeLinear":
+                chains.append((index, q, dq))
+        fusable = [(index, q, dq) for index, q, dq in chains
+                   if (conv := producers.get(q.input[0])) is not None and conv.op_type == "Conv"
+                   and attribute(conv, "group", 1) == 1 and len(consumers[q.input[0]]) == 1
+                   and len(consumers[dq.output[0]]) == 1]
+        if not fusable or len(chains) < 2:
+            continue
+        index, q, dq = fusable[0]
+        add.input[index] = q.input[0]
+        graph.node.remove(q)
+        graph.node.remove(dq)
+        changed += 1
+    drop_unused_initializers(graph)
+    return changed
+
+
 def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np.ndarray], method: str,
                  percentile: float = field_default(PtqSpec, "percentile")) -> dict:
     """Calibrate on `batches` by `method` (minmax, entropy, percentile) and write the Q/DQ model. The ranges
@@ -175,8 +209,14 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
                 activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, op_types_to_quantize=OP_TYPES,
                 calibrate_method=calibrate_method, calibration_cache_path=str(ranges),
                 # float bias: TensorRT's ONNX parser rejects an int32 bias behind DequantizeLinear
-                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
+                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False,
+                               "OpTypesToExcludeOutputQuantization": OP_TYPES},
             )
+        import onnx
+
+        quantized = onnx.load(str(tmp))
+        fused = float_fusable_add_inputs(quantized)
+        onnx.save(quantized, str(tmp))
         os.replace(tmp, output)
     except QatpipeError:
         raise
@@ -185,6 +225,7 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
     finally:
         prepared.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
-    log.info("PTQ (%s) calibrated on %d images: %s", method, images, output)
+    log.info("PTQ (%s) calibrated on %d images: %s (%d residual Adds read a convolution's output float, as the QAT "
+             "rules place them)", method, images, output, fused)
     return {"tool": "onnxruntime", "method": method, "calibration_images": images, "onnx": str(output),
             "size_mb": round(output.stat().st_size / 2**20, 3), "versions": {"onnxruntime": onnxruntime.__version__}}

@@ -6,11 +6,12 @@ its weight through DequantizeLinear, as TensorRT runs it in int8 (export/qdq.py'
 as NVIDIA's QAT toolkit's per-layer sensitivity analysis toggles them. For each layer L the model is scored
 (on a val subset, in ONNX Runtime's exact CPU form of TensorRT's int8: engines/cpu_qdq.py) twice:
 
-- only L in INT8: every other Q/DQ bypassed (the other layers, the residual Adds, a PTQ model's
-  requantization after each convolution read float), L's input and weight quantized as in the model;
+- only L in INT8: every other Q/DQ bypassed (the other layers, the residual Adds, any requantization of a
+  layer's output read float), L's input and weight quantized as in the model;
 - every layer but L in INT8: L's input and weight read float, and so does every reader of L's output
-  requantization (a PTQ model's Q/DQ on L's output: a float layer's output stays float up to the next INT8
-  layer's input quantizer); every other Q/DQ as in the model.
+  requantization (a Q/DQ on L's output: a residual Add's quantizer, or, in a model quantized with ONNX Runtime's
+  default placement, the Q/DQ it writes after every convolution; a float layer's output stays float up to the
+  next INT8 layer's input quantizer); every other Q/DQ as in the model.
 
 Both drops are measured from the model with no Q/DQ at all (`map50_float`): the first is what L's int8 costs on
 its own, the second what the whole INT8 model costs while L stays float (compared with the full INT8 model's
@@ -324,10 +325,10 @@ def float_layers(model, layers: Sequence[str], reference: dict | None = None):
 
 def output_requantization(model, nodes: Sequence) -> list[tuple]:
     """Every (node, input index) that reads a DequantizeLinear whose QuantizeLinear quantizes an output of one of
-    `nodes`: a PTQ model's requantization after a layer (ONNX Runtime quantizes each convolution's output again),
-    or a residual Add's quantizer on a layer's output; except the reads of a quantizable layer not in `nodes`,
-    whose input quantizer that pair also is. A layer kept float keeps its output float up to the next INT8
-    layer's input quantizer (docs/quantization.md)."""
+    `nodes`: a residual Add's quantizer on a layer's output, or a requantization after a layer (ONNX Runtime's
+    default placement quantizes each convolution's output again; qatpipe's PTQ does not, quantization/ptq.py);
+    except the reads of a quantizable layer not in `nodes`, whose input quantizer that pair also is. A layer kept
+    float keeps its output float up to the next INT8 layer's input quantizer (docs/quantization.md)."""
     producers = _producers(model.graph)
     outputs = {name for node in nodes for name in node.output}
     floats = {_label(node) for node in nodes}
