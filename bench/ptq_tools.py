@@ -2,14 +2,16 @@
 (`ptq.tool: onnxruntime`, the pipeline's default) and NVIDIA Model Optimizer's ONNX INT8 PTQ (`ptq.tool:
 modelopt`), each with its calibration methods, on finished runs' FP32 models.
 
-    python bench/ptq_tools.py --run WORK/run [--run ...] [--work DIR] [--images 200]
+    python bench/ptq_tools.py --run WORK/run [--run ...] [--work DIR] [--images 200] [--settings NAME ...]
 
 A run is a `qatpipe run --local` work folder. Its PTQ task's FP32 ONNX (the model the pipeline's PTQ baseline was
 calibrated from) is quantized afresh by the PTQ stage's own code (stages/ptq.py) for each tool and method into
 DIR/<run>/<tool>_<method>/, on the spec's calibration sample of `--images` training images. Each INT8 model is
 scored as TensorRT computes it (validate's exact CPU form), the FP32 model by the evaluate stage; the differences
-come with the paired bootstrap's 95% CI over the val images, against FP32 and against the pipeline's default
-baseline (onnxruntime, percentile). Model Optimizer runs in its own environment (`make modelopt`). No TensorRT
+come with the paired bootstrap's 95% CI over the val images, against FP32, against the pipeline's default
+baseline (onnxruntime, percentile), against the PTQ model the run itself validated (the PTQ stage at the run's
+commit: what a change to that stage gains) and as the run's QAT model's lead over it. `--settings` picks some of
+tool_method. Model Optimizer runs in its own environment (`make modelopt`). No TensorRT
 here: engine speed is not compared. Writes DIR/bench_ptq_tools.json.
 """
 
@@ -25,6 +27,7 @@ log = logging.getLogger("bench")
 SETTINGS = (("onnxruntime", "percentile"), ("onnxruntime", "entropy"), ("onnxruntime", "minmax"),
             ("modelopt", "entropy"), ("modelopt", "minmax"))
 BASELINE = "onnxruntime_percentile"
+RUN_VARIANTS = {"run_ptq": "ptq", "run_qat": "qat"}  # the run's own validations, in TensorRT's numbers
 
 
 def _ptq_task(run: Path) -> tuple[Path, Path]:
@@ -37,7 +40,18 @@ def _ptq_task(run: Path) -> tuple[Path, Path]:
     return fp32_onnx, stage_folder(run, "finetune_fp32", "retrain_fp32") / "spec.yaml"
 
 
-def bench_run(run: Path, work: Path, images: int) -> list[dict]:
+def _run_validation(run: Path, variant: str) -> Path | None:
+    """The folder of the run's own validation of `variant` as TensorRT scores it, or None."""
+    from qatpipe.stages.compare import tensorrt_emulated_folders
+
+    verdicts = [p.parent for p in (run / "kfp").glob("*/validate*/results/validation.json")
+                if json.loads(p.read_text())["variant"] == variant]
+    if not verdicts:
+        return None
+    return (tensorrt_emulated_folders({variant: verdicts[0]}) or {variant: verdicts[0]})[variant]
+
+
+def bench_run(run: Path, work: Path, images: int, settings=SETTINGS) -> list[dict]:
     import onnx
 
     from qatpipe.spec import load_spec
@@ -53,7 +67,7 @@ def bench_run(run: Path, work: Path, images: int) -> list[dict]:
     shutil.rmtree(root, ignore_errors=True)
     scores = {"fp32": evaluate(spec, fp32_onnx, root / "fp32")["map50"]}
     rows = []
-    for tool, method in SETTINGS:
+    for tool, method in settings:
         name = f"{tool}_{method}"
         spec.ptq.tool, spec.ptq.method = tool, method
         started = time.monotonic()
@@ -73,14 +87,21 @@ def bench_run(run: Path, work: Path, images: int) -> list[dict]:
     folders = {"fp32": root / "fp32", **{f"{r['tool']}_{r['method']}": root / f"{r['tool']}_{r['method']}"
                                          for r in rows}}
     names = [name for name in folders if name != "fp32"]
-    pairs = uncertainty(folders, pairs=[(name, "fp32") for name in names]
-                        + [(name, BASELINE) for name in names if name != BASELINE])["pairs"]
+    for label, variant in RUN_VARIANTS.items():
+        if (found := _run_validation(run, variant)) is not None:
+            folders[label] = found
+    pairs = uncertainty(folders, pairs=[(name, "fp32") for name in [*names, *RUN_VARIANTS]]
+                        + [(name, BASELINE) for name in names if name != BASELINE]
+                        + [(name, "run_ptq") for name in names] + [("run_qat", name) for name in names])["pairs"]
     for row in rows:
         name = f"{row['tool']}_{row['method']}"
         row["fp32_map50"] = scores["fp32"]
         row["vs_fp32"] = {key: pairs[f"{name}-fp32"]["map50"][key] for key in ("diff", "ci95")}
-        if name != BASELINE:
-            row["vs_baseline"] = {key: pairs[f"{name}-{BASELINE}"]["map50"][key] for key in ("diff", "ci95")}
+        for label, pair in (("vs_baseline", f"{name}-{BASELINE}"), ("vs_run_ptq", f"{name}-run_ptq"),
+                            ("run_qat_vs", f"run_qat-{name}"), ("run_ptq_vs_fp32", "run_ptq-fp32"),
+                            ("run_qat_vs_fp32", "run_qat-fp32")):
+            if pair in pairs:
+                row[label] = {key: pairs[pair]["map50"][key] for key in ("diff", "ci95")}
     return rows
 
 
@@ -95,11 +116,14 @@ def print_rows(rows: list[dict]) -> None:
     print("\nPTQ tools (INT8 mAP@0.5 as TensorRT computes it, validate's exact CPU form; differences in points with "
           "the paired bootstrap's 95% CI; every model passed the PTQ stage's TensorRT rule check)\n")
     print("| run | backbone | tool | method | mAP@0.5 (FP32) | INT8 − FP32 | − onnxruntime percentile | "
-          "Conv/Gemm INT8 / float | QuantizeLinear nodes | calibration s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "− the run's PTQ (its − FP32) | the run's QAT − this (its − FP32) | Conv/Gemm INT8 / float | "
+          "QuantizeLinear nodes | calibration s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {Path(r['run']).name} | {r['backbone']} | {r['tool']} | {r['method']} | {r['map50']:.4f} "
               f"({r['fp32_map50']:.4f}) | {_points(r['vs_fp32'])} | {_points(r.get('vs_baseline'))} | "
+              f"{_points(r.get('vs_run_ptq'))} ({_points(r.get('run_ptq_vs_fp32'))}) | "
+              f"{_points(r.get('run_qat_vs'))} ({_points(r.get('run_qat_vs_fp32'))}) | "
               f"{r['quantized_layers']} / {r['float_layers']} | {r['quantize_nodes']} | {r['seconds']:.0f} |")
 
 
@@ -108,9 +132,12 @@ def main() -> None:
     parser.add_argument("--run", type=Path, action="append", required=True, help="a finished run's work folder")
     parser.add_argument("--work", type=Path, default=Path("results/bench_ptq_tools"))
     parser.add_argument("--images", type=int, default=200, help="calibration images (the default spec's)")
+    names = [f"{tool}_{method}" for tool, method in SETTINGS]
+    parser.add_argument("--settings", nargs="+", choices=names, default=names, help="tool_method, default all")
     args = parser.parse_args()
+    settings = [setting for setting in SETTINGS if f"{setting[0]}_{setting[1]}" in args.settings]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    rows = [row for run in args.run for row in bench_run(run, args.work, args.images)]
+    rows = [row for run in args.run for row in bench_run(run, args.work, args.images, settings)]
     args.work.mkdir(parents=True, exist_ok=True)
     (args.work / "bench_ptq_tools.json").write_text(json.dumps(rows, indent=2) + "\n")
     print_rows(rows)
