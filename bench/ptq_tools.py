@@ -3,6 +3,7 @@
 modelopt`), each with its calibration methods, on finished runs' FP32 models.
 
     python bench/ptq_tools.py --run WORK/run [--run ...] [--work DIR] [--images 200] [--settings NAME ...]
+                              [--pair NAME=FOLDER ...]
 
 A run is a `qatpipe run --local` work folder. Its PTQ task's FP32 ONNX (the model the pipeline's PTQ baseline was
 calibrated from) is quantized afresh by the PTQ stage's own code (stages/ptq.py) for each tool and method into
@@ -10,9 +11,10 @@ DIR/<run>/<tool>_<method>/, on the spec's calibration sample of `--images` train
 scored as TensorRT computes it (validate's exact CPU form), the FP32 model by the evaluate stage; the differences
 come with the paired bootstrap's 95% CI over the val images, against FP32, against the pipeline's default
 baseline (onnxruntime, percentile), against the PTQ model the run itself validated (the PTQ stage at the run's
-commit: what a change to that stage gains) and as the run's QAT model's lead over it. `--settings` picks some of
-tool_method. Model Optimizer runs in its own environment (`make modelopt`). No TensorRT
-here: engine speed is not compared. Writes DIR/bench_ptq_tools.json.
+commit: what a change to that stage gains) and as the run's QAT model's lead over it; `--pair NAME=FOLDER` adds
+another model's evaluation folder (detections.json, ground_truth.json on the same val images: an extra QAT retrain
+of bench/qat_value.py) as NAME's lead over each. `--settings` picks some of tool_method. Model Optimizer runs in
+its own environment (`make modelopt`). No TensorRT here: engine speed is not compared. Writes DIR/bench_ptq_tools.json.
 """
 
 import argparse
@@ -51,7 +53,7 @@ def _run_validation(run: Path, variant: str) -> Path | None:
     return (tensorrt_emulated_folders({variant: verdicts[0]}) or {variant: verdicts[0]})[variant]
 
 
-def bench_run(run: Path, work: Path, images: int, settings=SETTINGS) -> list[dict]:
+def bench_run(run: Path, work: Path, images: int, settings=SETTINGS, others: dict | None = None) -> list[dict]:
     import onnx
 
     from qatpipe.spec import load_spec
@@ -90,9 +92,12 @@ def bench_run(run: Path, work: Path, images: int, settings=SETTINGS) -> list[dic
     for label, variant in RUN_VARIANTS.items():
         if (found := _run_validation(run, variant)) is not None:
             folders[label] = found
-    pairs = uncertainty(folders, pairs=[(name, "fp32") for name in [*names, *RUN_VARIANTS]]
+    others = others or {}
+    folders.update(others)
+    pairs = uncertainty(folders, pairs=[(name, "fp32") for name in [*names, *RUN_VARIANTS, *others]]
                         + [(name, BASELINE) for name in names if name != BASELINE]
-                        + [(name, "run_ptq") for name in names] + [("run_qat", name) for name in names])["pairs"]
+                        + [(name, "run_ptq") for name in names]
+                        + [(lead, name) for lead in ("run_qat", *others) for name in names])["pairs"]
     for row in rows:
         name = f"{row['tool']}_{row['method']}"
         row["fp32_map50"] = scores["fp32"]
@@ -102,6 +107,9 @@ def bench_run(run: Path, work: Path, images: int, settings=SETTINGS) -> list[dic
                             ("run_qat_vs_fp32", "run_qat-fp32")):
             if pair in pairs:
                 row[label] = {key: pairs[pair]["map50"][key] for key in ("diff", "ci95")}
+        row["pairs"] = {other: {"vs": {key: pairs[f"{other}-{name}"]["map50"][key] for key in ("diff", "ci95")},
+                                "vs_fp32": {key: pairs[f"{other}-fp32"]["map50"][key] for key in ("diff", "ci95")}}
+                        for other in others}
     return rows
 
 
@@ -125,6 +133,10 @@ def print_rows(rows: list[dict]) -> None:
               f"{_points(r.get('vs_run_ptq'))} ({_points(r.get('run_ptq_vs_fp32'))}) | "
               f"{_points(r.get('run_qat_vs'))} ({_points(r.get('run_qat_vs_fp32'))}) | "
               f"{r['quantized_layers']} / {r['float_layers']} | {r['quantize_nodes']} | {r['seconds']:.0f} |")
+    for r in rows:
+        for other, pair in r.get("pairs", {}).items():
+            print(f"- {Path(r['run']).name}: {other} − {r['tool']} {r['method']}: {_points(pair['vs'])} "
+                  f"({other} − FP32: {_points(pair['vs_fp32'])})")
 
 
 def main() -> None:
@@ -134,10 +146,13 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=200, help="calibration images (the default spec's)")
     names = [f"{tool}_{method}" for tool, method in SETTINGS]
     parser.add_argument("--settings", nargs="+", choices=names, default=names, help="tool_method, default all")
+    parser.add_argument("--pair", action="append", default=[], metavar="NAME=FOLDER",
+                        help="another model's evaluation folder, paired as NAME's lead over each model")
     args = parser.parse_args()
+    others = {name: Path(folder) for name, _, folder in (pair.partition("=") for pair in args.pair)}
     settings = [setting for setting in SETTINGS if f"{setting[0]}_{setting[1]}" in args.settings]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    rows = [row for run in args.run for row in bench_run(run, args.work, args.images, settings)]
+    rows = [row for run in args.run for row in bench_run(run, args.work, args.images, settings, others)]
     args.work.mkdir(parents=True, exist_ok=True)
     (args.work / "bench_ptq_tools.json").write_text(json.dumps(rows, indent=2) + "\n")
     print_rows(rows)
