@@ -44,13 +44,14 @@ def _ptq_task(run: Path) -> tuple[Path, Path]:
 
 def _run_validation(run: Path, variant: str) -> Path | None:
     """The folder of the run's own validation of `variant` as TensorRT scores it, or None."""
+    from runs import stage_folders
+
     from qatpipe.stages.compare import tensorrt_emulated_folders
 
-    verdicts = [p.parent for p in (run / "kfp").glob("*/validate*/results/validation.json")
-                if json.loads(p.read_text())["variant"] == variant]
-    if not verdicts:
+    found = stage_folders(run / "kfp", f"validate_{variant}")
+    if not found:
         return None
-    return (tensorrt_emulated_folders({variant: verdicts[0]}) or {variant: verdicts[0]})[variant]
+    return (tensorrt_emulated_folders({variant: found[0]}) or {variant: found[0]})[variant]
 
 
 def bench_run(run: Path, work: Path, images: int, settings=SETTINGS, others: dict | None = None) -> list[dict]:
