@@ -90,11 +90,27 @@ def test_every_onnx_op_list_is_the_weighted_kind_tables():
         assert getattr(layer, row.weight).shape[row.axis] == channels and WEIGHTED_KINDS[type(layer)] is row
     ops = {op for row in kinds.WEIGHTED_KINDS.values() for op in row.onnx_ops}
     assert set(QUANTIZED_OPS) == set(COMPUTE_OPS) == set(kinds.WEIGHTED_ONNX_OPS) == ops == {"Conv", "MatMul", "Gemm"}
-    assert OP_TYPES == [*kinds.WEIGHTED_ONNX_OPS, kinds.RESIDUAL_ADD_ONNX_OP]
+    assert OP_TYPES == [*kinds.WEIGHTED_ONNX_OPS, *kinds.INPUT_QUANTIZED_ONNX_OPS]
     weighted_rules = {rule.name: set(rule.ops) for rule in DLA_RULES if set(rule.ops) & ops}
     assert weighted_rules == {"convolution": {"Conv"}, "fully-connected": {"MatMul", "Gemm"}}
     assert kinds.onnx_weight_axis("Conv") == 0 and kinds.onnx_weight_axis("MatMul") == 1
     assert kinds.onnx_weight_axis("Gemm") == 1 and kinds.onnx_weight_axis("Gemm", trans_b=1) == 0
+
+
+def test_the_unweighted_kinds_the_rules_quantize_are_the_input_quantized_table():
+    """kinds.INPUT_QUANTIZED_KINDS (which PTQ's op types come from) names exactly the unweighted layer kinds the
+    default rules quantize, among the kinds a backbone or head uses."""
+    from qatpipe.quantization import kinds
+
+    x = keras.Input((8, 8, 4), name="input_1")
+    y = L.ReLU(name="relu")(_conv(4, "conv")(x))
+    y = L.Add(name="add")([y, x])
+    y = L.Multiply(name="multiply")([y, L.Activation("sigmoid", name="gate")(y)])
+    y = L.MaxPooling2D(name="max_pool")(L.AveragePooling2D(1, name="average_pool")(y))
+    y = L.Concatenate(name="concat")([L.UpSampling2D(name="upsample")(y), x])
+    model = keras.Model(x, L.GlobalAveragePooling2D(name="gap")(L.Activation("swish", name="swish")(y)))
+    unweighted = {type(model.get_layer(name)).__name__ for name in plan(model, default_rules(QatSpec()))} - {"Conv2D"}
+    assert unweighted == set(kinds.INPUT_QUANTIZED_KINDS)
 
 
 def test_residual_rule_quantizes_the_identity_shortcut():
@@ -140,6 +156,65 @@ def test_ptq_quantizes_the_residual_inputs_the_qat_rule_does(block, tmp_path):
     dequantized = [i for i, name in enumerate(add.input)
                    if name in producers and producers[name].op_type == "DequantizeLinear"]
     assert dequantized == plan(model, [ResidualAddInput()])["add"].options["quantized_inputs"]
+
+
+def squeeze_excitation_block():
+    """EfficientNet's MBConv (expand, depthwise, squeeze-excitation, project, residual Add), its SiLU products,
+    and a product with a constant after it (as the SSD box decoder has)."""
+    from qatpipe.models.efficientnet import _mbconv
+
+    x = keras.Input((8, 8, 4), name="input_1")
+    y = _mbconv(L.Conv2D(8, 1, name="stem")(x), 3, 6, 8, 1, "block2a_", None)
+    return keras.Model(x, L.Activation("sigmoid", name="sigmoid")(L.Conv2D(4, 1, name="head")(y)) * 0.5)
+
+
+def _dequantized_reads(path) -> dict:
+    """(Keras layer, op) -> the input indices read through DequantizeLinear, for each op of `path` that reads
+    an activation through one (a weighted op's input 0 only: its weight is input 1)."""
+    import onnx
+
+    from qatpipe.quantization.kinds import WEIGHTED_ONNX_OPS
+
+    graph = onnx.load(str(path)).graph
+    producers = {out: node for node in graph.node for out in node.output}
+    constants = {init.name for init in graph.initializer}
+
+    def activation_dq(name):  # a weight's DequantizeLinear reads an initializer, or the Q of one
+        dq = producers.get(name)
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] in constants:
+            return False
+        q = producers.get(dq.input[0])
+        return q is not None and q.input[0] not in constants
+
+    reads = {}
+    for node in graph.node:
+        indices = [i for i, name in enumerate(node.input[:1] if node.op_type in WEIGHTED_ONNX_OPS else node.input)
+                   if activation_dq(name)]
+        if indices:
+            reads[(node.name.split("/")[1], node.op_type)] = indices
+    return reads
+
+
+@pytest.mark.parametrize("block", [identity_block, squeeze_excitation_block], ids=["residual", "squeeze_excitation"])
+def test_ptq_dequantizes_the_reads_the_qat_export_does(block, tmp_path):
+    """PTQ and the QAT export of one model quantize the same reads: the weighted layers' inputs, the residual Add
+    input that no convolution fuses, the squeeze-excitation Multiply's two inputs and its pooling's input;
+    SiLU's own products and the product with a constant stay float in both."""
+    from qatpipe.export.onnx_export import export_onnx
+    from qatpipe.quantization.ptq import quantize_ptq
+
+    model = block()
+    images = np.random.default_rng(0).random((8, 8, 8, 4), dtype=np.float32)
+    export_onnx(model, tmp_path / "fp32.onnx", 17)
+    quantize_ptq(tmp_path / "fp32.onnx", tmp_path / "ptq.onnx", [images], "minmax")
+    qat = quantize_model(model, QatSpec())
+    calibrate(qat, [images], max_batches=1)
+    export_onnx(qat, tmp_path / "qat.onnx", 17)
+    ptq_reads, qat_reads = _dequantized_reads(tmp_path / "ptq.onnx"), _dequantized_reads(tmp_path / "qat.onnx")
+    assert ptq_reads == qat_reads
+    if block is squeeze_excitation_block:
+        assert {op for _, op in ptq_reads} == {"Conv", "Add", "Mul", "GlobalAveragePool"}
+        assert ptq_reads[("block2a_se_excite", "Mul")] == [0, 1]
 
 
 def test_exclusions_by_name_and_type_win_over_later_rules():

@@ -1,5 +1,5 @@
-"""The weighted layer kinds QAT quantizes, and the ONNX ops each becomes: the one table the Keras wrappers
-(layers.py), the placement rule (rules.py) and the ONNX-side lists (export/qdq.py's check, export/precision.py's
+"""The layer kinds QAT quantizes, and the ONNX ops each becomes: the one table the Keras wrappers
+(layers.py), the placement rules (rules.py) and the ONNX-side lists (export/qdq.py's check, export/precision.py's
 layer count, quantization/ptq.py's op types, export/dla.py's rules) derive from. Free of TensorFlow, so the
 ONNX-only stages import it without loading it.
 
@@ -36,8 +36,18 @@ WEIGHTED_KINDS: dict[str, WeightedKind] = {
 # and weight arrive through DequantizeLinear
 WEIGHTED_ONNX_OPS: tuple[str, ...] = tuple(dict.fromkeys(op for row in WEIGHTED_KINDS.values() for op in row.onnx_ops))
 
+# The unweighted layer kinds the rules quantize on their inputs (rules.ResidualAddInput, SqueezeExcitationScale,
+# GlobalPoolingInput: Keras class name -> the ONNX ops tf2onnx writes for it): PTQ quantizes the same reads
+INPUT_QUANTIZED_KINDS: dict[str, tuple[str, ...]] = {
+    "Add": ("Add",), "Multiply": ("Mul",), "GlobalAveragePooling2D": ("GlobalAveragePool",),
+    "AveragePooling2D": ("AveragePool",),
+}
+INPUT_QUANTIZED_ONNX_OPS: tuple[str, ...] = tuple(dict.fromkeys(op for ops in INPUT_QUANTIZED_KINDS.values()
+                                                                 for op in ops))
 # the merge rules.ResidualAddInput quantizes (a Keras Add), as ONNX writes it
-RESIDUAL_ADD_ONNX_OP = "Add"
+(RESIDUAL_ADD_ONNX_OP,) = INPUT_QUANTIZED_KINDS["Add"]
+# the product rules.SqueezeExcitationScale quantizes (a Keras Multiply of two activations)
+(MULTIPLY_ONNX_OP,) = INPUT_QUANTIZED_KINDS["Multiply"]
 
 
 def onnx_ops_of(*kinds: str) -> tuple[str, ...]:
@@ -52,5 +62,5 @@ def onnx_weight_axis(op_type: str, trans_b: int = 0) -> int:
     return 0 if op_type == "Gemm" and trans_b else axis
 
 
-__all__ = ["RESIDUAL_ADD_ONNX_OP", "WEIGHTED_KINDS", "WEIGHTED_ONNX_OPS", "WeightedKind", "onnx_ops_of",
-           "onnx_weight_axis"]
+__all__ = ["INPUT_QUANTIZED_KINDS", "INPUT_QUANTIZED_ONNX_OPS", "MULTIPLY_ONNX_OP", "RESIDUAL_ADD_ONNX_OP",
+           "WEIGHTED_KINDS", "WEIGHTED_ONNX_OPS", "WeightedKind", "onnx_ops_of", "onnx_weight_axis"]

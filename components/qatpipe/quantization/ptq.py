@@ -15,17 +15,20 @@ from qatpipe.errors import QatpipeError
 from qatpipe.export.onnx_graph import attribute, drop_unused_initializers, graph_maps
 from qatpipe.fileio import temp_path
 from qatpipe.onnx_model import load_onnx_proto
-from qatpipe.quantization.kinds import RESIDUAL_ADD_ONNX_OP, WEIGHTED_ONNX_OPS
+from qatpipe.quantization.kinds import (INPUT_QUANTIZED_ONNX_OPS, MULTIPLY_ONNX_OP, RESIDUAL_ADD_ONNX_OP,
+                                       WEIGHTED_ONNX_OPS)
 from qatpipe.spec import PtqSpec, field_default
 
 log = logging.getLogger(__name__)
 
 METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
-# what ORT quantizes: the inputs of the weighted kinds' ops and of the residual Add, as the QAT rules place Q/DQ.
-# Their outputs stay float (OpTypesToExcludeOutputQuantization): by default ORT also requantizes every output, a
-# Q/DQ that neither the QAT model nor TensorRT's fusions have, read by the ReLU after each convolution and by the
-# SSD heads' reshapes; most of PTQ's measured losses came from it (bench/README.md, bench/ptq_tools.py).
-OP_TYPES = [*WEIGHTED_ONNX_OPS, RESIDUAL_ADD_ONNX_OP]
+# what ORT quantizes: the inputs of the ops of every kind the QAT rules quantize (kinds.py: the weighted kinds, the
+# residual Add, the squeeze-excitation Mul, average pooling); products that are no Keras Multiply stay float
+# (float_products). Their outputs stay float (OpTypesToExcludeOutputQuantization): by default ORT also
+# requantizes every output, a Q/DQ that neither the QAT model nor TensorRT's fusions have, read by the ReLU after
+# each convolution and by the SSD heads' reshapes; most of PTQ's measured losses came from it (bench/README.md,
+# bench/ptq_tools.py).
+OP_TYPES = [*WEIGHTED_ONNX_OPS, *INPUT_QUANTIZED_ONNX_OPS]
 HISTOGRAM_BINS = 2048  # TensorRT's entropy calibrator's histogram
 # Levels of the quantized distribution the entropy search compares with: ORT's default, TensorRT's 128. On ORT's
 # histogram, symmetric about zero, 255 (all of int8's) made every window under 510 bins an exact copy of the
@@ -148,6 +151,26 @@ def tensor_amax(fp32_onnx: str | Path, batches: Iterable[np.ndarray], method: st
             for name, ranges in data.data.items()}
 
 
+def float_products(model) -> list[str]:
+    """The Mul nodes of `model` that are no Keras Multiply of two activations, which the QAT rules leave float
+    (rules.SqueezeExcitationScale quantizes a Multiply, rules.PointwiseActivationsStayFloat an activation): an
+    activation's own product (SiLU's x * sigmoid(x), as tf2onnx writes Swish) and a product with a constant (the
+    SSD box decoder's). Unnamed ones are named here (ORT excludes nodes by name); changes `model` in place."""
+    graph = model.graph
+    producers, _ = graph_maps(graph)
+    produced = set(producers)
+    names = []
+    for index, node in enumerate(graph.node):
+        if node.op_type != MULTIPLY_ONNX_OP:
+            continue
+        gates = [producers[name] for name in node.input if name in producers and len(producers[name].input) == 1]
+        own_product = any(gate.input[0] in node.input for gate in gates)
+        if own_product or not all(name in produced for name in node.input):
+            node.name = node.name or f"qatpipe_float_mul_{index}"
+            names.append(node.name)
+    return names
+
+
 def float_fusable_add_inputs(model) -> int:
     """rules.ResidualAddInput on a PTQ model: ONNX Runtime quantizes every input of an Add, the QAT rules all but
     the one a convolution can fuse with (a non-grouped Conv whose output only this Add reads; the first such
@@ -201,19 +224,22 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
         with tempfile.TemporaryDirectory(prefix="qatpipe-ptq-") as work:
             # shape inference and graph clean-up first, as ORT's quantization guide asks
             quant_pre_process(str(fp32_onnx), str(prepared), skip_symbolic_shape=True)
+            import onnx
+
+            prepared_model = onnx.load(str(prepared))
+            float_muls = float_products(prepared_model)
+            onnx.save(prepared_model, str(prepared))
             data, images = calibrated_ranges(prepared, OP_TYPES, batches, method, percentile, work)
             ranges = Path(work) / "ranges.json"
             save_tensors_data(data, ranges)
             quantize_static(
                 str(prepared), str(tmp), None, quant_format=QuantFormat.QDQ, per_channel=True,
                 activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, op_types_to_quantize=OP_TYPES,
-                calibrate_method=calibrate_method, calibration_cache_path=str(ranges),
+                calibrate_method=calibrate_method, calibration_cache_path=str(ranges), nodes_to_exclude=float_muls,
                 # float bias: TensorRT's ONNX parser rejects an int32 bias behind DequantizeLinear
                 extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False,
                                "OpTypesToExcludeOutputQuantization": OP_TYPES},
             )
-        import onnx
-
         quantized = onnx.load(str(tmp))
         fused = float_fusable_add_inputs(quantized)
         onnx.save(quantized, str(tmp))
@@ -225,7 +251,8 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
     finally:
         prepared.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
-    log.info("PTQ (%s) calibrated on %d images: %s (%d residual Adds read a convolution's output float, as the QAT "
-             "rules place them)", method, images, output, fused)
+    log.info("PTQ (%s) calibrated on %d images: %s (%d residual Adds read a convolution's output float, %d products "
+             "that are no Multiply layer stay float, as the QAT rules place them)", method, images, output, fused,
+             len(float_muls))
     return {"tool": "onnxruntime", "method": method, "calibration_images": images, "onnx": str(output),
             "size_mb": round(output.stat().st_size / 2**20, 3), "versions": {"onnxruntime": onnxruntime.__version__}}
