@@ -168,6 +168,15 @@ def squeeze_excitation_block():
     return keras.Model(x, L.Activation("sigmoid", name="sigmoid")(L.Conv2D(4, 1, name="head")(y)) * 0.5)
 
 
+def pooling_and_gate_block():
+    """Average pooling, and a Multiply layer of a tensor and the sigmoid of the same tensor (SiLU's shape in
+    ONNX, but two layers: the rules quantize the Multiply)."""
+    x = keras.Input((8, 8, 4), name="input_1")
+    y = L.AveragePooling2D(2, name="average_pool")(L.Conv2D(8, 1, name="stem")(x))
+    y = L.Multiply(name="multiply")([y, L.Activation("sigmoid", name="gate")(y)])
+    return keras.Model(x, L.Conv2D(4, 1, name="head")(y))
+
+
 def _dequantized_reads(path) -> dict:
     """(Keras layer, op) -> the input indices read through DequantizeLinear, for each op of `path` that reads
     an activation through one (a weighted op's input 0 only: its weight is input 1)."""
@@ -195,7 +204,8 @@ def _dequantized_reads(path) -> dict:
     return reads
 
 
-@pytest.mark.parametrize("block", [identity_block, squeeze_excitation_block], ids=["residual", "squeeze_excitation"])
+@pytest.mark.parametrize("block", [identity_block, squeeze_excitation_block, pooling_and_gate_block],
+                         ids=["residual", "squeeze_excitation", "pooling_and_gate"])
 def test_ptq_dequantizes_the_reads_the_qat_export_does(block, tmp_path):
     """PTQ and the QAT export of one model quantize the same reads: the weighted layers' inputs, the residual Add
     input that no convolution fuses, the squeeze-excitation Multiply's two inputs and its pooling's input;
@@ -215,6 +225,8 @@ def test_ptq_dequantizes_the_reads_the_qat_export_does(block, tmp_path):
     if block is squeeze_excitation_block:
         assert {op for _, op in ptq_reads} == {"Conv", "Add", "Mul", "GlobalAveragePool"}
         assert ptq_reads[("block2a_se_excite", "Mul")] == [0, 1]
+    if block is pooling_and_gate_block:
+        assert ptq_reads[("average_pool", "AveragePool")] == [0] and ptq_reads[("multiply", "Mul")] == [0, 1]
 
 
 def test_exclusions_by_name_and_type_win_over_later_rules():

@@ -24,10 +24,10 @@ log = logging.getLogger(__name__)
 METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 # what ORT quantizes: the inputs of the ops of every kind the QAT rules quantize (kinds.py: the weighted kinds, the
 # residual Add, the squeeze-excitation Mul, average pooling); products that are no Keras Multiply stay float
-# (float_products). Their outputs stay float (OpTypesToExcludeOutputQuantization): by default ORT also
-# requantizes every output, a Q/DQ that neither the QAT model nor TensorRT's fusions have, read by the ReLU after
-# each convolution and by the SSD heads' reshapes; most of PTQ's measured losses came from it (bench/README.md,
-# bench/ptq_tools.py).
+# (float_products), and so do the other readers of a quantized tensor (float_reads_stay_float). Outputs stay
+# float (OpTypesToExcludeOutputQuantization): by default ORT also requantizes every output, a Q/DQ that neither
+# the QAT model nor TensorRT's fusions have, read by the ReLU after each convolution and by the SSD heads'
+# reshapes; most of PTQ's measured losses came from it (bench/README.md, bench/ptq_tools.py).
 OP_TYPES = [*WEIGHTED_ONNX_OPS, *INPUT_QUANTIZED_ONNX_OPS]
 HISTOGRAM_BINS = 2048  # TensorRT's entropy calibrator's histogram
 # Levels of the quantized distribution the entropy search compares with: ORT's default, TensorRT's 128. On ORT's
@@ -154,21 +154,53 @@ def tensor_amax(fp32_onnx: str | Path, batches: Iterable[np.ndarray], method: st
 def float_products(model) -> list[str]:
     """The Mul nodes of `model` that are no Keras Multiply of two activations, which the QAT rules leave float
     (rules.SqueezeExcitationScale quantizes a Multiply, rules.PointwiseActivationsStayFloat an activation): an
-    activation's own product (SiLU's x * sigmoid(x), as tf2onnx writes Swish) and a product with a constant (the
-    SSD box decoder's). Unnamed ones are named here (ORT excludes nodes by name); changes `model` in place."""
+    activation's own product (SiLU's x * sigmoid(x), as tf2onnx writes Swish: the Mul and its one-input gate are
+    nodes of one layer) and a product with a constant (an initializer or a Constant node's output, as `x * 0.5`
+    in a model writes it). Unnamed ones are named here (ORT excludes nodes by name); changes `model` in place."""
+    from qatpipe.quantization.sensitivity import layer_name
+
     graph = model.graph
     producers, _ = graph_maps(graph)
-    produced = set(producers)
+    constants = {init.name for init in graph.initializer}
+    constants |= {out for node in graph.node if node.op_type == "Constant" for out in node.output}
     names = []
     for index, node in enumerate(graph.node):
         if node.op_type != MULTIPLY_ONNX_OP:
             continue
         gates = [producers[name] for name in node.input if name in producers and len(producers[name].input) == 1]
-        own_product = any(gate.input[0] in node.input for gate in gates)
-        if own_product or not all(name in produced for name in node.input):
+        own_product = any(gate.input[0] in node.input and layer_name(gate.name) == layer_name(node.name)
+                          for gate in gates)
+        if own_product or any(name in constants for name in node.input):
             node.name = node.name or f"qatpipe_float_mul_{index}"
             names.append(node.name)
     return names
+
+
+def float_reads_stay_float(model, float_nodes: Iterable[str] = ()) -> int:
+    """ONNX Runtime makes every reader of a tensor it quantizes read the DequantizeLinear; the QAT rules quantize
+    a tensor only where a quantized layer reads it. Rewires the other readers (ops outside OP_TYPES, and the
+    `float_nodes` ORT was told to leave alone) to the float tensor, and drops a Q/DQ pair left unread. Returns
+    the reads changed (changes `model` in place)."""
+    graph = model.graph
+    producers, consumers = graph_maps(graph)
+    float_nodes, outputs = set(float_nodes), {output.name for output in graph.output}
+    changed = 0
+    for dq in [node for node in graph.node if node.op_type == "DequantizeLinear"]:
+        q = producers.get(dq.input[0])
+        if q is None or q.op_type != "QuantizeLinear":
+            continue  # a weight's
+        readers = consumers[dq.output[0]]
+        for reader in [r for r in readers if r.op_type not in OP_TYPES or r.name in float_nodes]:
+            for index, name in enumerate(reader.input):
+                if name == dq.output[0]:
+                    reader.input[index] = q.input[0]
+                    changed += 1
+        if not any(dq.output[0] in reader.input for reader in readers) and dq.output[0] not in outputs:
+            graph.node.remove(dq)
+            if consumers[q.output[0]] == [dq]:
+                graph.node.remove(q)
+    drop_unused_initializers(graph)
+    return changed
 
 
 def float_fusable_add_inputs(model) -> int:
@@ -237,10 +269,12 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
                 activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, op_types_to_quantize=OP_TYPES,
                 calibrate_method=calibrate_method, calibration_cache_path=str(ranges), nodes_to_exclude=float_muls,
                 # float bias: TensorRT's ONNX parser rejects an int32 bias behind DequantizeLinear
+                # ForceQuantizeNoInputCheck: ORT's AveragePool handler quantizes its input only with it
                 extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False,
-                               "OpTypesToExcludeOutputQuantization": OP_TYPES},
+                               "OpTypesToExcludeOutputQuantization": OP_TYPES, "ForceQuantizeNoInputCheck": True},
             )
         quantized = onnx.load(str(tmp))
+        float_reads = float_reads_stay_float(quantized, float_muls)
         fused = float_fusable_add_inputs(quantized)
         onnx.save(quantized, str(tmp))
         os.replace(tmp, output)
@@ -252,7 +286,7 @@ def quantize_ptq(fp32_onnx: str | Path, output: str | Path, batches: Iterable[np
         prepared.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
     log.info("PTQ (%s) calibrated on %d images: %s (%d residual Adds read a convolution's output float, %d products "
-             "that are no Multiply layer stay float, as the QAT rules place them)", method, images, output, fused,
-             len(float_muls))
+             "that are no Multiply layer stay float, %d float reads of a quantized tensor, as the QAT rules place "
+             "them)", method, images, output, fused, len(float_muls), float_reads)
     return {"tool": "onnxruntime", "method": method, "calibration_images": images, "onnx": str(output),
             "size_mb": round(output.stat().st_size / 2**20, 3), "versions": {"onnxruntime": onnxruntime.__version__}}
