@@ -160,7 +160,7 @@ def test_ptq_quantizes_the_residual_inputs_the_qat_rule_does(block, tmp_path):
 
 def squeeze_excitation_block():
     """EfficientNet's MBConv (expand, depthwise, squeeze-excitation, project, residual Add), its SiLU products,
-    and a product with a constant after it (as the SSD box decoder has)."""
+    and a product with a constant after it (`x * 0.5` written in the model: a Mul no rule quantizes)."""
     from qatpipe.models.efficientnet import _mbconv
 
     x = keras.Input((8, 8, 4), name="input_1")
