@@ -178,29 +178,17 @@ def float_products(model) -> list[str]:
 
 def float_reads_stay_float(model, float_nodes: Iterable[str] = ()) -> int:
     """ONNX Runtime makes every reader of a tensor it quantizes read the DequantizeLinear; the QAT rules quantize
-    a tensor only where a quantized layer reads it. Rewires the other readers (ops outside OP_TYPES, and the
-    `float_nodes` ORT was told to leave alone) to the float tensor, and drops a Q/DQ pair left unread. Returns
-    the reads changed (changes `model` in place)."""
-    graph = model.graph
-    producers, consumers = graph_maps(graph)
-    float_nodes, outputs = set(float_nodes), {output.name for output in graph.output}
-    changed = 0
-    for dq in [node for node in graph.node if node.op_type == "DequantizeLinear"]:
-        q = producers.get(dq.input[0])
-        if q is None or q.op_type != "QuantizeLinear":
-            continue  # a weight's
-        readers = consumers[dq.output[0]]
-        for reader in [r for r in readers if r.op_type not in OP_TYPES or r.name in float_nodes]:
-            for index, name in enumerate(reader.input):
-                if name == dq.output[0]:
-                    reader.input[index] = q.input[0]
-                    changed += 1
-        if not any(dq.output[0] in reader.input for reader in readers) and dq.output[0] not in outputs:
-            graph.node.remove(dq)
-            if consumers[q.output[0]] == [dq]:
-                graph.node.remove(q)
-    drop_unused_initializers(graph)
-    return changed
+    a tensor only where a quantized layer reads it. The other readers (ops outside OP_TYPES, and the `float_nodes`
+    ORT was told to leave alone) read the float tensor again (sensitivity.bypass, which drops the Q/DQ left
+    unread). Returns the reads changed (changes `model` in place)."""
+    from qatpipe.quantization.sensitivity import FloatSources, bypass, dequantized_reads
+
+    float_nodes = set(float_nodes)
+    reads = [(node, index) for node, index in dequantized_reads(model)
+             if node.op_type not in OP_TYPES or node.name in float_nodes]
+    if reads:
+        bypass(model, reads, FloatSources(model))
+    return len(reads)
 
 
 def float_fusable_add_inputs(model) -> int:

@@ -244,7 +244,7 @@ def _drop_unread_qdq(graph) -> None:
     drop_unused_initializers(graph)
 
 
-def _bypass(model, reads: Sequence[tuple], sources: FloatSources, outputs: Sequence[str] = ()) -> None:
+def bypass(model, reads: Sequence[tuple], sources: FloatSources, outputs: Sequence[str] = ()) -> None:
     """Rewire each (node, input index) in `reads`, which reads a DequantizeLinear output, to its float tensor;
     each graph output in `outputs` produced by a DequantizeLinear becomes an Identity of its float tensor."""
     from onnx import helper
@@ -260,7 +260,7 @@ def _bypass(model, reads: Sequence[tuple], sources: FloatSources, outputs: Seque
     _drop_unread_qdq(model.graph)
 
 
-def _dequantized_reads(model) -> list[tuple]:
+def dequantized_reads(model) -> list[tuple]:
     """Every (node, input index) where a node other than a Q/DQ reads a DequantizeLinear output."""
     producers = _producers(model.graph)
     return [(node, index) for node in model.graph.node if node.op_type not in QDQ_OPS
@@ -298,10 +298,10 @@ def variant(model, mode: str, layer: str | None = None, reference: dict | None =
     copy.CopyFrom(model)
     sources = FloatSources(copy, reference)
     if mode == "float":
-        _bypass(copy, _dequantized_reads(copy), sources, _dequantized_outputs(copy))
+        bypass(copy, dequantized_reads(copy), sources, _dequantized_outputs(copy))
     elif mode == ONLY:
         node = _node(copy, layer)
-        _bypass(copy, [(n, i) for n, i in _dequantized_reads(copy) if not (n is node and i in (0, 1))], sources)
+        bypass(copy, [(n, i) for n, i in dequantized_reads(copy) if not (n is node and i in (0, 1))], sources)
     else:
         raise ValueError(f"unknown variant mode {mode!r}: float, {ONLY} or {ALL_BUT}")
     return copy, sources.weight_source
@@ -319,7 +319,7 @@ def float_layers(model, layers: Sequence[str], reference: dict | None = None):
     sources = FloatSources(copy, reference)
     nodes = [_node(copy, layer) for layer in layers]
     reads = [(node, index) for node in nodes for index in (0, 1)] + output_requantization(copy, nodes)
-    _bypass(copy, list({(id(node), index): (node, index) for node, index in reads}.values()), sources)
+    bypass(copy, list({(id(node), index): (node, index) for node, index in reads}.values()), sources)
     return copy, sources.weight_source
 
 
@@ -338,7 +338,7 @@ def output_requantization(model, nodes: Sequence) -> list[tuple]:
         quantizer = producers.get(producers[name].input[0])
         return quantizer is not None and quantizer.op_type == "QuantizeLinear" and quantizer.input[0] in outputs
 
-    return [(node, index) for node, index in _dequantized_reads(model) if requantizes(node.input[index])
+    return [(node, index) for node, index in dequantized_reads(model) if requantizes(node.input[index])
             and not (index in (0, 1) and _label(node) in int8_layers)]
 
 
@@ -612,7 +612,7 @@ def sensitivity_markdown(result: SensitivityResult, title: str = "Layer sensitiv
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["ALL_BUT", "ONLY", "FloatSources", "LayerSensitivity", "QuantizedLayer", "SensitivityResult",
-           "exact_scorer", "float_layers", "fp32_weights", "layer_qdq", "measure", "output_requantization",
+__all__ = ["ALL_BUT", "ONLY", "FloatSources", "LayerSensitivity", "QuantizedLayer", "SensitivityResult", "bypass",
+           "dequantized_reads", "exact_scorer", "float_layers", "fp32_weights", "layer_qdq", "measure", "output_requantization",
            "plot_sensitivity", "quantizable_layers", "quantization_noise", "qdq_node_names", "resolve_layers",
            "sensitivity_markdown", "sort_layers", "variant"]
