@@ -45,6 +45,21 @@ def test_fp32_order_fine_tunes_the_retrained_model_as_long_in_qat_and_in_fp32():
         assert not baseline.hands_on
 
 
+def test_the_fine_tunings_and_only_they_train_under_qat_finetune_learning_rate():
+    spec = _spec("qat.finetune_learning_rate={max_lr: 2.0e-4, min_lr: 1.0e-6}", "qat.finetune_epochs=3")
+    for qat in (False, True):
+        trained = plan_retrain(spec, qat, PRUNED, RETRAINED).applied(spec)
+        assert (trained.retrain.epochs, trained.train.learning_rate.max_lr, trained.train.learning_rate.min_lr) == \
+            (3, 2.0e-4, 1.0e-6)
+        first = plan_retrain(spec, qat, PRUNED).applied(spec)  # the FP32 retrain of the pruned model: train's
+        assert (first.retrain.epochs, first.train.learning_rate) == (8, spec.train.learning_rate)
+    tao = _spec("qat.start=pruned", "qat.finetune_learning_rate={max_lr: 2.0e-4}")
+    assert plan_retrain(tao, True, PRUNED, RETRAINED).applied(tao).train.learning_rate == tao.train.learning_rate
+    unset = _spec()  # no schedule of its own: train.learning_rate's
+    assert plan_retrain(unset, True, PRUNED, RETRAINED).applied(unset).train.learning_rate == unset.train.learning_rate
+    assert spec.train.learning_rate.max_lr == 2.0e-3  # the spec applied is a copy
+
+
 def test_an_unknown_start_is_refused_by_the_spec():
     from qatpipe.errors import QatpipeError
 

@@ -438,6 +438,10 @@ class QatSpec(_Section):
     finetune_epochs: int | None = Field(
         None, ge=1, description="start: fp32: the epochs of the QAT fine-tuning and of its FP32 control; default "
         "retrain.epochs")
+    finetune_learning_rate: LearningRateSpec | None = Field(
+        None, description="start: fp32: the learning-rate schedule of the QAT fine-tuning and of its FP32 control "
+        "(they start from a trained model, which train.learning_rate's peak first knocks back); default "
+        "train.learning_rate")
     calibration_batches: int = Field(8, ge=1, description="training batches that initialise activation ranges")
     ema_decay: float = Field(0.999, ge=0, lt=1, description="moving average of activation ranges in training")
     bn_update_epochs: int | None = Field(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from qatpipe.spec import ExperimentSpec
+from qatpipe.spec import ExperimentSpec, LearningRateSpec
 
 RETRAIN_FP32 = "retrain_fp32"
 RETRAIN_QAT = "retrain_qat"
@@ -22,15 +22,24 @@ FINETUNE_FP32 = "finetune_fp32"
 @dataclass(frozen=True)
 class RetrainPlan:
     """What one retrain does: train `source` for `epochs` (None: train nothing and hand `source` on as the
-    result), recorded as `stage_name`."""
+    result) under `learning_rate` (None: train.learning_rate), recorded as `stage_name`."""
 
     source: Path
     epochs: int | None
     stage_name: str
+    learning_rate: LearningRateSpec | None = None
 
     @property
     def hands_on(self) -> bool:
         return self.epochs is None
+
+    def applied(self, spec: ExperimentSpec) -> ExperimentSpec:
+        """`spec` as this retrain trains under it: its epochs and learning-rate schedule."""
+        spec = spec.model_copy(deep=True)
+        spec.retrain.epochs = self.epochs
+        if self.learning_rate is not None:
+            spec.train.learning_rate = self.learning_rate.model_copy()
+        return spec
 
 
 def plan_retrain(spec: ExperimentSpec, qat: bool, pruned: str | Path, retrained: str | Path | None = None
@@ -43,7 +52,7 @@ def plan_retrain(spec: ExperimentSpec, qat: bool, pruned: str | Path, retrained:
         return RetrainPlan(pruned, first, RETRAIN_QAT if qat else RETRAIN_FP32)
     if spec.qat.start == "fp32":
         return RetrainPlan(Path(retrained), spec.qat.finetune_epochs or first,
-                           RETRAIN_QAT if qat else FINETUNE_FP32)
+                           RETRAIN_QAT if qat else FINETUNE_FP32, spec.qat.finetune_learning_rate)
     if qat:  # TAO's order: QAT retrains the pruned model, as the FP32 retrain did
         return RetrainPlan(pruned, first, RETRAIN_QAT)
     return RetrainPlan(Path(retrained), None, FINETUNE_FP32)

@@ -74,7 +74,7 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
         if plan.hands_on:
             summary = hand_on(start.path, model.path)
         else:
-            spec.retrain.epochs = plan.epochs
+            spec = plan.applied(spec)
             cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
                                        mpijob_api_version, launcher)
             summary = run_training_stage("retrain", spec, model.path, pruned_model=plan.source, processes_per_node=gpus,

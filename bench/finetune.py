@@ -1,0 +1,132 @@
+"""Benchmark: the QAT fine-tuning recipe (`qat.start: fp32`), its epochs and learning rate, against a run's own.
+
+    python bench/finetune.py --run RUN [--work DIR] --recipe NAME KEY=VALUE ... [--recipe ...]
+
+RUN is a finished `qatpipe run --local` folder whose QAT fine-tuned the FP32 retrain's model. Each recipe (its
+`qat.*` overrides, e.g. `qat.finetune_epochs=4` and `qat.finetune_learning_rate={max_lr: 2.0e-4}`) fine-tunes
+that same FP32 retrain's model twice through the pipeline's own plan (stages/retrain_plan.py), with QAT and in
+FP32 (the baseline), exports both to ONNX and evaluates them on the run's val set, as the run's evaluate tasks
+scored its own two. Prints per recipe and for the run's own: FP32 and QAT mAP@0.5 with 95% bootstrap CIs, QAT -
+FP32 paired, each against the run's own FP32 (paired over the val images; the spread between training runs is
+not in the CIs) and the fine-tuning seconds. Writes WORK/bench_finetune.json.
+"""
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import yaml
+
+from runs import ci_text, stage_folder  # bench/runs.py, beside this script
+
+log = logging.getLogger("bench")
+
+RUN = "run"  # the run's own fine-tunings, the recipe the others are measured against
+
+
+def finetune(run: Path, folder: Path, overrides: list[str]) -> dict[str, float]:
+    """The run's FP32 retrain's model fine-tuned with QAT and in FP32 under the run's fine-tuning spec with
+    `overrides`, exported and evaluated into `folder`/{qat,fp32}; the seconds each fine-tuning took (none for
+    one finished by an earlier call)."""
+    from qatpipe.spec import apply_overrides, parse_spec
+    from qatpipe.stages.evaluate import evaluate
+    from qatpipe.stages.export import export
+    from qatpipe.stages.retrain import retrain
+    from qatpipe.stages.retrain_plan import plan_retrain
+
+    fp32_retrain = stage_folder(run, "retrain_fp32") / "model.keras"
+    spec_file = stage_folder(run, "finetune_fp32") / "spec.yaml"  # QAT's sections as the QAT retrain had them
+    base = parse_spec(apply_overrides(yaml.safe_load(spec_file.read_text()), overrides), str(spec_file))
+    seconds = {}
+    for variant in ("fp32", "qat"):
+        out = folder / variant
+        if (out / "evaluation" / "metrics.json").is_file():
+            continue
+        spec = base.model_copy(deep=True)
+        spec.qat.enabled = variant == "qat"
+        plan = plan_retrain(spec, spec.qat.enabled, fp32_retrain, fp32_retrain)
+        started = time.perf_counter()
+        summary = retrain(plan.applied(spec), plan.source, out / "retrain", stage_name=plan.stage_name)
+        seconds[variant] = round(time.perf_counter() - started, 1)
+        export(spec, summary["model"], out / "model.onnx")
+        evaluate(spec, out / "model.onnx", out / "evaluation")
+    return seconds
+
+
+def describe(run: Path, work: Path, recipes: dict[str, list[str]], seconds: dict[str, dict]) -> dict:
+    from qatpipe.stages.compare import uncertainty
+
+    evaluations = {f"{RUN}/fp32": stage_folder(run, "evaluate_fp32"), f"{RUN}/qat": stage_folder(run, "evaluate_qat")}
+    for name in recipes:
+        evaluations.update({f"{name}/{v}": work / name / v / "evaluation" for v in ("fp32", "qat")})
+    names = [RUN, *recipes]
+    pairs = [(f"{n}/qat", f"{n}/fp32") for n in names] + [(f"{n}/{v}", f"{RUN}/fp32") for n in names[1:]
+                                                          for v in ("fp32", "qat")]
+    scored = uncertainty(evaluations, pairs=pairs)
+    rows = {}
+    for name in names:
+        fp32_train = _json(stage_folder(run, "finetune_fp32") / "train_summary.json") if name == RUN else \
+            _json(work / name / "fp32" / "retrain" / "train_summary.json")
+        rows[name] = {
+            "overrides": recipes.get(name, []),
+            "epochs": fp32_train.get("epochs"),
+            **{f"{v}_map50": scored["variants"][f"{name}/{v}"]["map50"] for v in ("fp32", "qat")},
+            "qat_minus_fp32": scored["pairs"][f"{name}/qat-{name}/fp32"]["map50"],
+            **({f"{v}_minus_run_fp32": scored["pairs"][f"{name}/{v}-{RUN}/fp32"]["map50"] for v in ("fp32", "qat")}
+               if name != RUN else {}),
+            "seconds": seconds.get(name) or {"fp32": fp32_train.get("wall_seconds"), "qat": _json(
+                stage_folder(run, "retrain_qat") / "train_summary.json").get("wall_seconds")} if name == RUN
+            else seconds.get(name, {}),
+        }
+    return {"run": str(run), "val_images": scored["images"], "recipes": rows}
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _pair(pair: dict | None) -> str:
+    return f"{100 * pair['diff']:+6.2f} {ci_text(pair['ci95'], 100, '+')}" if pair else ""
+
+
+def print_report(result: dict) -> None:
+    print(f"\nfine-tuning recipes from {result['run']}'s FP32 retrain, {result['val_images']} val images")
+    print(f"{'recipe':<14} {'epochs':>6}  {'FP32 mAP@0.5':<26} {'QAT mAP@0.5':<26} {'QAT - FP32 (points)':<24} "
+          f"{'FP32 - run FP32':<24} {'QAT - run FP32':<24} seconds FP32 / QAT")
+    for name, row in result["recipes"].items():
+        cells = [f"{row[f'{v}_map50']['value']:.4f} {ci_text(row[f'{v}_map50'].get('ci95'))}" for v in ("fp32", "qat")]
+        secs = row["seconds"]
+        print(f"{name:<14} {row['epochs'] or '':>6}  {cells[0]:<26} {cells[1]:<26} {_pair(row['qat_minus_fp32']):<24} "
+              f"{_pair(row.get('fp32_minus_run_fp32')):<24} {_pair(row.get('qat_minus_run_fp32')):<24} "
+              f"{secs.get('fp32')} / {secs.get('qat')}")
+        if row["overrides"]:
+            print(f"{'':<14} {' '.join(row['overrides'])}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=Path("results/bench_finetune"))
+    parser.add_argument("--recipe", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
+                        help="a recipe's name and its qat.* overrides")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    recipes = {name: sets for name, *sets in args.recipe}
+    if RUN in recipes:
+        parser.error(f"{RUN!r} names the run's own fine-tunings")
+    out = args.work / "bench_finetune.json"
+    seconds = _json(out).get("seconds", {})
+    for name, sets in recipes.items():
+        took = finetune(args.run, args.work / name, sets)
+        if took:
+            seconds[name] = took
+    result = describe(args.run, args.work, recipes, seconds)
+    args.work.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**result, "seconds": seconds}, indent=2))
+    print_report(result)
+
+
+if __name__ == "__main__":
+    main()
