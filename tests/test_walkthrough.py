@@ -16,6 +16,7 @@ import pytest
 
 from conftest import SMALL_IMAGES
 from qatpipe.cli import main
+from qatpipe.tracking.records import StageRecord
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SECTION = "## Using the stages like TAO"
@@ -88,6 +89,8 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
     assert Path("results/pruned/prune_report.json").is_file()
     for results in ("train", "retrain", "qat", "fp32"):
         assert Path(f"results/{results}/model.keras").is_file(), results
+    for results, stage in (("qat", "retrain_qat"), ("fp32", "finetune_fp32")):  # --finetune: the pipeline's plan
+        assert StageRecord.read(Path(f"results/{results}")).stage == stage
     assert {"qat.onnx", "qat.cache", "qat_implicit.onnx", "fp32.onnx", "ptq.onnx"} <= {
         path.name for path in Path("results").iterdir()}
     assert json.loads(Path("results/engine_qat/bench.json").read_text())["batches"]

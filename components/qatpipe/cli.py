@@ -178,8 +178,14 @@ def cmd_retrain(args) -> int:
         return code
     if args.qat:
         spec.qat.enabled = True
+    if args.finetune:  # the fine-tunings of qat.start fp32: qat.finetune_epochs and its learning rate
+        from qatpipe.stages.retrain_plan import plan_retrain
+
+        plan = plan_retrain(spec.model_copy(update={"qat": spec.qat.model_copy(update={"start": "fp32"})}),
+                            args.qat, args.model, args.model)
+        spec = plan.applied(spec)
     summary = retrain(spec, args.model, args.results_dir, use_amp=True if args.use_amp else None,
-                      stage_name=args.stage_name)
+                      stage_name=args.stage_name or (plan.stage_name if args.finetune else None))
     log.info("retraining done: %s", json.dumps({k: summary[k] for k in ("model", "params", "wall_seconds")}))
     return 0
 
@@ -411,12 +417,17 @@ def _add_training_commands(sub) -> None:
     evaluate.set_defaults(func=cmd_evaluate, writes=_evaluation_folder)
 
     retrain = sub.add_parser("retrain", help="retrain a pruned model, FP32 or QAT (resumes from checkpoints)",
-                             description="Epochs: retrain.epochs (default train.epochs); QAT: the qat section.")
+                             description="Epochs: retrain.epochs (default train.epochs), with --finetune "
+                                         "qat.finetune_epochs; QAT: the qat section.")
     _add_spec_args(retrain)
     retrain.add_argument("-m", "--model", required=True, type=Path, help="the pruned model (.keras)")
     _add_training_args(retrain)
     retrain.add_argument("--qat", action="store_true",
                          help="quantization-aware training for TensorRT INT8 (sets qat.enabled)")
+    retrain.add_argument("--finetune", action="store_true",
+                         help="-m is the FP32 retrain's model, fine-tuned as the pipeline's qat.start fp32 does (with "
+                              "--qat, and in FP32 as its baseline): for qat.finetune_epochs under "
+                              "qat.finetune_learning_rate")
     retrain.set_defaults(func=cmd_retrain, writes=lambda a: a.results_dir)
 
 
@@ -448,7 +459,6 @@ def _add_deployment_commands(sub) -> None:
     """`qatpipe export | ptq | ptq-partial | sensitivity | build-engine | bench-engine | validate`: a trained model to a validated
     engine."""
     from qatpipe.engines import BACKENDS
-    from qatpipe.spec import EngineSpec, field_choices
 
     export = sub.add_parser("export", help="export a model to ONNX (tf2onnx), checked in ONNX Runtime")
     _add_model_conversion_args(export, "model (.keras)", "the .onnx file to write")
