@@ -58,29 +58,35 @@ def _batches():
 
 
 def test_a_planted_overflow_stays_fp32_and_everything_else_computes_in_fp16(tmp_path):
-    """x -> amplify (x 1e3) -> boost (x 1e3: up to 1e6, beyond FP16's 65,504) -> relu -> attenuate (x 1e-6) -> y,
-    and x -> double -> sigmoid -> p."""
+    """x -> amplify (x 1e3) -> boost (x 1e3: up to 1e6, beyond FP16's 65,504) -> relu -> attenuate (x 1e-6) ->
+    conv_y -> y, and x -> double -> conv_p -> sigmoid -> p."""
     model = _model([helper.make_node("Mul", ["x", "thousand"], ["amplified"], name="amplify"),
                     helper.make_node("Mul", ["amplified", "thousand"], ["boosted"], name="boost"),
                     helper.make_node("Relu", ["boosted"], ["rectified"], name="relu"),
-                    helper.make_node("Mul", ["rectified", "small"], ["y"], name="attenuate"),
+                    helper.make_node("Mul", ["rectified", "small"], ["attenuated"], name="attenuate"),
+                    helper.make_node("Conv", ["attenuated", "w"], ["y"], name="conv_y"),
                     helper.make_node("Mul", ["x", "two"], ["doubled"], name="double"),
-                    helper.make_node("Sigmoid", ["doubled"], ["p"], name="sigmoid")],
-                   ["x"], ["y", "p"], [_const("thousand", 1e3), _const("small", 1e-6), _const("two", 2.0)])
+                    helper.make_node("Conv", ["doubled", "w"], ["logits"], name="conv_p"),
+                    helper.make_node("Sigmoid", ["logits"], ["p"], name="sigmoid")],
+                   ["x"], ["y", "p"], [_const("thousand", 1e3), _const("small", 1e-6), _const("two", 2.0),
+                                       _const("w", np.eye(3).reshape(3, 3, 1, 1) * 0.5)])
     path = tmp_path / "planted.onnx"
     onnx.save(model, path)
     flags = precision.fp16_flags(precision.record_ranges(path, _batches()))
     assert set(flags) == {"boosted", "rectified"}  # the guard names the planted tensors, and only them
 
     converted, plan = fp16.convert(model, flags)
-    # kept FP32: the writers and readers of the flagged tensors, each with its reason; FP16: the rest
-    assert set(plan.fp32) == {"boost", "relu", "attenuate"}
-    assert sorted(plan.fp16) == ["amplify", "double", "sigmoid"]
+    # kept FP32: the writers and readers of the flagged tensors, and the sigmoid between the last compute layer
+    # and an output, each with its reason; FP16: the rest
+    assert set(plan.fp32) == {"boost", "relu", "attenuate", "sigmoid"}
+    assert sorted(plan.fp16) == ["amplify", "conv_p", "conv_y", "double"]
     assert plan.fp32["boost"].startswith("guard: writes boosted (overflow")
     assert plan.fp32["attenuate"].startswith("guard: reads rectified")
+    assert plan.fp32["sigmoid"].startswith("output: ")
     original = {node.name for node in model.graph.node}
     assert {name: fp for name, fp in _writes_fp16(converted).items() if name in original} == {
-        "amplify": True, "boost": False, "relu": False, "attenuate": False, "double": True, "sigmoid": True}
+        "amplify": True, "boost": False, "relu": False, "attenuate": False, "conv_y": True, "double": True,
+        "conv_p": True, "sigmoid": False}
     # the model's interface stays float32
     assert [i.type.tensor_type.elem_type for i in [*converted.graph.input, *converted.graph.output]] == [
         TensorProto.FLOAT] * 3
@@ -95,12 +101,29 @@ def test_a_planted_overflow_stays_fp32_and_everything_else_computes_in_fp16(tmp_
     assert np.isinf(_tensor(unguarded, "boosted", x)).all()
     # ... yet ONNX Runtime's CPU build runs the unguarded FP16 form to a finite y: it computes the Mul -> Relu -> Mul
     # run in float32 (no FP16 kernels), casting only at its ends. The rounded form holds every value as FP16 would:
-    # y is infinite there without the guard, and right with it
+    # y is not finite there without the guard (inf, and NaN where conv_y's zero weights meet it), and right with it
     assert np.isfinite(_run(unguarded, x)["y"]).all()
-    assert np.isinf(_run(fp16.rounded_form(model, unguarded), x)["y"]).all()
+    assert not np.isfinite(_run(fp16.rounded_form(model, unguarded), x)["y"]).any()
     rounded = _run(fp16.rounded_form(model, converted), x)
     np.testing.assert_allclose(rounded["y"], reference["y"], rtol=2e-3)
     np.testing.assert_allclose(rounded["p"], reference["p"], atol=1e-3)
+
+
+def test_near_certain_scores_keep_their_order_in_the_fp16_form():
+    """conv -> sigmoid -> p with logits 8 to 11.5: FP16 rounds those sigmoids (0.99966 to 0.99999) to two values,
+    tying the near-certain detections; the FP16 form keeps the sigmoid FP32, so that its scores, as FP16 gives them
+    (the rounded form), stay as many and in the same order as float32's."""
+    model = _model([helper.make_node("Conv", ["x", "w"], ["logits"], name="conv"),
+                    helper.make_node("Sigmoid", ["logits"], ["p"], name="sigmoid")],
+                   ["x"], ["p"], [_const("w", np.ones((1, 1, 1, 1)))], shape=(None, 1, 1, 8))
+    x = np.arange(8.0, 12.0, 0.5, dtype=np.float32).reshape(1, 1, 1, 8)
+    converted, plan = fp16.convert(model, {})
+    assert plan.fp16 == ["conv"] and plan.fp32["sigmoid"].startswith("output: ")
+    reference = _run(model, x)["p"].ravel()
+    deployed = _run(fp16.rounded_form(model, converted), x)["p"].ravel()
+    assert len(np.unique(reference.astype(np.float16))) == 2  # what an FP16 sigmoid would have given
+    assert len(np.unique(deployed)) == 8 and (np.diff(deployed) > 0).all()
+    np.testing.assert_allclose(deployed, reference, atol=1e-6)
 
 
 def _qdq(name, tensor, scale="s", zero="zp"):
@@ -108,10 +131,11 @@ def _qdq(name, tensor, scale="s", zero="zp"):
             helper.make_node("DequantizeLinear", [f"{name}_q", scale, zero], [f"{name}_dq"], name=f"{name}_dequantize")]
 
 
-def test_a_qdq_model_keeps_its_int8_region_and_computes_only_its_float_tail_in_fp16(tmp_path):
+def test_a_qdq_model_keeps_its_int8_region_and_computes_only_its_float_layer_in_fp16(tmp_path):
     """x -> Q/DQ -> conv_a and conv_b (one DQ feeds both, as a residual block's shortcut and first conv do) ->
-    add -> relu -> Q/DQ -> conv_head -> sigmoid -> transpose -> y. INT8: the convs (they read DQs); their
-    epilogues (add, relu) feed a Q; the tail after the last quantized conv is the float region."""
+    add -> relu -> Q/DQ -> conv_head -> conv_float -> sigmoid -> transpose -> y. INT8: the convs that read DQs;
+    their epilogues (add, relu) feed a Q. conv_float, a layer kept float (ptq.keep_float), is the FP16 region; the
+    sigmoid and transpose after it, the output tail, stay FP32 so that the scores keep their order."""
     rng = np.random.default_rng(1)
     weights = [numpy_helper.from_array(rng.integers(-100, 100, (3, 3, 1, 1)).astype(np.int8), f"w{i}q")
                for i in range(3)]
@@ -124,27 +148,30 @@ def test_a_qdq_model_keeps_its_int8_region_and_computes_only_its_float_tail_in_f
              helper.make_node("Relu", ["sum"], ["r"], name="relu"),
              *_qdq("r", "r"),
              helper.make_node("Conv", ["r_dq", "w2"], ["head"], name="conv_head"),
-             helper.make_node("Sigmoid", ["head"], ["p"], name="sigmoid"),
+             helper.make_node("Conv", ["head", "wf"], ["logits"], name="conv_float"),
+             helper.make_node("Sigmoid", ["logits"], ["p"], name="sigmoid"),
              helper.make_node("Transpose", ["p"], ["y"], name="transpose", perm=[0, 2, 3, 1])]
     model = _model(nodes, ["x"], [], [*weights, _const("s", 0.02), _const("zp", 0, np.int8),
-                                      _const("ws", [0.01, 0.02, 0.03]), _const("wz", [0, 0, 0], np.int8)])
+                                      _const("ws", [0.01, 0.02, 0.03]), _const("wz", [0, 0, 0], np.int8),
+                                      _const("wf", rng.normal(0, 0.5, (3, 3, 1, 1)))])
     model.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4, 4, 3]))
 
     converted, plan = fp16.convert(model, {})
-    assert sorted(plan.fp16) == ["sigmoid", "transpose"]
+    assert plan.fp16 == ["conv_float"]
     reasons = {name: why.split(":")[0] for name, why in plan.fp32.items()}
-    assert {n: reasons[n] for n in ("conv_a", "conv_b", "conv_head", "add", "relu")} == {
-        "conv_a": "int8", "conv_b": "int8", "conv_head": "int8", "add": "int8 epilogue", "relu": "int8 epilogue"}
+    assert {n: reasons[n] for n in ("conv_a", "conv_b", "conv_head", "add", "relu", "sigmoid", "transpose")} == {
+        "conv_a": "int8", "conv_b": "int8", "conv_head": "int8", "add": "int8 epilogue", "relu": "int8 epilogue",
+        "sigmoid": "output", "transpose": "output"}
     assert all(reasons[n.name] == "quantization" for n in model.graph.node if n.op_type in fp16.QDQ_OPS)
     # every quantized conv still reads its DequantizeLinears directly (the converter's float32 -> float16 ->
     # float32 round trip on the shared DQ was removed): TensorRT's rules hold
     assert plan.round_trips_removed == 2 and not check_explicit_quantization(converted).problems
     producers = {out: node.op_type for node in converted.graph.node for out in node.output}
-    assert all(producers[i] == "DequantizeLinear" for n in converted.graph.node if n.op_type == "Conv"
-               for i in n.input[:2])
+    assert all(producers[i] == "DequantizeLinear" for n in converted.graph.node
+               if n.name in ("conv_a", "conv_b", "conv_head") for i in n.input[:2])
     onnx.save(converted, tmp_path / "converted.onnx")
-    assert precision.layer_precision(tmp_path / "converted.onnx") == {"int8": 3, "fp16": 0, "fp32": 0}
-    # two casts: into FP16 before the sigmoid, back to float32 at the output
+    assert precision.layer_precision(tmp_path / "converted.onnx") == {"int8": 3, "fp16": 1, "fp32": 0}
+    # two casts: into FP16 before conv_float, back to float32 after it
     assert plan.casts == 2
     x = _batches()[0]
     np.testing.assert_allclose(_run(converted, x)["y"], _run(model, x)["y"], atol=1e-3)
@@ -152,15 +179,15 @@ def test_a_qdq_model_keeps_its_int8_region_and_computes_only_its_float_tail_in_f
 
 def test_the_export_writes_the_qat_models_fp16_form(qat_export):
     """The tiny detector's QAT export (export.fp16_onnx is on by default): its FP16 form passes TensorRT's Q/DQ
-    rules, computes in FP16 only after the last quantized layer, and its outputs match the float32 form's within
-    FP16's resolution."""
+    rules and computes nothing in FP16 (every compute layer is INT8, and the output tail after the last one stays
+    FP32), and its outputs match the float32 form's."""
     _, _, path, report = qat_export
     form = report["fp16"]
     fp16_model = onnx.load(form["onnx"])
     assert not check_explicit_quantization(fp16_model).problems
-    assert form["fp16_nodes"] > 0 and form["guard_flags"] == 0
+    assert form["fp16_nodes"] == 0 and form["guard_flags"] == 0
     written = json.loads((path.parent / "precision_report.json").read_text())
-    assert written["fp16_form"]["fp32_reasons"].keys() <= {"quantization", "int8", "int8 epilogue"}
+    assert written["fp16_form"]["fp32_reasons"].keys() == {"quantization", "int8", "int8 epilogue", "output"}
     # the FP16 form's outputs against the float32 form's, on the guard's images: within FP16's resolution
     outputs = {o.name for o in fp16_model.graph.output}
     worst = {row["tensor"]: row["max_error"] for row in written["layers"]["tensors"] if row["tensor"] in outputs}

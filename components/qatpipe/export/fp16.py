@@ -4,8 +4,10 @@ typed builds (TensorRT 11 has no FP16 builder flag: a layer runs FP16 only where
 What stays FP32 (`fp32_nodes`, each with its reason):
 - the INT8 region of a Q/DQ model: QuantizeLinear / DequantizeLinear themselves, every node that reads a
   DequantizeLinear (TensorRT runs it in INT8), and every node from which a QuantizeLinear is reached (the
-  BatchNorm / ReLU / Add epilogues TensorRT fuses into the INT8 layer before them). What is left, the float
-  region after the last quantized layer (sigmoid, transposes of the heads), and all of an FP32 model, is FP16;
+  BatchNorm / ReLU / Add epilogues TensorRT fuses into the INT8 layer before them). What is left of the float
+  region after the last quantized layer, and all of an FP32 model, is FP16, except
+- the output tail: every node between the last compute layer (or Q/DQ) and a graph output (sigmoid, softmax, the
+  heads' transposes, SSD's box decoding). FP16 would round scores near 1 to 1 and tie the near-certain detections;
 - every node that writes or reads a tensor the FP16 guard flags (precision.fp16_flags: it overflows FP16 or
   FP16 would flush it), so no flagged value is ever held in FP16.
 
@@ -97,6 +99,18 @@ def fp32_nodes(model, flags: dict[str, str]) -> dict[str, str]:
             keep[node.name] = "int8: reads a DequantizeLinear, TensorRT runs it in INT8"
         elif node.name in feeds_q:
             keep[node.name] = "int8 epilogue: feeds a QuantizeLinear, fused into the INT8 layer before it"
+
+    # the output tail: what lies between the last compute layer and a graph output (sigmoid, softmax, the heads'
+    # transposes and concatenations, SSD's box decoding) stays FP32. In FP16 a score near 1 rounds to 1 (its
+    # spacing there is 2^-11), so near-certain detections tie and lose their order, which costs mAP at the
+    # stricter IoU thresholds; these few elementwise ops cost nothing measurable in FP32
+    queue = deque(producer[o.name] for o in model.graph.output if o.name in producer)
+    while queue:
+        node = queue.popleft()
+        if node.op_type in WEIGHTED_ONNX_OPS or node.op_type in QDQ_OPS or node.name in keep:
+            continue
+        keep[node.name] = "output: between the last compute layer and a graph output (FP16 would tie the top scores)"
+        queue.extend(producer[i] for i in node.input if i in producer)
 
     # the guard: a flagged value is never held in FP16, neither where it is written nor where it is read
     for tensor, why in flags.items():

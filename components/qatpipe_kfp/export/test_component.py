@@ -31,8 +31,10 @@ def test_exports_fp32_onnx_its_fp16_form_and_tracking_record(artifact, tmp_path)
         exported.onnx.name, exported.report.name, exported.fp16.name, "precision_report.json", "precision_report.md"]
     metrics = outputs["metrics"].metadata
     assert metrics["output_bbox.max_abs_difference_vs_tf"] < 1e-3
-    # an FP32 model: every node that computes a float computes in FP16 unless the guard keeps it
-    assert metrics["fp16_fp16_nodes"] > 0 and metrics["fp16_fp32_nodes"] == metrics["fp16_guard_flags"] == 0
+    # an FP32 model: every node computes in FP16 but the output tail (the heads' sigmoid and transposes) and what the
+    # guard keeps (nothing here)
+    assert metrics["fp16_fp16_nodes"] > 0 and metrics["fp16_guard_flags"] == 0
+    assert 0 < metrics["fp16_fp32_nodes"] <= 4
     assert "## FP16 form" in Path(outputs["precision"].path).read_text()
 
 
