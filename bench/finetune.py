@@ -8,13 +8,12 @@ that same FP32 retrain's model twice through the pipeline's own plan (stages/ret
 FP32 (the baseline), exports both to ONNX and evaluates them on the run's val set, as the run's evaluate tasks
 scored its own two. Prints per recipe and for the run's own: FP32 and QAT mAP@0.5 with 95% bootstrap CIs, QAT -
 FP32 paired, each against the run's own FP32 (paired over the val images; the spread between training runs is
-not in the CIs) and the fine-tuning seconds. Writes WORK/bench_finetune.json.
+not in the CIs) and the seconds each fine-tuning trained (its train_summary.json). Writes WORK/bench_finetune.json.
 """
 
 import argparse
 import json
 import logging
-import time
 from pathlib import Path
 
 import yaml
@@ -26,10 +25,9 @@ log = logging.getLogger("bench")
 RUN = "run"  # the run's own fine-tunings, the recipe the others are measured against
 
 
-def finetune(run: Path, folder: Path, overrides: list[str]) -> dict[str, float]:
+def finetune(run: Path, folder: Path, overrides: list[str]) -> None:
     """The run's FP32 retrain's model fine-tuned with QAT and in FP32 under the run's fine-tuning spec with
-    `overrides`, exported and evaluated into `folder`/{qat,fp32}; the seconds each fine-tuning took (none for
-    one finished by an earlier call)."""
+    `overrides`, exported and evaluated into `folder`/{qat,fp32}; what an earlier call finished is kept."""
     from qatpipe.spec import apply_overrides, parse_spec
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.export import export
@@ -39,7 +37,6 @@ def finetune(run: Path, folder: Path, overrides: list[str]) -> dict[str, float]:
     fp32_retrain = stage_folder(run, "retrain_fp32") / "model.keras"
     spec_file = stage_folder(run, "finetune_fp32") / "spec.yaml"  # QAT's sections as the QAT retrain had them
     base = parse_spec(apply_overrides(yaml.safe_load(spec_file.read_text()), overrides), str(spec_file))
-    seconds = {}
     for variant in ("fp32", "qat"):
         out = folder / variant
         if (out / "evaluation" / "metrics.json").is_file():
@@ -47,15 +44,12 @@ def finetune(run: Path, folder: Path, overrides: list[str]) -> dict[str, float]:
         spec = base.model_copy(deep=True)
         spec.qat.enabled = variant == "qat"
         plan = plan_retrain(spec, spec.qat.enabled, fp32_retrain, fp32_retrain)
-        started = time.perf_counter()
         summary = retrain(plan.applied(spec), plan.source, out / "retrain", stage_name=plan.stage_name)
-        seconds[variant] = round(time.perf_counter() - started, 1)
         export(spec, summary["model"], out / "model.onnx")
         evaluate(spec, out / "model.onnx", out / "evaluation")
-    return seconds
 
 
-def describe(run: Path, work: Path, recipes: dict[str, list[str]], seconds: dict[str, dict]) -> dict:
+def describe(run: Path, work: Path, recipes: dict[str, list[str]]) -> dict:
     from qatpipe.stages.compare import uncertainty
 
     evaluations = {f"{RUN}/fp32": stage_folder(run, "evaluate_fp32"), f"{RUN}/qat": stage_folder(run, "evaluate_qat")}
@@ -67,18 +61,16 @@ def describe(run: Path, work: Path, recipes: dict[str, list[str]], seconds: dict
     scored = uncertainty(evaluations, pairs=pairs)
     rows = {}
     for name in names:
-        fp32_train = _json(stage_folder(run, "finetune_fp32") / "train_summary.json") if name == RUN else \
-            _json(work / name / "fp32" / "retrain" / "train_summary.json")
+        trained = {v: _json((stage_folder(run, "finetune_fp32" if v == "fp32" else "retrain_qat") if name == RUN
+                             else work / name / v / "retrain") / "train_summary.json") for v in ("fp32", "qat")}
         rows[name] = {
             "overrides": recipes.get(name, []),
-            "epochs": fp32_train.get("epochs"),
+            "epochs": trained["fp32"].get("epochs"),
             **{f"{v}_map50": scored["variants"][f"{name}/{v}"]["map50"] for v in ("fp32", "qat")},
             "qat_minus_fp32": scored["pairs"][f"{name}/qat-{name}/fp32"]["map50"],
             **({f"{v}_minus_run_fp32": scored["pairs"][f"{name}/{v}-{RUN}/fp32"]["map50"] for v in ("fp32", "qat")}
                if name != RUN else {}),
-            "seconds": seconds.get(name) or {"fp32": fp32_train.get("wall_seconds"), "qat": _json(
-                stage_folder(run, "retrain_qat") / "train_summary.json").get("wall_seconds")} if name == RUN
-            else seconds.get(name, {}),
+            "seconds": {v: summary.get("wall_seconds") for v, summary in trained.items()},  # the training's own
         }
     return {"run": str(run), "val_images": scored["images"], "recipes": rows}
 
@@ -116,15 +108,10 @@ def main() -> None:
     recipes = {name: sets for name, *sets in args.recipe}
     if RUN in recipes:
         parser.error(f"{RUN!r} names the run's own fine-tunings")
-    out = args.work / "bench_finetune.json"
-    seconds = _json(out).get("seconds", {})
     for name, sets in recipes.items():
-        took = finetune(args.run, args.work / name, sets)
-        if took:
-            seconds[name] = took
-    result = describe(args.run, args.work, recipes, seconds)
-    args.work.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**result, "seconds": seconds}, indent=2))
+        finetune(args.run, args.work / name, sets)
+    result = describe(args.run, args.work, recipes)
+    (args.work / "bench_finetune.json").write_text(json.dumps(result, indent=2))
     print_report(result)
 
 
