@@ -31,7 +31,12 @@ MAX_MAP_DROP = 0.08
 # test_components_shipped.py)
 # sensitivity scores 6 of the 15 layers per model (the noisiest; 2 evaluations each): the stage's wiring and
 # outputs, in a third of the time (tests/test_sensitivity.py measures every layer)
-OVERRIDES = ["tracking.experiment=pipeline-test", f"validate.max_map_drop={MAX_MAP_DROP}", "sensitivity.max_layers=6"]
+# the fine-tunings' own schedule: tiny's train.learning_rate but for min_lr 1e-9 above its 1e-4 (the same training to
+# within that), so that the tracked params show which stages trained under it
+FINETUNE_MIN_LR = 1.00001e-4
+OVERRIDES = ["tracking.experiment=pipeline-test", f"validate.max_map_drop={MAX_MAP_DROP}", "sensitivity.max_layers=6",
+             f"qat.finetune_learning_rate={{min_lr: {FINETUNE_MIN_LR}, max_lr: 3.0e-3, soft_start: 0.1, "
+             "annealing_point: 0.7}"]
 
 
 def _pipeline_runs(client: MlflowClient, experiment: str):
@@ -140,6 +145,9 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     for stage in ("retrain_qat", "finetune_fp32"):
         assert len(client.get_metric_history(children[stage].info.run_id, "loss")) == 1, stage
     assert children["finetune_fp32"].data.params["qat.start"] == "fp32"
+    for stage, min_lr in (("retrain_fp32", 1.0e-4), ("retrain_qat", FINETUNE_MIN_LR),
+                          ("finetune_fp32", FINETUNE_MIN_LR)):  # the fine-tunings' plan, applied by the component
+        assert float(children[stage].data.params["train.learning_rate.min_lr"]) == min_lr, stage
     assert children["finetune_fp32"].data.params["qat.enabled"] == "False"
     qat_files = {a.path for a in client.list_artifacts(children["export_qat"].info.run_id)}
     exported = ExportBundle(Path("model.onnx"))  # the export component's file

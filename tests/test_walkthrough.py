@@ -16,6 +16,7 @@ import pytest
 
 from conftest import SMALL_IMAGES
 from qatpipe.cli import main
+from qatpipe.spec import load_spec
 from qatpipe.tracking.records import StageRecord
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -25,12 +26,14 @@ NOT_RUN = {"--set ptq.tool=modelopt": "Model Optimizer runs in its own environme
 # what the walkthrough must show; a README that loses one of these fails the test
 VERBS = {"pretrain", "train", "evaluate", "prune", "retrain", "export", "ptq", "build-engine", "bench-engine", "validate",
          "spec show", "data synth"}
+FINETUNE_MAX_LR = 2.5e-4
 # every `-e` command gets these: one epoch each without validation during training, 32 + 16 synthetic images
 # (made once, cached in the folder) at half the tiny spec's size each way (conftest.SMALL_IMAGES), and a gate that
 # passes whatever one epoch learnt (the gate itself: test_local_pipeline.py). Most of its time is building and
 # tracing the four trainings and two exports.
 CHEAP = ["train.epochs=1", "retrain.epochs=1", "train.validation_interval=0", "dataset.synthetic.train_images=32",
-         "dataset.synthetic.val_images=16", *SMALL_IMAGES, "validate.max_map_drop=1.0"]
+         "dataset.synthetic.val_images=16", *SMALL_IMAGES, "validate.max_map_drop=1.0",
+         f"qat.finetune_learning_rate={{max_lr: {FINETUNE_MAX_LR}}}"]  # what --finetune trains under (checked)
 SMALL_SYNTH = ["--train", "4", "--val", "2"]  # `data synth`: a few images, not the README's 4,000
 OUTPUTS = ("-o", "-r", "--out")  # what a command writes, which must exist once it ran
 
@@ -91,6 +94,8 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
         assert Path(f"results/{results}/model.keras").is_file(), results
     for results, stage in (("qat", "retrain_qat"), ("fp32", "finetune_fp32")):  # --finetune: the pipeline's plan
         assert StageRecord.read(Path(f"results/{results}")).stage == stage
+        assert load_spec(f"results/{results}/spec.yaml").train.learning_rate.max_lr == FINETUNE_MAX_LR
+    assert load_spec("results/retrain/spec.yaml").train.learning_rate.max_lr != FINETUNE_MAX_LR  # train's
     assert {"qat.onnx", "qat.cache", "qat_implicit.onnx", "fp32.onnx", "ptq.onnx"} <= {
         path.name for path in Path("results").iterdir()}
     assert json.loads(Path("results/engine_qat/bench.json").read_text())["batches"]

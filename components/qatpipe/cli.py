@@ -178,14 +178,15 @@ def cmd_retrain(args) -> int:
         return code
     if args.qat:
         spec.qat.enabled = True
+    stage_name = args.stage_name
     if args.finetune:  # the fine-tunings of qat.start fp32: qat.finetune_epochs and its learning rate
         from qatpipe.stages.retrain_plan import plan_retrain
 
         plan = plan_retrain(spec.model_copy(update={"qat": spec.qat.model_copy(update={"start": "fp32"})}),
-                            args.qat, args.model, args.model)
-        spec = plan.applied(spec)
+                            spec.qat.enabled, args.model, args.model)
+        spec, stage_name = plan.applied(spec), stage_name or plan.stage_name
     summary = retrain(spec, args.model, args.results_dir, use_amp=True if args.use_amp else None,
-                      stage_name=args.stage_name or (plan.stage_name if args.finetune else None))
+                      stage_name=stage_name)
     log.info("retraining done: %s", json.dumps({k: summary[k] for k in ("model", "params", "wall_seconds")}))
     return 0
 

@@ -440,8 +440,9 @@ class QatSpec(_Section):
         "retrain.epochs")
     finetune_learning_rate: LearningRateSpec | None = Field(
         None, description="start: fp32: the learning-rate schedule of the QAT fine-tuning and of its FP32 control "
-        "(they start from a trained model, which train.learning_rate's peak first knocks back); default "
-        "train.learning_rate")
+        "(they start from a trained model, which train.learning_rate's peak first knocks back; bench/README.md "
+        "finetune.py: shorter, gentler fine-tunings lost mAP). Default train.learning_rate; keys left out of it "
+        "take the schedule's own defaults, not train's")
     calibration_batches: int = Field(8, ge=1, description="training batches that initialise activation ranges")
     ema_decay: float = Field(0.999, ge=0, lt=1, description="moving average of activation ranges in training")
     bn_update_epochs: int | None = Field(
@@ -529,7 +530,8 @@ class ExportSpec(_Section):
         "(10.3.0 -> 100300, DeepStream 7.1; 8.6.1 -> 8601)")
     fp16_onnx: bool = Field(
         True, description="also write <stem>_fp16.onnx: the float regions in FP16 through explicit casts (the only "
-        "FP16 a strongly typed TensorRT 11 build has), every tensor the FP16 guard flags kept FP32; with "
+        "FP16 a strongly typed TensorRT 11 build has), the output tail after the last compute layer and every tensor "
+        "the FP16 guard flags kept FP32; with "
         "precision_report.json/.md beside it")
     fp16_images: int = Field(16, ge=1, description="training images (a seeded sample) the FP16 guard records "
                              "ranges on and the FP16 form is compared on, layer by layer")
@@ -842,7 +844,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "prune": ("dataset", "model", "prune"),
     "retrain": ("dataset", "model", "augmentation", "train", "evaluate", "retrain"),
     "retrain_qat": ("dataset", "model", "augmentation", "train", "evaluate", "retrain", "qat"),
-    # the FP32 baseline fine-tuned as long as QAT: qat.start and finetune_epochs, never what only QAT reads
+    # the FP32 baseline fine-tuned as QAT is: qat.start, finetune_epochs and finetune_learning_rate, never what only QAT
+    # reads
     "finetune_fp32": ("dataset", "model", "augmentation", "train", "evaluate", "retrain", "qat"),
     "export": ("dataset", "model", "export"),
     "ptq": ("dataset", "model", "evaluate", "ptq"),

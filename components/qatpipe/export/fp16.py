@@ -6,8 +6,9 @@ What stays FP32 (`fp32_nodes`, each with its reason):
   DequantizeLinear (TensorRT runs it in INT8), and every node from which a QuantizeLinear is reached (the
   BatchNorm / ReLU / Add epilogues TensorRT fuses into the INT8 layer before them). What is left of the float
   region after the last quantized layer, and all of an FP32 model, is FP16, except
-- the output tail: every node between the last compute layer (or Q/DQ) and a graph output (sigmoid, softmax, the
-  heads' transposes, SSD's box decoding). FP16 would round scores near 1 to 1 and tie the near-certain detections;
+- the output tail: the float path from the last compute layer (or Q/DQ) to a graph output (sigmoid, softmax, the
+  heads' transposes, reshapes and concatenations). FP16 would round scores near 1 to 1 and tie the near-certain
+  detections;
 - every node that writes or reads a tensor the FP16 guard flags (precision.fp16_flags: it overflows FP16 or
   FP16 would flush it), so no flagged value is ever held in FP16.
 
@@ -58,6 +59,16 @@ def _named(model) -> None:
         seen.add(node.name)
 
 
+def _float_tensors(model) -> set[str]:
+    """The names of the float32 tensors of `model` (inputs, initializers, node outputs), by shape inference."""
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(model)
+    typed = [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]
+    return ({v.name for v in typed if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+            | {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT})
+
+
 def fp32_nodes(model, flags: dict[str, str]) -> dict[str, str]:
     """{node name: why} for the nodes of `model` that must compute in FP32; `flags` is {tensor: why} from the
     FP16 guard. Nodes must be named (`_named`)."""
@@ -100,17 +111,19 @@ def fp32_nodes(model, flags: dict[str, str]) -> dict[str, str]:
         elif node.name in feeds_q:
             keep[node.name] = "int8 epilogue: feeds a QuantizeLinear, fused into the INT8 layer before it"
 
-    # the output tail: what lies between the last compute layer and a graph output (sigmoid, softmax, the heads'
-    # transposes and concatenations, SSD's box decoding) stays FP32. In FP16 a score near 1 rounds to 1 (its
-    # spacing there is 2^-11), so near-certain detections tie and lose their order, which costs mAP at the
-    # stricter IoU thresholds; these few elementwise ops cost nothing measurable in FP32
+    # the output tail: the float path from the last compute layer to a graph output (sigmoid, softmax, the heads'
+    # transposes, reshapes and concatenations) stays FP32. In FP16 a score near 1 rounds to 1 (its spacing there is
+    # 2^-11), so near-certain detections tie and lose their order, which costs mAP at the stricter IoU thresholds.
+    # Only float tensors are followed: a Reshape's shape input (Shape -> Slice -> Concat) is no part of it
+    floats = _float_tensors(model)
     queue = deque(producer[o.name] for o in model.graph.output if o.name in producer)
     while queue:
         node = queue.popleft()
-        if node.op_type in WEIGHTED_ONNX_OPS or node.op_type in QDQ_OPS or node.name in keep:
+        if (node.op_type in WEIGHTED_ONNX_OPS or node.op_type in QDQ_OPS or node.name in keep
+                or not any(out in floats for out in node.output)):
             continue
-        keep[node.name] = "output: between the last compute layer and a graph output (FP16 would tie the top scores)"
-        queue.extend(producer[i] for i in node.input if i in producer)
+        keep[node.name] = "output: on the float path from the last compute layer to a graph output"
+        queue.extend(producer[i] for i in node.input if i in producer and i in floats)
 
     # the guard: a flagged value is never held in FP16, neither where it is written nor where it is read
     for tensor, why in flags.items():

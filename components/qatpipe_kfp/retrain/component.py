@@ -40,9 +40,10 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
         checkpoint_uri: s3://bucket/prefix where the resume state is mirrored after every checkpoint when the
             pipeline has no cache volume (under the KFP run id), so that a retried task resumes. Empty: none.
         start: The FP32 retrain's model, for the retrains after it (qatpipe.stages.retrain_plan.plan_retrain). Under
-            qat.start fp32 the QAT task fine-tunes it for qat.finetune_epochs, and the FP32 task (the baseline,
-            finetune-fp32) fine-tunes it as long in FP32. Under qat.start pruned the QAT task retrains the pruned
-            model and the FP32 task hands `start` on unchanged. Absent: a retrain of the pruned model.
+            qat.start fp32 the QAT task fine-tunes it for qat.finetune_epochs under qat.finetune_learning_rate, and
+            the FP32 task (the baseline, finetune-fp32) fine-tunes it as long in FP32. Under qat.start pruned the
+            QAT task retrains the pruned model and the FP32 task hands `start` on unchanged. Absent: a retrain of
+            the pruned model.
 
     Returns:
         model: Folder with model.keras, the training log and tracking.json (QAT: also qat_ranges.json; under
