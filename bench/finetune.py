@@ -3,7 +3,7 @@
     python bench/finetune.py --run RUN [--work DIR] --recipe NAME KEY=VALUE ... [--recipe ...]
 
 RUN is a finished `qatpipe run --local` folder whose QAT fine-tuned the FP32 retrain's model. Each recipe (its
-`qat.*` overrides, e.g. `qat.finetune_epochs=4` and `qat.finetune_learning_rate={max_lr: 2.0e-4}`) fine-tunes
+`qat.*` overrides, e.g. `qat.finetune_epochs=4` and a whole `qat.finetune_learning_rate={...}`) fine-tunes
 that same FP32 retrain's model twice through the pipeline's own plan (stages/retrain_plan.py), with QAT and in
 FP32 (the baseline), exports both to ONNX and evaluates them on the run's val set, as the run's evaluate tasks
 scored its own two. Prints per recipe and for the run's own: FP32 and QAT mAP@0.5 with 95% bootstrap CIs, QAT -
