@@ -25,6 +25,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from qatpipe.errors import QatpipeError
+from qatpipe.export.onnx_graph import tensor_types
 from qatpipe.quantization.kinds import WEIGHTED_ONNX_OPS
 
 log = logging.getLogger(__name__)
@@ -59,19 +60,11 @@ def _named(model) -> None:
         seen.add(node.name)
 
 
-def _float_tensors(model) -> set[str]:
-    """The names of the float32 tensors of `model` (inputs, initializers, node outputs), by shape inference."""
-    import onnx
-
-    inferred = onnx.shape_inference.infer_shapes(model)
-    typed = [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]
-    return ({v.name for v in typed if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
-            | {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT})
-
-
 def fp32_nodes(model, flags: dict[str, str]) -> dict[str, str]:
     """{node name: why} for the nodes of `model` that must compute in FP32; `flags` is {tensor: why} from the
     FP16 guard. Nodes must be named (`_named`)."""
+    from onnx import TensorProto
+
     nodes = list(model.graph.node)
     producer = {out: node for node in nodes for out in node.output if out}
     consumers: dict[str, list] = defaultdict(list)
@@ -115,7 +108,7 @@ def fp32_nodes(model, flags: dict[str, str]) -> dict[str, str]:
     # transposes, reshapes and concatenations) stays FP32. In FP16 a score near 1 rounds to 1 (its spacing there is
     # 2^-11), so near-certain detections tie and lose their order, which costs mAP at the stricter IoU thresholds.
     # Only float tensors are followed: a Reshape's shape input (Shape -> Slice -> Concat) is no part of it
-    floats = _float_tensors(model)
+    floats = {name for name, kind in tensor_types(model, initializers=True).items() if kind == TensorProto.FLOAT}
     queue = deque(producer[o.name] for o in model.graph.output if o.name in producer)
     while queue:
         node = queue.popleft()
@@ -263,9 +256,7 @@ def _float16_outputs(model) -> dict[str, bool | None]:
     """{node name: True if it writes float16, False if float32, None if it writes no float}."""
     import onnx
 
-    inferred = onnx.shape_inference.infer_shapes(model)
-    types = {v.name: v.type.tensor_type.elem_type for v in
-             [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    types = tensor_types(model)
     result = {}
     for node in model.graph.node:
         kinds = {types.get(out) for out in node.output if out}
@@ -352,9 +343,7 @@ def rounded_form(float32_model, fp16_model):
     weights16 = {i.name.removesuffix("__fp32"): i for i in fp16_model.graph.initializer
                  if i.data_type == onnx.TensorProto.FLOAT16}
     floats = {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
-    inferred = onnx.shape_inference.infer_shapes(model)
-    types = {v.name: v.type.tensor_type.elem_type for v in
-             [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    types = tensor_types(model)
     added_weights: dict[str, str] = {}
     rounded: dict[str, str] = {}  # float32 tensor -> its FP16-rounded twin
     nodes = []

@@ -20,6 +20,19 @@ def attribute(node, name: str, default=None):
     return default
 
 
+def tensor_types(model, initializers: bool = False) -> dict[str, int]:
+    """Tensor name -> ONNX element type (onnx.TensorProto.FLOAT, ...) of the graph's inputs, outputs and node outputs,
+    by shape inference; with `initializers`, of its initializers too."""
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in
+             [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    if initializers:
+        types.update({i.name: i.data_type for i in model.graph.initializer})
+    return types
+
+
 def graph_maps(graph) -> tuple[dict, dict]:
     """(tensor -> producing node, tensor -> consuming nodes)."""
     producers = {out: node for node in graph.node for out in node.output}

@@ -22,6 +22,7 @@ from typing import Iterable
 import numpy as np
 
 from qatpipe.errors import QatpipeError
+from qatpipe.export.onnx_graph import tensor_types
 from qatpipe.onnx_model import load_onnx_proto
 from qatpipe.quantization.kinds import WEIGHTED_ONNX_OPS
 
@@ -51,9 +52,7 @@ def _float_tensors(model) -> list[tuple[str, str, str, int]]:
     in graph order."""
     import onnx
 
-    inferred = onnx.shape_inference.infer_shapes(model)
-    types = {v.name: v.type.tensor_type.elem_type for v in
-             [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]}
+    types = tensor_types(model)
     floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
     return [(out, node.op_type, node.name or out, types[out]) for node in model.graph.node for out in node.output
             if out and types.get(out) in floats]
@@ -224,10 +223,7 @@ def layer_precision(onnx_path: str | Path) -> dict[str, int]:
     import onnx
 
     model = load_onnx_proto(onnx_path)
-    inferred = onnx.shape_inference.infer_shapes(model)
-    types = {v.name: v.type.tensor_type.elem_type for v in
-             [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
-    types.update({i.name: i.data_type for i in model.graph.initializer})
+    types = tensor_types(model, initializers=True)
     producers = {out: node.op_type for node in model.graph.node for out in node.output}
     counts = {"int8": 0, "fp16": 0, "fp32": 0}
     for node in model.graph.node:
