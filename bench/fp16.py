@@ -60,7 +60,7 @@ def bench_run(run: Path, work: Path) -> list[dict]:
         started = time.perf_counter()
         form = write_fp16_form(spec, model, qat=variant == "qat")
         seconds = time.perf_counter() - started
-        scores, strict_scores, matched = {}, {}, {}
+        results, matched = {}, {}
         # the FP16 form as ONNX Runtime's CPU build scores it faithfully (export/fp16.rounded_form)
         import onnx
 
@@ -69,22 +69,21 @@ def bench_run(run: Path, work: Path) -> list[dict]:
 
         rounded = save_onnx(rounded_form(onnx.load(model), onnx.load(form["onnx"])), folder / "model_fp16_rounded.onnx")
         for name, path in (("float32", model), ("fp16", rounded)):
-            result = evaluate(spec, path, folder / f"evaluation_{name}")
-            scores[name], strict_scores[name] = result["map50"], result["map"]
+            results[name] = evaluate(spec, path, folder / f"evaluation_{name}")
             truth = read_json(folder / f"evaluation_{name}" / GROUND_TRUTH_FILE, "ground truth")
             detections = read_json(folder / f"evaluation_{name}" / DETECTIONS_FILE, "detections")
             matched[name] = match_detections(truth, detections)
         pairs = paired_bootstrap(matched, [("fp16", "float32")])["pairs"]["fp16-float32"]
         pair, strict = pairs["map50"], pairs["map"]
-        rows.append({"run": str(run), "variant": variant, "map50_float32": scores["float32"],
-                     "map50_fp16": scores["fp16"], "diff": pair["diff"], "ci95": pair["ci95"],
-                     "map_float32": strict_scores["float32"], "map_fp16": strict_scores["fp16"],
+        rows.append({"run": str(run), "variant": variant, "map50_float32": results["float32"]["map50"],
+                     "map50_fp16": results["fp16"]["map50"], "diff": pair["diff"], "ci95": pair["ci95"],
+                     "map_float32": results["float32"]["map"], "map_fp16": results["fp16"]["map"],
                      "map_diff": strict["diff"], "map_ci95": strict["ci95"],
                      "fp16_nodes": form["fp16_nodes"], "fp32_nodes": form["fp32_nodes"],
                      "guard_flags": form["guard_flags"], "layer_max_error": form["layer_max_error"],
                      "conversion_seconds": round(seconds, 1)})
-        log.info("%s %s: float32 %.4f, FP16 form %.4f (%+.2f points)", run.name, variant, scores["float32"],
-                 scores["fp16"], 100 * pair["diff"])
+        log.info("%s %s: float32 %.4f, FP16 form %.4f (%+.2f points)", run.name, variant,
+                 results["float32"]["map50"], results["fp16"]["map50"], 100 * pair["diff"])
     return rows
 
 
@@ -98,7 +97,7 @@ def print_rows(rows: list[dict]) -> None:
         lo, hi = (100 * v for v in r["ci95"])
         within = abs(100 * r["diff"]) <= TARGET_POINTS
         strict = (f"{r['map_float32']:.4f} / {r['map_fp16']:.4f} | {100 * r['map_diff']:+.2f} "
-                  f"[{100 * r['map_ci95'][0]:+.2f}, {100 * r['map_ci95'][1]:+.2f}]") if "map_diff" in r else "|"
+                  f"[{100 * r['map_ci95'][0]:+.2f}, {100 * r['map_ci95'][1]:+.2f}]")
         print(f"| {Path(r['run']).name} | {r['variant']} | {r['map50_float32']:.4f} | {r['map50_fp16']:.4f} | "
               f"{100 * r['diff']:+.2f} [{lo:+.2f}, {hi:+.2f}] | {r['fp16_nodes']} / {r['fp32_nodes']} | "
               f"{r['guard_flags']} | {r['layer_max_error']:.2g} | {'yes' if within else 'NO'} | {strict} |")
