@@ -60,6 +60,15 @@ def test_the_fine_tunings_and_only_they_train_under_qat_finetune_learning_rate()
     assert spec.train.learning_rate.max_lr == 2.0e-3  # the spec applied is a copy
 
 
+def test_a_bad_fine_tuning_schedule_is_refused_naming_its_key():
+    from qatpipe.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"qat.finetune_learning_rate: .*min_lr \(0.01\) > max_lr \(0.001\)"):
+        _spec("qat.finetune_learning_rate={min_lr: 1.0e-2, max_lr: 1.0e-3}")
+    with pytest.raises(SpecError, match=r"qat.finetune_learning_rate.warmup: unknown key"):
+        _spec("qat.finetune_learning_rate={max_lr: 1.0e-3, warmup: 2}")
+
+
 def test_an_unknown_start_is_refused_by_the_spec():
     from qatpipe.errors import QatpipeError
 
