@@ -176,6 +176,31 @@ def test_a_qdq_model_keeps_its_int8_region_and_computes_only_its_float_layer_in_
     np.testing.assert_allclose(_run(converted, x)["y"], _run(model, x)["y"], atol=1e-3)
 
 
+def test_a_shape_read_of_an_int8_head_keeps_the_head_output_float32():
+    """x -> Q/DQ -> conv_head (INT8) -> transpose -> reshape -> y, the reshape's shape taken from the head's output by
+    Shape (SSD's head reshapes): the Shape reads the float32 head output as it is. Converted in FP16 it made the
+    converter round the head output to FP16 for it, and the transpose read it back through that rounding."""
+    rng = np.random.default_rng(2)
+    nodes = [*_qdq("x", "x"),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], name="w_dequantize", axis=0),
+             helper.make_node("Conv", ["x_dq", "w"], ["head"], name="conv_head"),
+             helper.make_node("Shape", ["head"], ["head_shape"], name="shape", start=0, end=1),
+             helper.make_node("Concat", ["head_shape", "minus_one"], ["target"], name="target", axis=0),
+             helper.make_node("Transpose", ["head"], ["t"], name="transpose", perm=[0, 2, 3, 1]),
+             helper.make_node("Reshape", ["t", "target"], ["y"], name="reshape")]
+    model = _model(nodes, ["x"], [], [numpy_helper.from_array(rng.integers(-100, 100, (3, 3, 1, 1)).astype(np.int8),
+                                                              "wq"),
+                                      _const("s", 0.02), _const("zp", 0, np.int8), _const("ws", [0.01, 0.02, 0.03]),
+                                      _const("wz", [0, 0, 0], np.int8), _const("minus_one", [-1], np.int64)])
+    model.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None]))
+
+    converted, plan = fp16.convert(model, {})
+    assert plan.fp16 == [] and plan.fp32["shape"].startswith("shape: ") and plan.casts == 0
+    assert not fp16._round_trips(converted)
+    x = _batches()[0]
+    np.testing.assert_array_equal(_run(converted, x)["y"], _run(model, x)["y"])
+
+
 def test_the_export_writes_the_qat_models_fp16_form(qat_export):
     """The tiny detector's QAT export (export.fp16_onnx is on by default): its FP16 form passes TensorRT's Q/DQ
     rules and computes nothing in FP16 (every compute layer is INT8, and the output tail after the last one stays

@@ -10,11 +10,13 @@ What stays FP32 (`fp32_nodes`, each with its reason):
   heads' transposes, reshapes and concatenations). FP16 would round scores near 1 to 1 and tie the near-certain
   detections;
 - every node that writes or reads a tensor the FP16 guard flags (precision.fp16_flags: it overflows FP16 or
-  FP16 would flush it), so no flagged value is ever held in FP16.
+  FP16 would flush it), so no flagged value is ever held in FP16;
+- a Shape or Size of a tensor that is float32 already: converted, it would round that tensor through FP16 for
+  itself, and the FP32 nodes beside it would read the rounded value.
 
 The conversion itself is onnxconverter-common's (`float16.convert_float_to_float16`, with these nodes on its
 block list and the graph's inputs and outputs kept float32); `convert` then checks, node by node, that exactly
-the nodes allowed compute in FP16.
+the nodes allowed compute in FP16, and that no float32 value goes through FP16 and back.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from qatpipe.quantization.kinds import WEIGHTED_ONNX_OPS
 log = logging.getLogger(__name__)
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+SHAPE_OPS = ("Shape", "Size")  # read a tensor's shape only, never its values
 
 
 @dataclass
@@ -124,6 +127,15 @@ def fp32_nodes(model, flags: dict[str, str]) -> dict[str, str]:
             keep[producer[tensor].name] = f"guard: writes {tensor} ({why})"
         for node in consumers.get(tensor, ()):
             keep.setdefault(node.name, f"guard: reads {tensor} ({why})")
+
+    # a Shape or Size of a float32 tensor reads it as it is: converted, it would make the converter cast that tensor
+    # to FP16 for it alone, and the FP32 readers beside it would read the value back through that rounding (SSD's
+    # head reshapes take their shape from the head conv's output)
+    inputs = {i.name for i in model.graph.input}
+    for node in nodes:
+        if node.op_type in SHAPE_OPS and node.name not in keep and (
+                node.input[0] in inputs or (node.input[0] in producer and producer[node.input[0]].name in keep)):
+            keep[node.name] = "shape: reads only the shape of a float32 tensor"
     return keep
 
 
@@ -155,6 +167,22 @@ def _unshare_initializers(model, keep: dict[str, str]) -> int:
     return copies
 
 
+def _cast_to(node) -> int | None:
+    return next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" else None
+
+
+def _round_trips(model) -> list:
+    """The float16 -> float32 Casts that read a float32 -> float16 Cast of a float32 tensor: a value rounded for
+    nothing, which a node kept FP32 then reads."""
+    import onnx
+
+    types = tensor_types(model, initializers=True)
+    writer = {out: node for node in model.graph.node for out in node.output}
+    return [node for node in model.graph.node if _cast_to(node) == onnx.TensorProto.FLOAT
+            and node.input[0] in writer and _cast_to(writer[node.input[0]]) == onnx.TensorProto.FLOAT16
+            and types.get(writer[node.input[0]].input[0]) == onnx.TensorProto.FLOAT]
+
+
 def _drop_round_trips(model) -> int:
     """Remove float32 -> float16 -> float32 Cast pairs (the converter writes one where a float32 tensor feeds
     several nodes it must leave in float32: a lossy no-op that would also part a DequantizeLinear from its
@@ -167,17 +195,13 @@ def _drop_round_trips(model) -> int:
         for name in node.input:
             readers[name].append(node)
     outputs = {o.name for o in model.graph.output}
-
-    def cast_to(node) -> int | None:
-        return next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" else None
-
     rename: dict[str, str] = {}
     dropped: set[int] = set()
     for node in nodes:
-        if cast_to(node) != onnx.TensorProto.FLOAT16 or node.output[0] in outputs:
+        if _cast_to(node) != onnx.TensorProto.FLOAT16 or node.output[0] in outputs:
             continue
         after = readers[node.output[0]]
-        if after and all(cast_to(r) == onnx.TensorProto.FLOAT and r.output[0] not in outputs for r in after):
+        if after and all(_cast_to(r) == onnx.TensorProto.FLOAT and r.output[0] not in outputs for r in after):
             dropped.add(id(node))
             for r in after:
                 dropped.add(id(r))
@@ -225,8 +249,7 @@ def _float32_outputs(original, converted) -> int:
 
     was_float = {o.name for o in original.graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
     writer = {out: node for node in converted.graph.node for out in node.output}
-    inferred = onnx.shape_inference.infer_shapes(converted)
-    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.value_info, *inferred.graph.input]}
+    types = tensor_types(converted)
     fixed = 0
     for output in converted.graph.output:
         if output.name not in was_float or output.type.tensor_type.elem_type != onnx.TensorProto.FLOAT16:
@@ -314,6 +337,7 @@ def convert(model, flags: dict[str, str]):
                 plan.fp16.append(node.name)
             else:
                 wrong.append(f"{node.name} ({node.op_type}) was left in FP32 though nothing keeps it there")
+    wrong += [f"{cast.output[0]} is a float32 value rounded through FP16 and back" for cast in _round_trips(converted)]
     if wrong:
         raise QatpipeError("the FP16 conversion did not follow its plan: " + "; ".join(wrong[:5]))
     log.info("FP16 graph: %d nodes in FP16, %d kept FP32 (%s), %d casts", len(plan.fp16), len(plan.fp32),
