@@ -115,6 +115,9 @@ def tiny_dataset(tmp_path_factory) -> Path:
 # distribution, validation, files, logs, precision) rather than of what it learns. A 2-epoch run of the tiny model:
 # 28 s -> 15 s (its early layers, at full resolution, cost the same at any backbone width)
 SMALL_IMAGES = ("dataset.image_size.height=96", "dataset.image_size.width=160")
+# each arch at a small size it takes (SSD's must be a multiple of its largest stride, 64)
+SMALL_ARCH = {"detectnet_v2": SMALL_IMAGES,
+              "ssd": ("model.arch=ssd", "dataset.image_size.height=128", "dataset.image_size.width=192")}
 
 
 @pytest.fixture

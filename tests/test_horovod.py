@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SMALL_IMAGES
+from conftest import SMALL_ARCH, SMALL_IMAGES
 from qatpipe.training.distributed import World, horovodrun_command
 
 horovod = pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: `make install` builds it")
@@ -48,11 +48,12 @@ def _env() -> dict:
     return {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
-def test_two_horovod_processes_end_with_identical_weights_and_the_loss_falls(tiny_spec, tmp_path):
+@pytest.mark.parametrize("arch", ["detectnet_v2", "ssd"])
+def test_two_horovod_processes_end_with_identical_weights_and_the_loss_falls(arch, tiny_spec, tmp_path):
     from qatpipe.spec import dump_spec
 
     # keep=last: with keep=best rank 0 alone swaps in the best epoch's weights after training (it writes the model)
-    spec = tiny_spec("train.epochs=4", "train.keep=last", *SMALL_IMAGES)
+    spec = tiny_spec("train.epochs=4", "train.keep=last", *SMALL_ARCH[arch])
     spec_path = tmp_path / "spec.yaml"
     dump_spec(spec, spec_path)
     script = tmp_path / "rank.py"

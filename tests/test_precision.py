@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
-from conftest import SMALL_IMAGES
+from conftest import SMALL_ARCH, SMALL_IMAGES
 from qatpipe.stages.train import train
 from qatpipe.training import precision
 from qatpipe.training.precision import cast_model, cpu_flags, model_policy, select_precision
@@ -65,11 +65,6 @@ def test_bf16_without_amx_warns_that_it_may_be_slower(monkeypatch, caplog, flags
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert ("this CPU has no AMX" in caplog.text) is warned
-
-
-# each arch at a small size it takes (SSD's must be a multiple of its largest stride, 64)
-SMALL_ARCH = {"detectnet_v2": SMALL_IMAGES,
-              "ssd": ("model.arch=ssd", "dataset.image_size.height=128", "dataset.image_size.width=192")}
 
 
 @pytest.mark.parametrize("arch", SMALL_ARCH)
