@@ -299,7 +299,7 @@ class SsdDecoderSpec(_Section):
 class SsdSpec(_ArchitectureSpec):
     """The model section when model.arch is ssd: multi-scale heads on the backbone (models/ssd.py)."""
 
-    arch: Literal["ssd"]
+    arch: Literal["ssd"] = "ssd"
     backbone: BackboneSpec = Field(default_factory=BackboneSpec)
     regularizer: RegularizerSpec = Field(default_factory=RegularizerSpec)
     ssd: SsdPriorSpec = Field(default_factory=SsdPriorSpec)
@@ -642,7 +642,7 @@ class TrackingSpec(_Section):
 
 class ExperimentSpec(_Section):
     dataset: DatasetSpec
-    model: ModelSpec = Field(default_factory=DetectNetV2Spec)
+    model: ModelSpec = Field(default_factory=lambda: ARCHITECTURE_SPECS[DEFAULT_ARCH](arch=DEFAULT_ARCH))
     augmentation: AugmentationSpec = Field(default_factory=AugmentationSpec)
     pretrain: PretrainSpec = Field(default_factory=PretrainSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
