@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runs import median_round, speedup_range, time_in_rounds  # bench/runs.py, beside this script
+from runs import median_round, speedup_range, stage_folder, time_in_rounds  # bench/runs.py, beside this script
 
 log = logging.getLogger("bench")
 
@@ -37,7 +37,8 @@ log = logging.getLogger("bench")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", type=Path, required=True, help="a `qatpipe run --local` output folder")
-    parser.add_argument("--spec", default="default")
+    parser.add_argument("--spec", default=None, help="default: the run's own (its train task's spec.yaml), so a run "
+                        "of either arch is decoded as it was trained")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--min-seconds", type=float, default=5.0, help="per engine and batch size, over all rounds")
@@ -65,7 +66,7 @@ def main() -> None:
     from qatpipe.stages.build_engine import build_engine
 
     sources = _onnx_models(args.run)
-    spec = load_spec_uri(args.spec, [])
+    spec = load_spec_uri(args.spec or str(stage_folder(args.run, "train") / "spec.yaml"), [])
     size = spec.dataset.image_size
     rng = np.random.default_rng(0)
     results: dict[str, dict] = {}

@@ -17,11 +17,11 @@ def write(tmp_path, data) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("name", ["default", "tiny"])
-def test_bundled_specs_are_valid(name):
+@pytest.mark.parametrize("name, arch", [("default", "ssd"), ("tiny", "detectnet_v2")])
+def test_bundled_specs_are_valid(name, arch):
     spec = load_spec(bundled_spec_path(name))
     assert spec.dataset.classes == ["car", "pedestrian", "cyclist"]
-    assert spec.model.arch == "detectnet_v2"
+    assert spec.model.arch == arch
 
 
 def test_the_default_spec_evaluates_on_2000_val_images_and_validates_during_training_on_300():

@@ -317,6 +317,7 @@ class SsdSpec(_ArchitectureSpec):
 # a new architecture adds its section class to ARCHITECTURE_SPECS, its package to qatpipe.models and its line
 # to qatpipe.models.get_architecture's table; nothing else in the spec changes.
 ARCHITECTURE_SPECS = {"detectnet_v2": DetectNetV2Spec, "ssd": SsdSpec}
+# DEFAULT_ARCH: of a spec that names no arch, as every spec did before SSD came (the bundled default names ssd)
 DEFAULT_ARCH = "detectnet_v2"
 
 
