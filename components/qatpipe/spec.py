@@ -643,7 +643,7 @@ class TrackingSpec(_Section):
 
 class ExperimentSpec(_Section):
     dataset: DatasetSpec
-    model: ModelSpec = Field(default_factory=lambda: ARCHITECTURE_SPECS[DEFAULT_ARCH](arch=DEFAULT_ARCH))
+    model: ModelSpec = Field(default_factory=lambda: ARCHITECTURE_SPECS[DEFAULT_ARCH]())
     augmentation: AugmentationSpec = Field(default_factory=AugmentationSpec)
     pretrain: PretrainSpec = Field(default_factory=PretrainSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
