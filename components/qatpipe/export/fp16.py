@@ -184,38 +184,36 @@ def _round_trips(model) -> list:
 
 
 def _drop_round_trips(model) -> int:
-    """Remove float32 -> float16 -> float32 Cast pairs (the converter writes one where a float32 tensor feeds
-    several nodes it must leave in float32: a lossy no-op that would also part a DequantizeLinear from its
-    INT8 layer); their readers read the float32 tensor again. Returns the pairs removed."""
+    """Remove the float32 -> float16 -> float32 Cast round trips (`_round_trips`; the converter writes one where a
+    float32 tensor feeds a node it must leave in float32: a lossy no-op that would also part a DequantizeLinear
+    from its INT8 layer): their readers read the float32 tensor again (a graph output through an Identity), and a
+    float16 Cast no node reads any more goes too. Returns the round trips removed."""
     import onnx
 
-    nodes = list(model.graph.node)
-    readers: dict[str, list] = defaultdict(list)
-    for node in nodes:
-        for name in node.input:
-            readers[name].append(node)
-    outputs = {o.name for o in model.graph.output}
-    rename: dict[str, str] = {}
-    dropped: set[int] = set()
-    for node in nodes:
-        if _cast_to(node) != onnx.TensorProto.FLOAT16 or node.output[0] in outputs:
-            continue
-        after = readers[node.output[0]]
-        if after and all(_cast_to(r) == onnx.TensorProto.FLOAT and r.output[0] not in outputs for r in after):
-            dropped.add(id(node))
-            for r in after:
-                dropped.add(id(r))
-                rename[r.output[0]] = node.input[0]
-    if not rename:
+    back = _round_trips(model)
+    if not back:
         return 0
-    kept = [node for node in nodes if id(node) not in dropped]
+    writer = {out: node for node in model.graph.node for out in node.output}
+    outputs = {o.name for o in model.graph.output}
+    rename = {}
+    for cast in back:
+        source = writer[cast.input[0]].input[0]
+        if cast.output[0] in outputs:
+            cast.op_type, cast.input[0] = "Identity", source
+            del cast.attribute[:]
+        else:
+            rename[cast.output[0]] = source
+    kept = [node for node in model.graph.node if node.output[0] not in rename]
     for node in kept:
         for i, name in enumerate(node.input):
             if name in rename:
                 node.input[i] = rename[name]
+    read = {name for node in kept for name in node.input} | outputs
+    kept = [node for node in kept
+            if _cast_to(node) != onnx.TensorProto.FLOAT16 or any(out in read for out in node.output)]
     del model.graph.node[:]
     model.graph.node.extend(kept)
-    return len(rename)
+    return len(back)
 
 
 def _restore_names(original, converted) -> None:
