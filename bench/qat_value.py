@@ -5,9 +5,9 @@
 
 Per backbone it runs the whole pipeline (`qatpipe run --local`, default spec, only `model.backbone.name` and the
 `--set` overrides changed; the val set is the default's), which measures the sensitivity of the PTQ and QAT
-models and makes the ptq-partial variant (`ptq.keep_float: auto`). Then QAT + distillation: the run's own QAT
-retrain spec with `qat.distill_weight` W, from the same start (the FP32 retrain's model, also the teacher),
-exported, built into an engine and evaluated on the same val images; with --qat-auto, the same again with
+models and makes the ptq-partial variant (`ptq.keep_float: auto`). Then QAT + distillation (none with W 0): the
+run's own QAT retrain spec with `qat.distill_weight` W, from the same start (the FP32 retrain's model, also the
+teacher), exported, built into an engine and evaluated on the same val images; with --qat-auto, the same again with
 `qat.excluded_layers: auto` (the variant qat-auto: the layers partial PTQ of that start keeps float stay float);
 with --qat-freeze N, with BatchNormalization statistics and activation ranges frozen after N epochs (qat-freeze:
 `qat.bn_update_epochs` and `qat.range_update_epochs` N).
@@ -56,7 +56,7 @@ def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight
         wall, seconds = round(time.perf_counter() - started, 1), {}
     else:  # the times stay those of the runs that made them
         wall, seconds = before.get("wall_seconds"), extra_seconds(before)
-    extra = {"qat+distill": {"distill_weight": distill_weight}}
+    extra = {"qat+distill": {"distill_weight": distill_weight}} if distill_weight else {}
     if qat_auto:
         extra["qat-auto"] = {"excluded_layers": "auto"}
     if qat_freeze is not None:
@@ -215,7 +215,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("results/bench_qat_value"))
     parser.add_argument("--backbones", nargs="+", default=["mobilenet_v2", "resnet", "efficientnet_b0"])
-    parser.add_argument("--distill-weight", type=float, default=1.0)
+    parser.add_argument("--distill-weight", type=float, default=1.0,
+                        help="the qat+distill variant's qat.distill_weight; 0: no such variant")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--qat-auto", action="store_true",
                         help="also the variant qat-auto: the QAT retrain again with qat.excluded_layers auto")
