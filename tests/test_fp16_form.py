@@ -201,6 +201,37 @@ def test_a_shape_read_of_an_int8_head_keeps_the_head_output_float32():
     np.testing.assert_array_equal(_run(converted, x)["y"], _run(model, x)["y"])
 
 
+def test_an_epilogue_read_by_its_quantizer_and_a_float_layer_reaches_the_quantizer_unrounded():
+    """x -> Q/DQ -> conv_a (INT8) -> relu -> (Q/DQ -> conv_head -> y) and (conv_float -> z): the relu, the INT8
+    epilogue, stays float32 and also feeds conv_float, a layer kept float (a partial PTQ model). The converter
+    casts the relu's output to FP16 for conv_float and, through that cast, back to float32 for the quantizer: the
+    quantizer must read the relu's float32 output itself, while conv_float keeps its FP16 input."""
+    rng = np.random.default_rng(3)
+    weights = [numpy_helper.from_array(rng.integers(-100, 100, (3, 3, 1, 1)).astype(np.int8), f"w{i}q")
+               for i in range(2)]
+    nodes = [*_qdq("x", "x"),
+             *[helper.make_node("DequantizeLinear", [f"w{i}q", "ws", "wz"], [f"w{i}"], name=f"w{i}_dequantize",
+                                axis=0) for i in range(2)],
+             helper.make_node("Conv", ["x_dq", "w0"], ["a"], name="conv_a"),
+             helper.make_node("Relu", ["a"], ["r"], name="relu"),
+             *_qdq("r", "r"),
+             helper.make_node("Conv", ["r_dq", "w1"], ["y"], name="conv_head"),
+             helper.make_node("Conv", ["r", "wf"], ["z"], name="conv_float")]
+    model = _model(nodes, ["x"], ["y", "z"], [*weights, _const("s", 0.02), _const("zp", 0, np.int8),
+                                              _const("ws", [0.01, 0.02, 0.03]), _const("wz", [0, 0, 0], np.int8),
+                                              _const("wf", rng.normal(0, 0.5, (3, 3, 1, 1)))])
+
+    converted, plan = fp16.convert(model, {})
+    assert plan.fp16 == ["conv_float"] and plan.round_trips_removed >= 1
+    assert not fp16._round_trips(converted) and not check_explicit_quantization(converted).problems
+    nodes = {n.name: n for n in converted.graph.node}
+    assert nodes["r_quantize"].input[0] == nodes["relu"].output[0]  # the relu's float32 output, no cast between
+    x = _batches()[0]
+    original, fp16_form = _run(model, x), _run(converted, x)
+    np.testing.assert_array_equal(fp16_form["y"], original["y"])
+    np.testing.assert_allclose(fp16_form["z"], original["z"], atol=1e-2)
+
+
 def test_the_export_writes_the_qat_models_fp16_form(qat_export):
     """The tiny detector's QAT export (export.fp16_onnx is on by default): its FP16 form passes TensorRT's Q/DQ
     rules and computes nothing in FP16 (every compute layer is INT8, and the output tail after the last one stays
