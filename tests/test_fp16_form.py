@@ -232,6 +232,24 @@ def test_an_epilogue_read_by_its_quantizer_and_a_float_layer_reaches_the_quantiz
     np.testing.assert_allclose(fp16_form["z"], original["z"], atol=1e-2)
 
 
+def test_a_round_trip_into_a_graph_output_becomes_an_identity_of_the_float32_value():
+    """relu -> Cast(float16) -> Cast(float32) -> y, the float16 cast also read by a float16 Neg -> z: y is written
+    by an Identity of the relu's float32 output (its name stays), and the float16 cast stays for the Neg."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Cast", ["r"], ["r16"], name="to16", to=TensorProto.FLOAT16),
+             helper.make_node("Cast", ["r16"], ["y"], name="to32", to=TensorProto.FLOAT),
+             helper.make_node("Neg", ["r16"], ["z"], name="neg")]
+    model = _model(nodes, ["x"], ["y"], [])
+    model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT16, (None, 3, 4, 4)))
+    x = _batches()[0] - 0.5
+
+    assert fp16._drop_round_trips(model) == 1 and not fp16._round_trips(model)
+    ops = {n.name: (n.op_type, list(n.input)) for n in model.graph.node}
+    assert ops == {"relu": ("Relu", ["x"]), "to16": ("Cast", ["r"]), "to32": ("Identity", ["r"]),
+                   "neg": ("Neg", ["r16"])}
+    np.testing.assert_array_equal(_run(model, x)["y"], np.maximum(x, 0))
+
+
 def test_the_export_writes_the_qat_models_fp16_form(qat_export):
     """The tiny detector's QAT export (export.fp16_onnx is on by default): its FP16 form passes TensorRT's Q/DQ
     rules and computes nothing in FP16 (every compute layer is INT8, and the output tail after the last one stays
