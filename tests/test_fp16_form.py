@@ -130,17 +130,25 @@ def _qdq(name, tensor, scale="s", zero="zp"):
             helper.make_node("DequantizeLinear", [f"{name}_q", scale, zero], [f"{name}_dq"], name=f"{name}_dequantize")]
 
 
+def _int8_weights(rng, count):
+    """(DequantizeLinear nodes, initializers): int8 1x1 weights w0q.. dequantized per channel into w0.., with the
+    scales and zero points every test graph reads (activations "s" / "zp", weights "ws" / "wz")."""
+    weights = [numpy_helper.from_array(rng.integers(-100, 100, (3, 3, 1, 1)).astype(np.int8), f"w{i}q")
+               for i in range(count)]
+    nodes = [helper.make_node("DequantizeLinear", [f"w{i}q", "ws", "wz"], [f"w{i}"], name=f"w{i}_dequantize", axis=0)
+             for i in range(count)]
+    return nodes, [*weights, _const("s", 0.02), _const("zp", 0, np.int8), _const("ws", [0.01, 0.02, 0.03]),
+                   _const("wz", [0, 0, 0], np.int8)]
+
+
 def test_a_qdq_model_keeps_its_int8_region_and_computes_only_its_float_layer_in_fp16(tmp_path):
     """x -> Q/DQ -> conv_a and conv_b (one DQ feeds both, as a residual block's shortcut and first conv do) ->
     add -> relu -> Q/DQ -> conv_head -> conv_float -> sigmoid -> transpose -> y. INT8: the convs that read DQs;
     their epilogues (add, relu) feed a Q. conv_float, a layer kept float (ptq.keep_float), is the FP16 region; the
     sigmoid and transpose after it, the output tail, stay FP32 so that the scores keep their order."""
     rng = np.random.default_rng(1)
-    weights = [numpy_helper.from_array(rng.integers(-100, 100, (3, 3, 1, 1)).astype(np.int8), f"w{i}q")
-               for i in range(3)]
-    nodes = [*_qdq("x", "x"),
-             *[helper.make_node("DequantizeLinear", [f"w{i}q", "ws", "wz"], [f"w{i}"], name=f"w{i}_dequantize",
-                                axis=0) for i in range(3)],
+    dequantize, initializers = _int8_weights(rng, 3)
+    nodes = [*_qdq("x", "x"), *dequantize,
              helper.make_node("Conv", ["x_dq", "w0"], ["a"], name="conv_a"),
              helper.make_node("Conv", ["x_dq", "w1"], ["b"], name="conv_b"),
              helper.make_node("Add", ["a", "b"], ["sum"], name="add"),
@@ -150,9 +158,7 @@ def test_a_qdq_model_keeps_its_int8_region_and_computes_only_its_float_layer_in_
              helper.make_node("Conv", ["head", "wf"], ["logits"], name="conv_float"),
              helper.make_node("Sigmoid", ["logits"], ["p"], name="sigmoid"),
              helper.make_node("Transpose", ["p"], ["y"], name="transpose", perm=[0, 2, 3, 1])]
-    model = _model(nodes, ["x"], [], [*weights, _const("s", 0.02), _const("zp", 0, np.int8),
-                                      _const("ws", [0.01, 0.02, 0.03]), _const("wz", [0, 0, 0], np.int8),
-                                      _const("wf", rng.normal(0, 0.5, (3, 3, 1, 1)))])
+    model = _model(nodes, ["x"], [], [*initializers, _const("wf", rng.normal(0, 0.5, (3, 3, 1, 1)))])
     model.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4, 4, 3]))
 
     converted, plan = fp16.convert(model, {})
@@ -180,18 +186,14 @@ def test_a_shape_read_of_an_int8_head_keeps_the_head_output_float32():
     """x -> Q/DQ -> conv_head (INT8) -> transpose -> reshape -> y, the reshape's shape taken from the head's output by
     Shape (SSD's head reshapes): the Shape reads the float32 head output as it is. Converted in FP16 it made the
     converter round the head output to FP16 for it, and the transpose read it back through that rounding."""
-    rng = np.random.default_rng(2)
-    nodes = [*_qdq("x", "x"),
-             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], name="w_dequantize", axis=0),
-             helper.make_node("Conv", ["x_dq", "w"], ["head"], name="conv_head"),
+    dequantize, initializers = _int8_weights(np.random.default_rng(2), 1)
+    nodes = [*_qdq("x", "x"), *dequantize,
+             helper.make_node("Conv", ["x_dq", "w0"], ["head"], name="conv_head"),
              helper.make_node("Shape", ["head"], ["head_shape"], name="shape", start=0, end=1),
              helper.make_node("Concat", ["head_shape", "minus_one"], ["target"], name="target", axis=0),
              helper.make_node("Transpose", ["head"], ["t"], name="transpose", perm=[0, 2, 3, 1]),
              helper.make_node("Reshape", ["t", "target"], ["y"], name="reshape")]
-    model = _model(nodes, ["x"], [], [numpy_helper.from_array(rng.integers(-100, 100, (3, 3, 1, 1)).astype(np.int8),
-                                                              "wq"),
-                                      _const("s", 0.02), _const("zp", 0, np.int8), _const("ws", [0.01, 0.02, 0.03]),
-                                      _const("wz", [0, 0, 0], np.int8), _const("minus_one", [-1], np.int64)])
+    model = _model(nodes, ["x"], [], [*initializers, _const("minus_one", [-1], np.int64)])
     model.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None]))
 
     converted, plan = fp16.convert(model, {})
@@ -207,19 +209,14 @@ def test_an_epilogue_read_by_its_quantizer_and_a_float_layer_reaches_the_quantiz
     casts the relu's output to FP16 for conv_float and, through that cast, back to float32 for the quantizer: the
     quantizer must read the relu's float32 output itself, while conv_float keeps its FP16 input."""
     rng = np.random.default_rng(3)
-    weights = [numpy_helper.from_array(rng.integers(-100, 100, (3, 3, 1, 1)).astype(np.int8), f"w{i}q")
-               for i in range(2)]
-    nodes = [*_qdq("x", "x"),
-             *[helper.make_node("DequantizeLinear", [f"w{i}q", "ws", "wz"], [f"w{i}"], name=f"w{i}_dequantize",
-                                axis=0) for i in range(2)],
+    dequantize, initializers = _int8_weights(rng, 2)
+    nodes = [*_qdq("x", "x"), *dequantize,
              helper.make_node("Conv", ["x_dq", "w0"], ["a"], name="conv_a"),
              helper.make_node("Relu", ["a"], ["r"], name="relu"),
              *_qdq("r", "r"),
              helper.make_node("Conv", ["r_dq", "w1"], ["y"], name="conv_head"),
              helper.make_node("Conv", ["r", "wf"], ["z"], name="conv_float")]
-    model = _model(nodes, ["x"], ["y", "z"], [*weights, _const("s", 0.02), _const("zp", 0, np.int8),
-                                              _const("ws", [0.01, 0.02, 0.03]), _const("wz", [0, 0, 0], np.int8),
-                                              _const("wf", rng.normal(0, 0.5, (3, 3, 1, 1)))])
+    model = _model(nodes, ["x"], ["y", "z"], [*initializers, _const("wf", rng.normal(0, 0.5, (3, 3, 1, 1)))])
 
     converted, plan = fp16.convert(model, {})
     assert plan.fp16 == ["conv_float"] and plan.round_trips_removed >= 1
