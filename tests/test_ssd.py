@@ -99,6 +99,48 @@ def test_matching_keeps_each_objects_best_prior_below_the_threshold():
         np.testing.assert_allclose(decoded * [192, 128, 192, 128], matched, atol=1e-3)
 
 
+def _reference_targets(arch, spec, boxes, classes):
+    """SSD's matching in numpy, as encode's docstring states it, on the objects alone (padding rows dropped)."""
+    target = spec.model.target
+    objects = classes >= 0
+    boxes, classes = boxes[objects] / np.array([arch.width, arch.height] * 2, np.float32), classes[objects]
+    num_priors = len(arch.priors)
+    best_object, best_iou = np.zeros(num_priors, int), np.full(num_priors, -1.0)
+    if len(boxes):
+        ious = iou_matrix(boxes, centres_to_corners(arch.priors))
+        best_object, best_iou = ious.argmax(axis=0), ious.max(axis=0)
+        for i, prior in enumerate(ious.argmax(axis=1)):  # each object's best prior, the later object last
+            best_object[prior], best_iou[prior] = i, 2.0
+    positive, negative = best_iou >= target.pos_iou_threshold, best_iou < target.neg_iou_limit
+    cls = np.zeros((num_priors, 1 + arch.num_classes), np.float32)
+    cls[positive, 1 + classes[best_object[positive]]] = 1
+    cls[negative & ~positive, 0] = 1
+    loc = np.zeros((num_priors, 5), np.float32)
+    if positive.any():
+        matched = corners_to_centres(boxes[best_object[positive]].astype(np.float32))
+        loc[positive, :4] = encode_offsets(matched, arch.priors[positive], VARIANCES)
+        loc[positive, 4] = 1
+    return cls, loc
+
+
+def test_encode_matches_a_numpy_matching_with_padding_anywhere_and_without_objects():
+    spec = ssd_spec()
+    arch = get_architecture(spec)
+    rng = np.random.default_rng(3)
+    for count in (0, 1, 2, 5, 9):
+        x1, y1 = rng.uniform(0, 150, count), rng.uniform(0, 90, count)
+        w, h = rng.uniform(6, 60, count), rng.uniform(6, 60, count)
+        objects = np.stack([x1, y1, np.minimum(x1 + w, 192), np.minimum(y1 + h, 128)], axis=1)
+        # padding rows between the objects too, as augmentation leaves them (a dropped object's class is -1)
+        rows = rng.permutation(12)[:count]
+        boxes, classes = np.zeros((12, 4), np.float32), np.full(12, -1, np.int32)
+        boxes[rows], classes[rows] = objects, rng.integers(0, arch.num_classes, count)
+        targets = arch.encode(tf.constant(boxes), tf.constant(classes))
+        cls, loc = _reference_targets(arch, spec, boxes, classes)
+        np.testing.assert_array_equal(targets[CLS].numpy(), cls, err_msg=f"{count} objects")
+        np.testing.assert_allclose(targets[LOC].numpy(), loc, atol=1e-5, err_msg=f"{count} objects")
+
+
 def test_decode_returns_the_planted_box_and_class():
     spec = ssd_spec()
     arch = get_architecture(spec)
