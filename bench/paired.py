@@ -1,10 +1,15 @@
 """Benchmark helper: the paired mAP difference between two evaluations of the same val set.
 
     python bench/paired.py EVAL_A EVAL_B [--names A B]
+    python bench/paired.py --runs RUN_A RUN_B
 
 EVAL_A and EVAL_B are evaluation folders (`qatpipe evaluate -o DIR`, or an evaluate task's output) holding
 `ground_truth.json` and `detections.json`. Prints each one's mAP@0.5 and mAP@[.5:.95] and the difference B - A
 with its 95% CI from the paired bootstrap over the val images (1,000 resamples, seed 0), the one `compare` uses.
+
+With `--runs`, two finished `qatpipe run --local` folders of the same val set (e.g. a recipe against `make
+main`'s results/pipeline): the same for each model both runs' evaluate tasks scored (unpruned, fp32, ptq,
+ptq-partial, qat), B's minus A's. The spread between training runs is not in these CIs.
 """
 
 from __future__ import annotations
@@ -12,6 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from runs import stage_folders  # bench/runs.py, beside this script
+
+EVALUATED = ("unpruned", "fp32", "ptq", "ptq-partial", "qat")  # the models a run's evaluate tasks score
 
 
 def paired_difference(first: Path, second: Path, names: tuple[str, str] = ("a", "b")) -> dict:
@@ -32,12 +41,38 @@ def paired_difference(first: Path, second: Path, names: tuple[str, str] = ("a", 
         for metric in ("map50", "map")}}
 
 
+def run_differences(first: Path, second: Path) -> dict:
+    """model -> paired_difference(first run's evaluation, second's) for each model both runs evaluated."""
+    rows = {}
+    for model in EVALUATED:
+        stage = "evaluate_" + model.replace("-", "_")
+        a, b = stage_folders(first / "kfp", stage), stage_folders(second / "kfp", stage)
+        if a and b:
+            rows[model] = paired_difference(a[-1], b[-1], ("a", "b"))
+    if not rows:
+        raise SystemExit(f"{first} and {second}: no model that both evaluated")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("first", type=Path)
-    parser.add_argument("second", type=Path)
+    parser.add_argument("first", type=Path, nargs="?")
+    parser.add_argument("second", type=Path, nargs="?")
     parser.add_argument("--names", nargs=2, default=["a", "b"])
+    parser.add_argument("--runs", nargs=2, type=Path, metavar=("RUN_A", "RUN_B"))
     args = parser.parse_args()
+    if args.runs:
+        rows = run_differences(*args.runs)
+        print(f"mAP@0.5, {args.runs[1]} - {args.runs[0]}, paired bootstrap over "
+              f"{next(iter(rows.values()))['images']} val images (1000 resamples, seed 0)")
+        print(f"{'model':<12} {'A':>8} {'B':>8}  B - A (points)  95% CI (points)")
+        for model, pair in rows.items():
+            r = pair["map50"]
+            print(f"{model:<12} {r['a']:8.4f} {r['b']:8.4f}  {100 * r['diff']:+8.2f}        "
+                  f"[{100 * r['ci95'][0]:+.2f}, {100 * r['ci95'][1]:+.2f}]")
+        return
+    if not (args.first and args.second):
+        parser.error("name two evaluation folders, or --runs RUN_A RUN_B")
     result = paired_difference(args.first, args.second, tuple(args.names))
     a, b = args.names
     print(f"paired bootstrap over {result['images']} val images (1000 resamples, seed 0)")
