@@ -192,6 +192,37 @@ def test_the_forest_plot_draws_every_pair_the_summary_holds(tmp_path):
     assert differences_figure({"variants": {}, "comparisons": {}}) is None
 
 
+def test_files_the_same_byte_for_byte_are_matched_and_resampled_once(tmp_path, monkeypatch):
+    """ptq-partial that kept no layer float holds PTQ's files, and a TensorRT-emulated folder can hold what another
+    variant's engine found: compare matches and resamples each distinct file once, in both of its bootstraps,
+    and every name gets that file's figures."""
+    from qatpipe.metrics import bootstrap
+    from qatpipe.stages import compare
+
+    calls = {"match": 0, "resample": 0}
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            if name == "match" or len(args[1]) > 1:  # weighted_maps: resampled weights, not the point estimate
+                calls[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(compare, "match_detections", counted("match", compare.match_detections))
+    monkeypatch.setattr(bootstrap, "weighted_maps", counted("resample", bootstrap.weighted_maps))
+    truth, detections = random_evaluation(10, images=40, max_detections=8)
+    worse = _worse(detections)
+    found = {"fp32": detections, "ptq": worse, "ptq-partial": worse, "qat": _worse(worse)}
+    folders = {name: _evaluation(tmp_path / name, truth, found[name])[0] for name in found}
+    _evaluation(folders["fp32"] / "tensorrt_emulated", truth, worse)  # TensorRT's numbers: PTQ's engine's file
+    summary = compare_variants(folders, tmp_path / "out", resamples=200, seed=0)
+    assert calls == {"match": 3, "resample": 3}  # three distinct files in eight places
+    assert summary["comparisons"]["ptq-partial-ptq"]["map50"] == {"diff": 0.0, "ci95": [0.0, 0.0]}
+    # TensorRT's fp32 is PTQ's engine's file: the same matching and resampling, so the same figures exactly
+    assert summary["comparisons_tensorrt_emulated"]["qat-fp32"] == summary["comparisons"]["qat-ptq"]
+    assert summary["comparisons"]["qat-fp32"]["map50"]["ci95"][1] < 0  # and they differ from the engine's fp32
+
+
 def test_the_fourth_variant_ptq_partial_gets_its_differences_and_forest_plot_rows(tmp_path):
     """The pipeline's four variants: ptq-partial (PTQ with its sensitive layers float) against FP32, against PTQ
     (what keeping those layers float won) and QAT against it join the differences, summary.json, the tables

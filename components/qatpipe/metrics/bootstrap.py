@@ -10,7 +10,7 @@ On the full set (every weight 1) it is pycocotools' number.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -42,6 +42,9 @@ class MatchedDetections:
     gt_counts: np.ndarray  # (N images, K classes) ground-truth objects (not crowd)
     iou_thresholds: np.ndarray  # (T,) COCO's .50:.05:.95
     recall_thresholds: np.ndarray  # (R,) COCO's 0:.01:1
+    # weighted_maps under each resampling drawn so far, by (images, resamples, seed): a variant in several
+    # bootstraps (compare's engine numbers and TensorRT's) is resampled once
+    replicates: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def match_detections(dataset: dict, results: list[dict], max_detections: int | None = None) -> MatchedDetections:
@@ -156,9 +159,14 @@ def paired_bootstrap(variants: dict[str, MatchedDetections], pairs: Sequence[tup
     if resamples < 1:
         raise ValueError(f"resamples must be at least 1, not {resamples}")
     num_images = next(iter(sizes.values()))[0]
-    weights = image_weights(num_images, resamples, seed)
     point = {name: weighted_maps(m, np.ones((1, num_images))) for name, m in variants.items()}
-    replicates = {name: weighted_maps(m, weights) for name, m in variants.items()}
+    drawn = (num_images, resamples, seed)
+    if any(drawn not in m.replicates for m in variants.values()):
+        weights = image_weights(num_images, resamples, seed)
+        for m in variants.values():  # a MatchedDetections under several names: resampled once
+            if drawn not in m.replicates:
+                m.replicates[drawn] = weighted_maps(m, weights)
+    replicates = {name: m.replicates[drawn] for name, m in variants.items()}
 
     def interval(values: np.ndarray) -> list[float]:
         return [float(v) for v in np.nanpercentile(values, CI95_PERCENTILES)]

@@ -3,6 +3,7 @@ with paired bootstrap confidence intervals for the variants' mAP and for their d
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from pathlib import Path
@@ -109,10 +110,12 @@ def pruning_block(prune_report: dict, unpruned_evaluation: str | Path | None, fp
 
 
 def uncertainty(evaluations: dict[str, str | Path], resamples: int = DEFAULT_RESAMPLES,
-                seed: int = DEFAULT_SEED, pairs=PAIRS) -> dict | None:
+                seed: int = DEFAULT_SEED, pairs=PAIRS, matched: dict | None = None) -> dict | None:
     """The paired bootstrap (metrics.bootstrap.paired_bootstrap) over the variants whose folders hold
     detections.json and ground_truth.json, for the `pairs` (a, b) among them (a - b; the pipeline's PAIRS by
-    default); None when no folder holds them."""
+    default); None when no folder holds them. Folders whose two files are byte for byte the same (ptq-partial
+    that kept no layer float, an engine that computes TensorRT's numbers itself) are matched and resampled once;
+    `matched` (the file digests' MatchedDetections) carries that across calls."""
     folders = {name: Path(folder) for name, folder in evaluations.items()
                if (Path(folder) / DETECTIONS_FILE).is_file() and (Path(folder) / GROUND_TRUTH_FILE).is_file()}
     if not folders:
@@ -123,9 +126,15 @@ def uncertainty(evaluations: dict[str, str | Path], resamples: int = DEFAULT_RES
     if others:
         raise QatpipeError(f"compare: {', '.join(others)} were evaluated on other val images or labels than "
                            f"{first}: their mAP cannot be compared image by image")
-    matched = {name: match_detections(truths[first], read_json(folder / DETECTIONS_FILE, "detections"))
-               for name, folder in folders.items()}
-    return paired_bootstrap(matched, [(a, b) for a, b in pairs if a in matched and b in matched], resamples, seed)
+    matched = {} if matched is None else matched
+    variants = {}
+    for name, folder in folders.items():
+        key = tuple(hashlib.sha256((folder / file).read_bytes()).hexdigest()
+                    for file in (GROUND_TRUTH_FILE, DETECTIONS_FILE))
+        if key not in matched:
+            matched[key] = match_detections(truths[first], read_json(folder / DETECTIONS_FILE, "detections"))
+        variants[name] = matched[key]
+    return paired_bootstrap(variants, [(a, b) for a, b in pairs if a in variants and b in variants], resamples, seed)
 
 
 def tensorrt_emulated_folders(evaluations: dict[str, str | Path]) -> dict[str, Path] | None:
@@ -179,7 +188,8 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path,
     budgets = gate_budgets(evaluations)
     if budgets:  # the gate's budget per variant, for the forest plot's line
         summary["max_map_drop"] = budgets
-    bootstrap = uncertainty(evaluations, resamples, seed)
+    matched = {}  # the engines' numbers and TensorRT's often share files: each is matched once
+    bootstrap = uncertainty(evaluations, resamples, seed, matched=matched)
     if bootstrap is not None:
         for name, intervals in bootstrap["variants"].items():
             for metric, estimate in intervals.items():
@@ -188,7 +198,7 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path,
         summary["comparisons"] = bootstrap["pairs"]
     emulated = tensorrt_emulated_folders(evaluations)
     if bootstrap is not None and emulated is not None:  # the same differences in what TensorRT will compute
-        summary["comparisons_tensorrt_emulated"] = uncertainty(emulated, resamples, seed)["pairs"]
+        summary["comparisons_tensorrt_emulated"] = uncertainty(emulated, resamples, seed, matched=matched)["pairs"]
     classes = per_class_ap50(evaluations)
     if classes:
         summary["per_class_ap50"] = classes
