@@ -18,7 +18,10 @@
 `--train-only` runs train and evaluate (library stages, the unpruned FP32 model) instead of the whole pipeline:
 the pretrained start's FP32 question at about a third of the time; no PTQ / QAT figures then.
 `--own` adds a fourth run: the pipeline's own pretrained start (`model.pretrained: pipeline:pretrain`, the
-backbone pretrained on the run's training crops) at half the epochs, the candidate for a shorter main job.
+backbone pretrained on the run's training crops) at half the epochs, the candidate for a shorter main job;
+`--freeze-blocks N ...` with it a fifth, the same with those blocks frozen (`model.freeze_blocks`, TAO's
+`freeze_blocks`). `--skip pretrained pretrained_half` leaves out the shapes+photos start (scratch, the
+reference, always runs).
 Writes WORK/bench_pretrained.json.
 
 Targets (issue 36): the style-shift val gains >= 5 points FP32 mAP@0.5 with a CI excluding 0; half the epochs
@@ -152,6 +155,10 @@ def main() -> None:
     parser.add_argument("--own", action="store_true",
                         help="also the pipeline's own pretrained start (pipeline:pretrain: the run's training crops) "
                              "at half the epochs")
+    parser.add_argument("--freeze-blocks", type=int, nargs="+", default=[],
+                        help="with --own: also its run with these backbone blocks frozen (model.freeze_blocks)")
+    parser.add_argument("--skip", nargs="+", default=[], choices=("pretrained", "pretrained_half"),
+                        help="leave out these runs of the shapes+photos start")
     parser.add_argument("--train-only", action="store_true",
                         help="train and evaluate the unpruned FP32 model only, not the whole pipeline")
     args = parser.parse_args()
@@ -160,16 +167,19 @@ def main() -> None:
 
     work = args.work
     epochs = load_spec(bundled_spec_path("default"), args.sets).train.epochs
-    data = pretrain_data(work, args.pretrain_images)
+    data = pretrain_data(work, args.pretrain_images) if len(args.skip) < 2 else None
     rows = []
     for backbone in args.backbones:
-        pretrained = pretrain_backbone(backbone, work, data)
+        pretrained = pretrain_backbone(backbone, work, data) if len(args.skip) < 2 else None
         base = [f"dataset.synthetic.kind={args.kind}", f"dataset.classes={_classes(args.kind)}",
                 f"model.backbone.name={backbone}", *args.sets]
         result = {"backbone": backbone, "pretrain": pretrained, "runs": {}}
-        runs = {"scratch": base, "pretrained": [*base, f"model.pretrained={pretrained['weights']}"]}
-        if not args.no_half:
-            runs["pretrained_half"] = [*runs["pretrained"], f"train.epochs={max(1, epochs // 2)}"]
+        runs = {"scratch": base}
+        if pretrained:
+            runs["pretrained"] = [*base, f"model.pretrained={pretrained['weights']}"]
+            if not args.no_half:
+                runs["pretrained_half"] = [*runs["pretrained"], f"train.epochs={max(1, epochs // 2)}"]
+            runs = {name: sets for name, sets in runs.items() if name not in args.skip}
         if args.own:  # the pipeline's own pretrain stage (pipeline:pretrain): the run's training crops, half epochs
             if args.train_only:
                 own = pretrain_backbone(backbone, work, [str(synthetic_folder(work, base) / "train")], "_own")
@@ -178,6 +188,8 @@ def main() -> None:
             else:
                 start = "model.pretrained=pipeline:pretrain"
             runs["own_half"] = [*base, start, f"train.epochs={max(1, epochs // 2)}"]
+            if args.freeze_blocks:
+                runs["own_half_frozen"] = [*runs["own_half"], f"model.freeze_blocks={args.freeze_blocks}"]
         runner = train_and_evaluate if args.train_only else run_pipeline
         for name, sets in runs.items():
             result["runs"][name] = runner(f"{backbone}_{name}", work, sets)
