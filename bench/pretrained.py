@@ -20,7 +20,7 @@ the pretrained start's FP32 question at about a third of the time; no PTQ / QAT 
 `--own` adds a fourth run: the pipeline's own pretrained start (`model.pretrained: pipeline:pretrain`, the
 backbone pretrained on the run's training crops) at half the epochs, the candidate for a shorter main job;
 `--freeze-blocks N ...` with it a fifth, the same with those blocks frozen (`model.freeze_blocks`, TAO's
-`freeze_blocks`). `--skip pretrained pretrained_half` leaves out the shapes+photos start (scratch, the
+`freeze_blocks`); `--scratch-half` the control, from scratch at half the epochs (what the start adds there). `--skip pretrained pretrained_half` leaves out the shapes+photos start (scratch, the
 reference, always runs).
 Writes WORK/bench_pretrained.json.
 
@@ -157,6 +157,8 @@ def main() -> None:
                              "at half the epochs")
     parser.add_argument("--freeze-blocks", type=int, nargs="+", default=[],
                         help="with --own: also its run with these backbone blocks frozen (model.freeze_blocks)")
+    parser.add_argument("--scratch-half", action="store_true",
+                        help="also from scratch at half the epochs: what a pretrained start adds at half the epochs")
     parser.add_argument("--skip", nargs="+", default=[], choices=("pretrained", "pretrained_half"),
                         help="leave out these runs of the shapes+photos start")
     parser.add_argument("--train-only", action="store_true",
@@ -175,6 +177,8 @@ def main() -> None:
                 f"model.backbone.name={backbone}", *args.sets]
         result = {"backbone": backbone, "pretrain": pretrained, "runs": {}}
         runs = {"scratch": base}
+        if args.scratch_half:
+            runs["scratch_half"] = [*base, f"train.epochs={max(1, epochs // 2)}"]
         if pretrained:
             runs["pretrained"] = [*base, f"model.pretrained={pretrained['weights']}"]
             if not args.no_half:
