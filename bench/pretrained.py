@@ -229,7 +229,7 @@ def _diff(d: dict) -> str:
 def report(rows: list[dict]) -> None:
     for row in rows:
         for key in ("pretrain", "pretrain_own"):
-            if key in row:
+            if row.get(key):  # None where --skip left the shapes+photos start out
                 p = row[key]
                 print(f"\n{row['backbone']} {key}: top-1 {_num(p.get('top1'), '{:.3f}')} on {p.get('val_crops')} "
                       f"held-back crops, {p.get('num_classes')} classes (chance {_num(p.get('chance'), '{:.3f}')}), "
