@@ -127,10 +127,10 @@ def uncertainty(evaluations: dict[str, str | Path], resamples: int = DEFAULT_RES
         raise QatpipeError(f"compare: {', '.join(others)} were evaluated on other val images or labels than "
                            f"{first}: their mAP cannot be compared image by image")
     matched = {} if matched is None else matched
+    truth = hashlib.sha256((folders[first] / GROUND_TRUTH_FILE).read_bytes()).hexdigest()  # every folder's, above
     variants = {}
     for name, folder in folders.items():
-        key = tuple(hashlib.sha256((folder / file).read_bytes()).hexdigest()
-                    for file in (GROUND_TRUTH_FILE, DETECTIONS_FILE))
+        key = (truth, hashlib.sha256((folder / DETECTIONS_FILE).read_bytes()).hexdigest())
         if key not in matched:
             matched[key] = match_detections(truths[first], read_json(folder / DETECTIONS_FILE, "detections"))
         variants[name] = matched[key]
