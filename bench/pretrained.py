@@ -20,8 +20,8 @@ the pretrained start's FP32 question at about a third of the time; no PTQ / QAT 
 `--own` adds a fourth run: the pipeline's own pretrained start (`model.pretrained: pipeline:pretrain`, the
 backbone pretrained on the run's training crops) at half the epochs, the candidate for a shorter main job;
 `--freeze-blocks N ...` with it a fifth, the same with those blocks frozen (`model.freeze_blocks`, TAO's
-`freeze_blocks`); `--scratch-half` the control, from scratch at half the epochs (what the start adds there). `--skip pretrained pretrained_half` leaves out the shapes+photos start (scratch, the
-reference, always runs).
+`freeze_blocks`); `--scratch-half` the control, from scratch at half the epochs (what the start adds there).
+`--skip pretrained pretrained_half` leaves out the shapes+photos start (scratch, the reference, always runs).
 Writes WORK/bench_pretrained.json.
 
 Targets (issue 36): the style-shift val gains >= 5 points FP32 mAP@0.5 with a CI excluding 0; half the epochs
@@ -168,22 +168,23 @@ def main() -> None:
     from qatpipe.spec import bundled_spec_path, load_spec
 
     work = args.work
-    epochs = load_spec(bundled_spec_path("default"), args.sets).train.epochs
-    data = pretrain_data(work, args.pretrain_images) if len(args.skip) < 2 else None
+    half_epochs = f"train.epochs={max(1, load_spec(bundled_spec_path('default'), args.sets).train.epochs // 2)}"
+    # the shapes+photos start, where a run of it is left: pretrained, or pretrained_half unless --no-half
+    wanted = {"pretrained", *([] if args.no_half else ["pretrained_half"])} - set(args.skip)
+    data = pretrain_data(work, args.pretrain_images) if wanted else None
     rows = []
     for backbone in args.backbones:
-        pretrained = pretrain_backbone(backbone, work, data) if len(args.skip) < 2 else None
+        pretrained = pretrain_backbone(backbone, work, data) if wanted else None
         base = [f"dataset.synthetic.kind={args.kind}", f"dataset.classes={_classes(args.kind)}",
                 f"model.backbone.name={backbone}", *args.sets]
         result = {"backbone": backbone, "pretrain": pretrained, "runs": {}}
         runs = {"scratch": base}
         if args.scratch_half:
-            runs["scratch_half"] = [*base, f"train.epochs={max(1, epochs // 2)}"]
+            runs["scratch_half"] = [*base, half_epochs]
         if pretrained:
-            runs["pretrained"] = [*base, f"model.pretrained={pretrained['weights']}"]
-            if not args.no_half:
-                runs["pretrained_half"] = [*runs["pretrained"], f"train.epochs={max(1, epochs // 2)}"]
-            runs = {name: sets for name, sets in runs.items() if name not in args.skip}
+            full = [*base, f"model.pretrained={pretrained['weights']}"]
+            runs.update({name: sets for name, sets in (("pretrained", full), ("pretrained_half", [*full, half_epochs]))
+                         if name in wanted})
         if args.own:  # the pipeline's own pretrain stage (pipeline:pretrain): the run's training crops, half epochs
             if args.train_only:
                 own = pretrain_backbone(backbone, work, [str(synthetic_folder(work, base) / "train")], "_own")
@@ -191,7 +192,7 @@ def main() -> None:
                 start = f"model.pretrained={own['weights']}"
             else:
                 start = "model.pretrained=pipeline:pretrain"
-            runs["own_half"] = [*base, start, f"train.epochs={max(1, epochs // 2)}"]
+            runs["own_half"] = [*base, start, half_epochs]
             if args.freeze_blocks:
                 runs["own_half_frozen"] = [*runs["own_half"], f"model.freeze_blocks={args.freeze_blocks}"]
         runner = train_and_evaluate if args.train_only else run_pipeline
