@@ -1,10 +1,12 @@
 """Benchmark: mixed precision on this machine: training throughput, and what it does to mAP.
 
-    python bench/amp.py [--work DIR] [--train-images 480] [--repeats 2] [--runs FP32_RUN AMP_RUN]
+    python bench/amp.py [--work DIR] [--train-images 480] [--repeats 2] [--set KEY=VALUE ...]
+                        [--runs FP32_RUN AMP_RUN]
 
 Throughput: the default spec's detector trained by the real `train` stage (data pipeline included, validation
 off) for two epochs on the default synthetic data, once per policy and repeat, float32 and `train.use_amp`
-alternating; the figure is the second epoch's images/s (the first carries tf.function tracing). It prints the
+alternating; the figure is the second epoch's images/s (the first carries tf.function tracing). `--set` changes
+the spec as the CLI's does (e.g. `model.arch=detectnet_v2`, `model.backbone.name=mobilenet_v2`). It prints the
 policy `train.use_amp` picked here and why (training/precision.py), the images/s per run, and the median ratio.
 
 mAP (`--runs`): two finished `qatpipe run --local` folders of the same spec and data, the first trained in
@@ -32,12 +34,12 @@ from qatpipe.spec import bundled_spec_path, load_spec
 log = logging.getLogger("bench")
 
 
-def throughput(work: Path, train_images: int, repeats: int) -> dict:
+def throughput(work: Path, train_images: int, repeats: int, sets: list[str]) -> dict:
     from qatpipe.data.synth import write_synthetic_dataset
     from qatpipe.stages.train import train
     from qatpipe.training.precision import configure_precision
 
-    spec = load_spec(bundled_spec_path("default"))
+    spec = load_spec(bundled_spec_path("default"), sets)
     data = work / "data"
     if not (data / "train").is_dir():
         write_synthetic_dataset(data, num_train=train_images, num_val=16)
@@ -57,7 +59,8 @@ def throughput(work: Path, train_images: int, repeats: int) -> dict:
             log.info("%s: %.1f img/s (second epoch)", runs[-1]["policy"], runs[-1]["images_per_second"])
     fp32 = statistics.median(r["images_per_second"] for r in runs if not r["use_amp"])
     amp = statistics.median(r["images_per_second"] for r in runs if r["use_amp"])
-    return {"amp_policy_here": chosen.policy, "why": chosen.reason, "batch_size": spec.train.batch_size,
+    return {"amp_policy_here": chosen.policy, "why": chosen.reason, "overrides": sets,
+            "arch": spec.model.arch, "backbone": spec.model.backbone.name, "batch_size": spec.train.batch_size,
             "image_size": [spec.dataset.image_size.height, spec.dataset.image_size.width], "runs": runs,
             "fp32_images_per_second": fp32, "amp_images_per_second": amp, "speedup": round(amp / fp32, 2)}
 
@@ -90,6 +93,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("results/bench_amp"))
     parser.add_argument("--train-images", type=int, default=480)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a spec override for the throughput runs, as the CLI's --set")
     parser.add_argument("--runs", type=Path, nargs=2, metavar=("FP32_RUN", "AMP_RUN"),
                         help="also compare the mAP of two finished pipeline runs")
     parser.add_argument("--skip-throughput", action="store_true")
@@ -99,7 +104,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     report = {"machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}"}
     if not args.skip_throughput:
-        report["throughput"] = throughput(args.work, args.train_images, args.repeats)
+        report["throughput"] = throughput(args.work, args.train_images, args.repeats, args.sets)
     if args.runs:
         report["map50"] = map_difference(*args.runs)
         report["runs"] = [str(run) for run in args.runs]
@@ -109,7 +114,8 @@ def main() -> None:
     if "throughput" in report:
         t = report["throughput"]
         print(f"train.use_amp here: {t['amp_policy_here']} ({t['why']})")
-        print(f"training, batch {t['batch_size']}, {t['image_size'][0]}x{t['image_size'][1]}, second epoch:")
+        print(f"training {t['arch']} on {t['backbone']}, batch {t['batch_size']}, "
+              f"{t['image_size'][0]}x{t['image_size'][1]}, second epoch:")
         for run in t["runs"]:
             print(f"  {run['policy']:<15} {run['images_per_second']:7.1f} img/s")
         print(f"median: float32 {t['fp32_images_per_second']:.1f}, AMP {t['amp_images_per_second']:.1f} img/s: "
