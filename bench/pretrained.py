@@ -9,7 +9,8 @@
 2. For each backbone, three runs of `qatpipe run --local` on the default spec with the data set `--kind`
    (default glyphs_shift: the glyphs set whose val split is printed in fonts train never shows), only the
    backbone and the `--set` overrides changed: from scratch; from the pretrained weights
-   (`model.pretrained`); and from them at half the epochs (`train.epochs` halved, which the retrains follow).
+   (`model.pretrained`); and from them at half the epochs (`train.epochs` halved; the retrains and fine-tunings
+   keep `retrain.epochs`, which the default spec sets to 8).
 3. Prints per run: FP32 / PTQ / QAT mAP@0.5 with their 95% bootstrap CIs, the paired difference of each
    pretrained run's FP32 mAP@0.5 from the scratch run's (same val images: paired bootstrap, 1,000 resamples),
    the unpruned model's mAP@0.5, train's time and the run's wall time. With `--kind glyphs_shift` it also scores
