@@ -33,11 +33,12 @@ class ImageSize(_Section):
 class SyntheticDataSpec(_Section):
     """The embedded data set the pipeline generates when the spec names no train/val folders."""
 
-    kind: Literal["shapes", "glyphs", "glyphs_shift", "photos", "traffic"] = Field(
+    kind: Literal["shapes", "glyphs", "glyphs_shift", "photos", "traffic", "traffic_night"] = Field(
         "shapes", description="shapes: car/pedestrian/cyclist told apart by outline; glyphs: ten digits on tiles "
         "of one outline; glyphs_shift: glyphs whose val split is printed in fonts train never shows; photos: ten "
         "textures on real photographs (data/synth/detail.py); traffic: crowded street scenes of ten imbalanced "
-        "vehicle-like classes, 16-80 px wide, occluded and truncated (data/synth/traffic.py); dataset.classes must "
+        "vehicle-like classes, 16-80 px wide, occluded and truncated (data/synth/traffic.py); traffic_night: those "
+        "scenes at night, dark, noisy and lit by saturating lamps (data/synth/night.py); dataset.classes must "
         "name the kind's classes")
     train_images: int = Field(2000, ge=1)
     val_images: int = Field(2000, ge=1, description="evaluate, validate and compare score all of them (about "

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 from PIL import Image
 
-from qatpipe.data.synth import detail, shapes, traffic
+from qatpipe.data.synth import detail, night, shapes, traffic
 from qatpipe.errors import QatpipeError
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,8 @@ def write_synthetic_dataset(
     (min, max) object box height at a 192-px-high image (default: the kind's; the box side for glyphs and photos,
     the box width for traffic); sizes are drawn log-uniformly (traffic's tilted to larger) and scaled with the
     height. `kind` picks the data set (KINDS): `shapes` (shapes.py), `glyphs` and `photos`, whose classes
-    differ only in internal detail (detail.py), or `traffic`, crowded street scenes of ten imbalanced classes
-    (traffic.py).
+    differ only in internal detail (detail.py), `traffic`, crowded street scenes of ten imbalanced classes
+    (traffic.py), or `traffic_night`, the same scenes at night (night.py).
 
     Returns {"out_dir", "classes", "image_height", "image_width", "seed", "splits": {split: {"images",
     "objects", "empty_images", "per_class", "occluded", "truncated"}}, "per_class", "seconds"}.
@@ -244,4 +244,5 @@ KINDS = {
                                   functools.partial(detail.generate_glyphs, fonts=detail.SHIFTED_GLYPH_FONTS)),
     "photos": SyntheticKind(detail.TEXTURE_CLASSES, detail.generate_photos, detail.DETAIL_OBJECT_PX),
     "traffic": SyntheticKind(traffic.TRAFFIC_CLASSES, traffic.generate_traffic, traffic.TRAFFIC_OBJECT_PX),
+    "traffic_night": SyntheticKind(traffic.TRAFFIC_CLASSES, night.generate_traffic_night, traffic.TRAFFIC_OBJECT_PX),
 }
