@@ -430,6 +430,49 @@ def test_auto_keeps_layers_float_fewest_first_and_stops_at_the_budget(ptq_models
     assert f"{map50_fp32 + 1.0:.4f}" in caplog.text and f"the best, {best.map50:.4f}" in caplog.text
 
 
+def test_a_model_the_sample_passes_and_all_val_images_do_not_is_not_kept(ptq_models, caplog):
+    """The search with a confirmation on every val image (scores made up, the models real): the sample puts the
+    all-INT8 model within the budget and all val images do not, so the search goes on; a model the sample fails
+    is not scored on all images; the first model within the budget on both is kept. Where all val images never
+    agree, no model meets the budget and the warning names both targets."""
+    import logging
+
+    from qatpipe.quantization.partial import KEEP_FLOAT_KEY, Confirm, search
+
+    _, fp32_path, _, planted_path, _ = ptq_models
+    model, reference = onnx.load(planted_path), fp32_weights(onnx.load(fp32_path))
+    layers = [layer.node for layer in quantizable_layers(model)][:3]
+
+    def scorer(figures: list[float], seen: list[str]):
+        def score(candidate) -> float:
+            kept = dict((p.key, p.value) for p in candidate.metadata_props)[KEEP_FLOAT_KEY]
+            seen.append(set(filter(None, kept.split(","))))
+            return figures[len(seen) - 1]
+        return score
+
+    on_sample, on_all = [], []
+    sample = scorer([0.795, 0.785, 0.800], on_sample)  # FP32 0.80, budget 0.01: target 0.79
+    every = Confirm(scorer([0.795, 0.805], on_all), 0.81, 2000)  # target there 0.80
+    with caplog.at_level(logging.WARNING, logger="qatpipe.quantization.partial"):
+        _, result = search(model, layers, sample, 0.80, 0.01, reference, every)
+    assert on_sample == [set(), {layers[0]}, set(layers[:2])]
+    assert on_all == [on_sample[0], on_sample[2]]  # the same models, only where the sample passed them
+    assert [step.map50_all for step in result.steps] == [0.795, None, 0.805]
+    assert result.budget_met and result.float_layers == layers[:2] and result.map50 == 0.800
+    assert (result.map50_all, result.map50_fp32_all, result.val_images_all) == (0.805, 0.81, 2000)
+    assert "0 layer(s) float: mAP@0.5 0.7950 on all 2000 val images (target 0.8000)" in caplog.text
+    assert "not within the budget there, going on" in caplog.text
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="qatpipe.quantization.partial"):
+        _, missed = search(model, layers[:1], scorer([0.795, 0.799], []), 0.80, 0.01, reference,
+                           Confirm(scorer([0.70, 0.71], []), 0.81, 2000))
+    assert not missed.budget_met and [step.map50_all for step in missed.steps] == [0.70, 0.71]
+    assert missed.float_layers == layers[:1] and missed.map50 == 0.799  # the best on the sample
+    assert "no model met the budget (mAP@0.5 >= FP32 0.8000 - 0.0100 = 0.7900, and on all 2000 val images >= " \
+           "0.8000)" in caplog.text
+
+
 def test_fp16_form_of_a_partial_model_keeps_exactly_the_named_layers_float(ptq_models):
     """The FP16 form (export/fp16.py) of the PTQ model with two layers kept float: those two layers compute in
     FP16, every other weighted layer stays in the INT8 region, and the form passes TensorRT's Q/DQ rules."""
@@ -493,6 +536,10 @@ def test_ptq_partial_stage_writes_the_variant_and_refuses_an_unknown_layer(ptq_m
     (ranking_dir / JSON_FILE).write_text(json.dumps({"layers": rows}))
     report = ptq_partial(spec, fp32_path, planted_path, tmp_path / "auto" / "model.onnx", ranking_dir)
     assert report["mode"] == "auto" and report["float_layers"] == [planted] and report["budget_met"]
+    # within the budget on the 32-image sample, then on all 48 val images too
+    assert report["val_images"] == 32 and report["val_images_all"] == 48
+    assert report["map50_all"] >= report["map50_fp32_all"] - PLANTED_BUDGET
+    assert report["steps"][-1]["map50_all"] == report["map50_all"]
 
 
 def test_qat_excluded_layers_auto_keeps_float_what_partial_ptq_keeps_float(trained_tiny, tmp_path, monkeypatch):

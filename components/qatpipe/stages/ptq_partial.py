@@ -35,13 +35,32 @@ def _ranking(sensitivity_dir: Path | None) -> list[str]:
         raise QatpipeError(f"{path}: not a sensitivity report: {type(exc).__name__}: {exc}") from None
 
 
+def _confirmation(spec: ExperimentSpec, arch, fp32_onnx: Path, folder: str, sampled: int):
+    """The search's look at every val image (the images the gate scores), read as each model is scored; None
+    where the sample is the whole val split already."""
+    from qatpipe.data.splits import load_split
+    from qatpipe.quantization.partial import Confirm
+    from qatpipe.quantization.sensitivity import exact_scorer
+    from qatpipe.stages.sensitivity import scorer
+
+    samples = load_split(spec, "val")
+    if len(samples) <= sampled:
+        return None
+    score_path, _, _ = scorer(spec, samples, arch, read_once=False)
+    map50_fp32 = score_path(fp32_onnx)
+    log.info("ptq-partial: FP32 mAP@0.5 %.4f on all %d val images; a model the sample puts within the budget is "
+             "scored on them too", map50_fp32, len(samples))
+    return Confirm(exact_scorer(score_path, folder), map50_fp32, len(samples))
+
+
 def ptq_partial(spec: ExperimentSpec, fp32_onnx: str | Path, ptq_onnx: str | Path, output: str | Path,
                 sensitivity_dir: str | Path | None = None) -> dict:
     """Write `output` (a Q/DQ .onnx: `ptq_onnx` with the layers spec.ptq.keep_float gives reading float, their
     weights the FP32 ONNX's), its FP16 form under export.fp16_onnx (the float layers FP16, as a strongly typed
     TensorRT 11 build runs them), ptq_partial.json and a tracking record beside it. With keep_float auto the
     layers come from `sensitivity_dir`'s sensitivity.json of the PTQ model, scored on the same val sample as
-    the sensitivity stage (spec.sensitivity)."""
+    the sensitivity stage (spec.sensitivity); a model within the budget there is scored on every val image too,
+    and kept only if it is within the budget there as well."""
     from qatpipe.export.onnx_export import save_onnx
     from qatpipe.export.qdq import check_explicit_quantization
     from qatpipe.inference import onnx_forward
@@ -67,7 +86,8 @@ def ptq_partial(spec: ExperimentSpec, fp32_onnx: str | Path, ptq_onnx: str | Pat
         score = exact_scorer(score_path, folder)
         map50_fp32 = score_path(fp32_onnx)
         if settings == "auto":
-            model, result = search(int8, order, score, map50_fp32, budget, reference)
+            confirm = _confirmation(spec, arch, fp32_onnx, folder, len(samples))
+            model, result = search(int8, order, score, map50_fp32, budget, reference, confirm)
         else:  # the named layers, scored for the report
             model = keep_float(int8, order, reference)
             map50 = score(model)
@@ -99,13 +119,18 @@ def ptq_partial(spec: ExperimentSpec, fp32_onnx: str | Path, ptq_onnx: str | Pat
         metrics={"float_layers": len(result.float_layers), "quantized_layers": len(check.quantized),
                  "map50_subset": result.map50, "map50_subset_fp32": map50_fp32,
                  "map50_subset_int8": result.map50_int8, "budget_met": int(result.budget_met),
+                 **({"map50_all": result.map50_all} if result.map50_all is not None else {}),
+                 **({"map50_all_fp32": result.map50_fp32_all} if result.map50_fp32_all is not None else {}),
                  "size_mb": report["size_mb"], "seconds": result.seconds},
         artifacts=files,
         tags={"ptq.float_layers": ",".join(result.float_layers)[:4000]},
     ).write(output.parent)
-    log.info("ptq-partial: %d of %d layers float (%s): mAP@0.5 %.4f on %d val images, FP32 %.4f, all INT8 %.4f; "
+    on_all = (f"; on all {result.val_images_all} val images {result.map50_all:.4f}, FP32 {result.map50_fp32_all:.4f}"
+              if result.map50_all is not None else "")
+    log.info("ptq-partial: %d of %d layers float (%s): mAP@0.5 %.4f on %d val images, FP32 %.4f, all INT8 %.4f%s; "
              "budget %s", len(result.float_layers), result.layers_total, ", ".join(result.float_layers) or "none",
-             result.map50, len(samples), map50_fp32, result.map50_int8, "met" if result.budget_met else "NOT met")
+             result.map50, len(samples), map50_fp32, result.map50_int8, on_all,
+             "met" if result.budget_met else "NOT met")
     return report
 
 

@@ -21,15 +21,17 @@ MARKDOWN_FILE = "sensitivity.md"
 HTML_FILE = "sensitivity.html"  # sensitivity_models: the tables and charts of every model, one page
 
 
-def scorer(spec: ExperimentSpec, samples, arch):
-    """score(onnx path) -> mAP@0.5 on `samples`, as evaluate scores a model (inference.predict, the same
-    decoding and pycocotools), the images read once for every model scored; and the provider that runs it."""
+def scorer(spec: ExperimentSpec, samples, arch, read_once: bool = True):
+    """(score, batches, provider): score(onnx path) -> mAP@0.5 on `samples`, as evaluate scores a model
+    (inference.predict, the same decoding and pycocotools), the images read once for every model scored
+    (`read_once`; else read again for each model, and batches None: a whole val split need not fit in memory);
+    and the provider that runs it."""
     from qatpipe.data.pipeline import eval_dataset
     from qatpipe.metrics.coco import GroundTruth, evaluate_detections
     from qatpipe.inference import predict
     from qatpipe.onnx_model import OnnxModel, available_providers
 
-    batches = [batch.numpy() for batch in eval_dataset(samples, spec)]
+    batches = [batch.numpy() for batch in eval_dataset(samples, spec)] if read_once else None
     truth = [GroundTruth(s.boxes, s.classes, s.image_path.name, s.width, s.height) for s in samples]
 
     def score(path: Path) -> float:

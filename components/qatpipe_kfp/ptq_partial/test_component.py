@@ -27,16 +27,18 @@ def test_the_body_reads_the_ptq_models_ranking_and_says_what_it_kept_float(artif
     called = {}
 
     def fake(spec, fp32_onnx, ptq_onnx, output, sensitivity_dir=None):
-        """What the stage writes and returns: two layers float met the budget on the third model scored."""
+        """What the stage writes and returns: two layers float met the budget on the third model scored, on the
+        sample and then on all 200 val images."""
         called.update(spec=spec, fp32=fp32_onnx, ptq=ptq_onnx, output=output, sensitivity=sensitivity_dir)
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_bytes(b"onnx")
         steps = [{"float_layers": [], "map50": 0.50}, {"float_layers": ["m/conv1/Conv2D"], "map50": 0.55},
-                 {"float_layers": ["m/conv1/Conv2D", "m/conv2/Conv2D"], "map50": 0.585}]
+                 {"float_layers": ["m/conv1/Conv2D", "m/conv2/Conv2D"], "map50": 0.585, "map50_all": 0.59}]
         report = {"keep_float": "auto", "val_images": 24, "scored_by": "ONNX Runtime CPU, exact CPU form",
                   "float_layers": steps[-1]["float_layers"], "map50": 0.585, "map50_fp32": 0.6, "map50_int8": 0.5,
                   "target": 0.58, "budget": 0.02, "budget_met": True, "mode": "auto", "layers_total": 15,
-                  "steps": steps, "seconds": 3.0, "size_mb": 0.4}
+                  "steps": steps, "seconds": 3.0, "size_mb": 0.4, "map50_all": 0.59, "map50_fp32_all": 0.605,
+                  "val_images_all": 200}
         (output.parent / stage.REPORT_FILE).write_text(json.dumps(report))
         StageRecord(stage="ptq_partial", metrics={"float_layers": 2, "map50_subset": 0.585, "budget_met": 1},
                     artifacts=[output.name, stage.REPORT_FILE]).write(output.parent)
@@ -69,8 +71,9 @@ def test_the_body_reads_the_ptq_models_ranking_and_says_what_it_kept_float(artif
     report = Path(outputs["report"].path).read_text()
     assert report.startswith("# ptq-partial: 2 of 15 layers float")
     assert "budget 2.00 points (validate.max_map_drop), target 0.5800: met." in report
-    assert "| 2 | 2 | 0.5850 | +1.50 | `m/conv2/Conv2D` |" in report  # the step that met the budget
-    assert "| 0 | 0 | 0.5000 | +10.00 | none |" in report
+    assert "scored on all 200 val images too (FP32 0.6050 there)" in report
+    assert "| 2 | 2 | 0.5850 | +1.50 | 0.5900, +1.50 | `m/conv2/Conv2D` |" in report  # the step that met the budget
+    assert "| 0 | 0 | 0.5000 | +10.00 |  | none |" in report  # the sample failed it: not scored on all images
 
 
 def test_the_spec_view_holds_what_the_stage_reads():
