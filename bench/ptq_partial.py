@@ -6,8 +6,9 @@ RUN is a `qatpipe run --local` folder (bench/qat_value.py's WORK/<backbone>); --
 was made with (its spec is the default one with them). The run's PTQ model goes through the sensitivity stage and
 the ptq-partial stage again (`ptq.keep_float: auto`), then is built into an engine and validated against the
 run's FP32 evaluation, as the pipeline does, into RUN_ptq_partial/. Prints the search (layers kept float, the
-scores on the sensitivity sample) and mAP@0.5 on the whole val set in TensorRT's numbers with 95% bootstrap CIs,
-paired with the run's own fp32, ptq and ptq-partial validations. Writes RUN_ptq_partial/bench_ptq_partial.json.
+scores on the sensitivity sample and, for the models it passed, on every val image) and mAP@0.5 on the whole val
+set in TensorRT's numbers with 95% bootstrap CIs, paired with the run's own fp32, ptq and ptq-partial validations.
+Writes RUN_ptq_partial/bench_ptq_partial.json.
 
 Target (issue 37): ptq-partial reaches the budget (validate.max_map_drop) with the fewest float layers the
 sensitivity ranking allows.
@@ -80,16 +81,21 @@ def main() -> None:
            "layers_total": report["layers_total"], "budget": report["budget"], "budget_met": report["budget_met"],
            "map50_subset": report["map50"], "map50_subset_fp32": report["map50_fp32"],
            "map50_subset_int8": report["map50_int8"], "val_images_subset": report["val_images"],
-           "steps": [(len(step["float_layers"]), step["map50"]) for step in report["steps"]],
+           "steps": [(len(step["float_layers"]), step["map50"], step.get("map50_all")) for step in report["steps"]],
+           "map50_all": report.get("map50_all"), "map50_all_fp32": report.get("map50_fp32_all"),
+           "val_images_all": report.get("val_images_all"),
            "gate_passed": found["passed"], "seconds": found["seconds"], "layers": found["layers"],
            "variants": {name: v["map50"] for name, v in scored["variants"].items()},
            "pairs": {key: pair["map50"] for key, pair in scored["pairs"].items()}, "val_images": scored["images"]}
     (out / "bench_ptq_partial.json").write_text(json.dumps(row, indent=2))
 
+    confirmed = sum(step[2] is not None for step in row["steps"])
+    on_all = (f" and on all {row['val_images_all']} ({row['map50_all']:.4f} against FP32 {row['map50_all_fp32']:.4f}; "
+              f"{confirmed} model(s) scored there)" if row["map50_all"] is not None else "")
     print(f"\n{run.name}: ptq-partial again kept {len(row['float_layers'])} of {row['layers_total']} layers float, "
           f"budget {row['budget']} {'met' if row['budget_met'] else 'NOT met'} on its {row['val_images_subset']} "
           f"val images ({row['map50_subset']:.4f} against FP32 {row['map50_subset_fp32']:.4f}, all INT8 "
-          f"{row['map50_subset_int8']:.4f}); {len(row['steps'])} models scored; seconds {row['seconds']}")
+          f"{row['map50_subset_int8']:.4f}){on_all}; {len(row['steps'])} models scored; seconds {row['seconds']}")
     print(f"float: {', '.join(row['float_layers']) or 'none'}; compute layers INT8 / FP16 / FP32: {row['layers']}; "
           f"gate {'passed' if row['gate_passed'] else 'FAILED'}")
     print(f"mAP@0.5 on {row['val_images']} val images, TensorRT's numbers (paired bootstrap, 95% CI):")
