@@ -2,13 +2,15 @@
 
     python bench/finetune.py --run RUN [--work DIR] --recipe NAME KEY=VALUE ... [--recipe ...]
 
-RUN is a finished `qatpipe run --local` folder whose QAT fine-tuned the FP32 retrain's model. Each recipe (its
-`qat.*` overrides, e.g. `qat.finetune_epochs=4` and a whole `qat.finetune_learning_rate={...}`) fine-tunes
-that same FP32 retrain's model twice through the pipeline's own plan (stages/retrain_plan.py), with QAT and in
-FP32 (the baseline), exports both to ONNX and evaluates them on the run's val set, as the run's evaluate tasks
-scored its own two. Prints per recipe and for the run's own: FP32 and QAT mAP@0.5 with 95% bootstrap CIs, QAT -
-FP32 paired, each against the run's own FP32 (paired over the val images; the spread between training runs is
-not in the CIs) and the seconds each fine-tuning trained (its train_summary.json). Writes WORK/bench_finetune.json.
+RUN is a finished `qatpipe run --local` folder whose QAT fine-tuned the FP32 retrain's model or the FP32 baseline
+(`qat.start` fp32 or baseline). Each recipe (its `qat.*` overrides, e.g. `qat.finetune_epochs=4` and a whole
+`qat.finetune_learning_rate={...}`) fine-tunes that same FP32 retrain's model in FP32 (the baseline) and makes its
+QAT model through the pipeline's own plan (stages/retrain_plan.py): fine-tuning that FP32 retrain's model too
+(start fp32) or the baseline just trained (start baseline). It exports both to ONNX and evaluates them on the
+run's val set, as the run's evaluate tasks scored its own two. Prints per recipe and for the run's own: FP32 and
+QAT mAP@0.5 with 95% bootstrap CIs, QAT - FP32 paired, each against the run's own FP32 (paired over the val
+images; the spread between training runs is not in the CIs) and the seconds each fine-tuning trained (its
+train_summary.json). Writes WORK/bench_finetune.json.
 """
 
 import argparse
@@ -43,7 +45,9 @@ def finetune(run: Path, folder: Path, overrides: list[str]) -> None:
             continue
         spec = base.model_copy(deep=True)
         spec.qat.enabled = variant == "qat"
-        plan = plan_retrain(spec, spec.qat.enabled, fp32_retrain, fp32_retrain)
+        # under qat.start baseline QAT fine-tunes the FP32 baseline trained just before it
+        plan = plan_retrain(spec, spec.qat.enabled, fp32_retrain, fp32_retrain,
+                            folder / "fp32" / "retrain" / "model.keras")
         summary = retrain(plan.applied(spec), plan.source, out / "retrain", stage_name=plan.stage_name)
         export(spec, summary["model"], out / "model.onnx")
         evaluate(spec, out / "model.onnx", out / "evaluation")

@@ -1,7 +1,7 @@
 """Benchmark: what QAT adds where it counts (issue 37): FP32, PTQ, PTQ-partial, QAT and QAT + distillation.
 
     python bench/qat_value.py [--work DIR] [--backbones mobilenet_v2 ...] [--distill-weight W] [--set KEY=VALUE ...]
-                              [--qat-auto] [--qat-freeze N] [--no-pipeline]
+                              [--qat-auto] [--qat-freeze N] [--qat-start START] [--no-pipeline]
 
 Per backbone it runs the whole pipeline (`qatpipe run --local`, default spec, only `model.backbone.name` and the
 `--set` overrides changed; the val set is the default's), which measures the sensitivity of the PTQ and QAT
@@ -10,7 +10,9 @@ run's own QAT retrain spec with `qat.distill_weight` W, from the same start (the
 teacher), exported, built into an engine and evaluated on the same val images; with --qat-auto, the same again with
 `qat.excluded_layers: auto` (the variant qat-auto: the layers partial PTQ of that start keeps float stay float);
 with --qat-freeze N, with BatchNormalization statistics and activation ranges frozen after N epochs (qat-freeze:
-`qat.bn_update_epochs` and `qat.range_update_epochs` N).
+`qat.bn_update_epochs` and `qat.range_update_epochs` N); with --qat-start START, QAT again from where `qat.start`
+START begins it (qat-START: fp32 fine-tunes the FP32 retrain's model, baseline fine-tunes the run's FP32 baseline
+briefly, pruned retrains the pruned model; stages/retrain_plan.py), for as long as that order trains it.
 
 Prints per backbone and variant: mAP@0.5 with its 95% bootstrap CI, the paired difference from FP32 and from PTQ
 with CIs, the compute layers INT8 / FP16 / FP32 of its engine's ONNX, how many layers ptq-partial kept float and
@@ -32,19 +34,22 @@ import time
 from pathlib import Path
 
 from recipe import _json  # bench/recipe.py, beside this script
-from runs import ci_text, engine_folders, median_round, speedup_range, stage_folder, stage_folders, time_in_rounds
+from runs import ci_text, engine_folders, median_round, speedup_range, stage_folder, time_in_rounds
 
 log = logging.getLogger("bench")
 
 VARIANTS = ("fp32", "ptq", "ptq-partial", "qat", "qat+distill")
 # the extra QAT retrains beside the pipeline's, by variant: their folder under WORK/<backbone>_<folder> and the qat
-# settings they change; qat-auto only with --qat-auto, qat-freeze only with --qat-freeze
-EXTRA_QAT = {"qat+distill": "distill", "qat-auto": "qat_auto", "qat-freeze": "qat_freeze"}
-QAT_GRAPH = ("qat+distill", "qat-freeze")  # extra retrains whose model has the QAT model's graph (layers, speed)
+# settings they change; qat-auto only with --qat-auto, qat-freeze only with --qat-freeze, qat-START with --qat-start
+STARTS = ("fp32", "baseline", "pruned")
+EXTRA_QAT = {"qat+distill": "distill", "qat-auto": "qat_auto", "qat-freeze": "qat_freeze",
+             **{f"qat-{start}": f"qat_{start}" for start in STARTS}}
+# extra retrains whose model has the QAT model's graph (layers, speed)
+QAT_GRAPH = ("qat+distill", "qat-freeze", *(f"qat-{start}" for start in STARTS))
 
 
 def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight: float, qat_auto: bool,
-                 before: dict | None = None, qat_freeze: int | None = None) -> dict:
+                 before: dict | None = None, qat_freeze: int | None = None, qat_start: str | None = None) -> dict:
     """The pipeline run (none where `before`, the row of a finished one, is given), then the extra QAT
     retrains it lacks."""
     from qatpipe_pipelines.local_run import run_local
@@ -61,6 +66,8 @@ def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight
         extra["qat-auto"] = {"excluded_layers": "auto"}
     if qat_freeze is not None:
         extra["qat-freeze"] = {"bn_update_epochs": qat_freeze, "range_update_epochs": qat_freeze}
+    if qat_start is not None:
+        extra[f"qat-{qat_start}"] = {"start": qat_start}
     for variant, settings in extra.items():
         started = time.perf_counter()
         if retrained_qat(backbone, work, EXTRA_QAT[variant], settings, sets):
@@ -75,31 +82,34 @@ def extra_seconds(row: dict) -> dict[str, float]:
 
 
 def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict, sets: list[str]) -> bool:
-    """The run's QAT retrain again with the qat `settings` changed, same spec and start (the FP32 retrain's
-    model, also distillation's teacher); exported, built into an engine as the pipeline builds them (exact CPU
-    form here) and evaluated into WORK/<backbone>_<folder_name>. False where it had been (its engine is built
-    where an older run of this script did not)."""
+    """The run's QAT retrain again with the qat `settings` changed, same spec, from where its qat.start (or the
+    one `settings` sets) begins QAT (the model it starts from is also distillation's teacher); exported, built
+    into an engine as the pipeline builds them (exact CPU form here) and evaluated into
+    WORK/<backbone>_<folder_name>. False where it had been (its engine is built where an older run of this
+    script did not)."""
     from qatpipe.spec import bundled_spec_path, load_spec
     from qatpipe.stages.build_engine import build_engine
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.export import export
     from qatpipe.stages.retrain import retrain
+    from qatpipe.stages.retrain_plan import plan_retrain
 
     folder = work / f"{backbone}_{folder_name}"
     run = work / backbone
-    # the QAT retrain's spec; before that task has finished, its twin's (finetune-fp32 has the same sections and
-    # start), so this can run beside the pipeline's last retrain; the sections that view leaves out (export, ptq,
-    # sensitivity, validate, engine: what qat.excluded_layers auto and the engine read) as the run had them
-    twin = (stage_folders(run / "kfp", "retrain_qat") or [stage_folder(run, "finetune_fp32")])[0]
-    spec, full = load_spec(twin / "spec.yaml"), load_spec(bundled_spec_path("default"), sets)
-    for section in ("export", "ptq", "sensitivity", "validate_", "engine"):
-        setattr(spec, section, getattr(full, section))
+    # the run's spec (the bundled one with its overrides: the retrains' own spec.yaml files hold the epochs and
+    # schedule their order applied) on the run's prepared data set, read from its FP32 retrain's
+    spec = load_spec(bundled_spec_path("default"), sets)
+    spec.dataset = load_spec(stage_folder(run, "retrain_fp32") / "spec.yaml").dataset
     done = (folder / "evaluation" / "metrics.json").is_file()
     if not done:
         spec.qat.enabled = True
         for key, value in settings.items():
             setattr(spec.qat, key, value)
-        summary = retrain(spec, stage_folder(run, "retrain_fp32") / "model.keras", folder / "retrain")
+        # from where qat.start begins QAT (stages/retrain_plan.py), for as long as that order trains it
+        plan = plan_retrain(spec, True, stage_folder(run, "prune") / "model.keras",
+                            stage_folder(run, "retrain_fp32") / "model.keras",
+                            stage_folder(run, "finetune_fp32") / "model.keras")
+        summary = retrain(plan.applied(spec), plan.source, folder / "retrain")
         export(spec, summary["model"], folder / "model.onnx")
     if not (folder / "engine" / "engine.json").is_file():
         build_engine(spec, folder / "model.onnx", folder / "engine", backend="onnxruntime")
@@ -223,6 +233,9 @@ def main() -> None:
     parser.add_argument("--qat-freeze", type=int, metavar="N",
                         help="also the variant qat-freeze: the QAT retrain again with BatchNormalization statistics "
                              "and activation ranges frozen after N epochs (qat.bn_update_epochs, range_update_epochs)")
+    parser.add_argument("--qat-start", choices=STARTS,
+                        help="also the variant qat-START: QAT again from where qat.start START begins it, as long as "
+                             "that order trains it")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="run no pipeline: take WORK's finished runs as they are, run the extra QAT retrains "
                              "they lack, score and time them all again")
@@ -236,7 +249,8 @@ def main() -> None:
     rows = [row for name, row in before.items() if name not in args.backbones]
     for backbone in args.backbones:
         rows.append(run_backbone(backbone, args.work, args.overrides, args.distill_weight, args.qat_auto,
-                                 before.get(backbone, {}) if args.no_pipeline else None, args.qat_freeze))
+                                 before.get(backbone, {}) if args.no_pipeline else None, args.qat_freeze,
+                                 args.qat_start))
         out.write_text(json.dumps({"distill_weight": args.distill_weight, "rows": rows}, indent=2))
         print_report(rows[-1:])
     print_report(rows)

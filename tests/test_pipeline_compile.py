@@ -83,15 +83,20 @@ def test_dag_shape(compiled):
     assert upstream("train") == {"prepare-data", "pretrain", "start-tracking"}  # its live curves need the MLflow run
     assert upstream("evaluate-unpruned") == {"prepare-data", "train"}
     # TAO's recipe: prune the trained model, retrain it (FP32); then, as qat.start says at run time, QAT from
-    # the pruned model or fine-tuning the FP32 retrain's, and the FP32 baseline handed on or fine-tuned alike
+    # the pruned model, fine-tuning the FP32 retrain's or the FP32 baseline, and the baseline handed on or
+    # fine-tuned; QAT waits for the baseline, which it fine-tunes under start baseline
     assert upstream("prune") == {"train"}
     assert upstream("retrain-fp32") == {"prepare-data", "prune", "start-tracking"}
-    assert upstream("retrain-qat") == upstream("finetune-fp32") == {"prepare-data", "prune", "start-tracking",
-                                                                    "retrain-fp32"}
+    assert upstream("finetune-fp32") == {"prepare-data", "prune", "start-tracking", "retrain-fp32"}
+    assert upstream("retrain-qat") == upstream("finetune-fp32") | {"finetune-fp32"}
     for name in ("retrain-qat", "finetune-fp32"):
         assert tasks[name]["inputs"]["artifacts"]["start"]["taskOutputArtifact"] == {
             "producerTask": "retrain", "outputArtifactKey": "model"}, name
+    baseline = tasks["retrain-qat"]["inputs"]["artifacts"]["baseline"]["taskOutputArtifact"]
+    assert baseline["outputArtifactKey"] == "model" and _upstream(spec, {"dependentTasks": [
+        baseline["producerTask"]]}) == {"finetune-fp32"}
     assert "start" not in tasks["retrain-fp32"]["inputs"]["artifacts"]
+    assert "baseline" not in tasks["finetune-fp32"]["inputs"]["artifacts"]
     # export reads the data too: the FP16 guard's ranges come from training images; the FP32 variant is the
     # baseline (finetune-fp32), not the first retrain
     assert upstream("export-fp32") == {"prepare-data", "finetune-fp32"}

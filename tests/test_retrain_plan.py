@@ -13,14 +13,14 @@ from qatpipe.stages.retrain import hand_on
 from qatpipe.stages.retrain_plan import FINETUNE_FP32, plan_retrain
 from qatpipe.tracking.records import StageRecord
 
-PRUNED, RETRAINED = Path("/p/pruned.keras"), Path("/r/model.keras")
+PRUNED, RETRAINED, BASELINE = Path("/p/pruned.keras"), Path("/r/model.keras"), Path("/b/model.keras")
 
 
 def _spec(*sets: str):
     return load_spec(bundled_spec_path("default"), list(sets))
 
 
-@pytest.mark.parametrize("start", ["pruned", "fp32"])
+@pytest.mark.parametrize("start", ["pruned", "fp32", "baseline"])
 @pytest.mark.parametrize("qat", [False, True])
 def test_the_first_retrain_starts_from_the_pruned_model(start, qat):
     plan = plan_retrain(_spec(f"qat.start={start}", "qat.finetune_epochs=3"), qat, PRUNED)
@@ -43,6 +43,31 @@ def test_fp32_order_fine_tunes_the_retrained_model_as_long_in_qat_and_in_fp32():
         assert (qat.source, qat.epochs, qat.stage_name) == (RETRAINED, epochs, "retrain_qat"), sets
         assert (baseline.source, baseline.epochs, baseline.stage_name) == (RETRAINED, epochs, FINETUNE_FP32), sets
         assert not baseline.hands_on
+
+
+def test_baseline_order_fine_tunes_the_baseline_briefly_in_qat_and_makes_the_baseline_as_fp32_does():
+    spec = _spec("qat.start=baseline", "qat.finetune_epochs=5", "qat.epochs=3",
+                 "qat.learning_rate={max_lr: 1.0e-4, min_lr: 1.0e-7}")
+    qat = plan_retrain(spec, True, PRUNED, RETRAINED, BASELINE)
+    assert (qat.source, qat.epochs, qat.stage_name) == (BASELINE, 3, "retrain_qat")
+    trained = qat.applied(spec)
+    assert (trained.retrain.epochs, trained.train.learning_rate.max_lr, trained.train.learning_rate.min_lr) == \
+        (3, 1.0e-4, 1.0e-7)
+    for baseline in (None, BASELINE):  # the FP32 baseline itself is fine-tuned as under start fp32
+        fp32 = plan_retrain(spec, False, PRUNED, RETRAINED, baseline)
+        assert (fp32.source, fp32.epochs, fp32.stage_name, fp32.learning_rate) == (RETRAINED, 5, FINETUNE_FP32, None)
+    default = _spec("qat.start=baseline")  # the spec's own short recipe: 2 epochs at a tenth of train's peak
+    applied = plan_retrain(default, True, PRUNED, RETRAINED, BASELINE).applied(default)
+    assert (applied.retrain.epochs, applied.train.learning_rate.max_lr) == (2, 2.0e-4)
+    for start in ("fp32", "pruned"):  # the baseline given to every QAT task counts only under start baseline
+        assert plan_retrain(_spec(f"qat.start={start}"), True, PRUNED, RETRAINED, BASELINE).source != BASELINE
+
+
+def test_baseline_order_without_the_baseline_is_refused():
+    from qatpipe.errors import QatpipeError
+
+    with pytest.raises(QatpipeError, match="qat.start is baseline.*finetune-fp32"):
+        plan_retrain(_spec("qat.start=baseline"), True, PRUNED, RETRAINED)
 
 
 def test_the_fine_tunings_and_only_they_train_under_qat_finetune_learning_rate():
@@ -113,3 +138,13 @@ def test_the_stage_name_reaches_horovod_and_cluster_commands():
     assert command == ["retrain", "-e", "s.yaml", "-r", "out", "-m", "m.keras", "--stage-name", FINETUNE_FP32]
     assert build_parser().parse_args(command).stage_name == FINETUNE_FP32
     assert "--stage-name" not in _command("retrain", Path("s.yaml"), Path("out"), Path("m.keras"))
+
+
+@pytest.mark.parametrize("flags", [["--baseline"], ["--baseline", "--qat", "--finetune"]])
+def test_the_cli_baseline_flag_is_qat_alone_and_refused_before_anything_is_read(flags, tmp_path, caplog):
+    from qatpipe.cli import main
+
+    argv = ["retrain", "-e", "tiny", "-m", str(tmp_path / "missing.keras"), "-r", str(tmp_path / "out"), *flags]
+    assert main(argv) == 2
+    assert "--baseline is QAT's fine-tuning of the FP32 baseline" in caplog.text
+    assert not [path for path in (tmp_path / "out").glob("*") if path.name != ".qatpipe.lock"]  # nothing trained

@@ -1,9 +1,11 @@
 """The whole pipeline through kfp.local with model.arch: ssd (issue 35), tracked in a real MLflow server: every
-stage runs an SSD unchanged, the DeepStream config is TAO's SSD one, and the registered model is qatpipe-ssd."""
+stage runs an SSD unchanged, the DeepStream config is TAO's SSD one, and the registered model is qatpipe-ssd. It
+runs in the order qat.start: baseline (QAT fine-tunes the FP32 baseline; test_local_pipeline runs fp32's)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -18,7 +20,8 @@ from qatpipe_pipelines.stage_table import stage_names
 LEARNED_MAP50 = 0.1
 OVERRIDES = ["model.arch=ssd", "dataset.image_size.height=128", "dataset.image_size.width=192", "train.epochs=5",
              "retrain.epochs=1", "qat.finetune_epochs=1", "tracking.experiment=ssd-pipeline-test",
-             "validate.max_map_drop=0.08", "sensitivity.max_layers=6"]  # as test_local_pipeline: a short sensitivity
+             "validate.max_map_drop=0.08", "sensitivity.max_layers=6",  # as test_local_pipeline: a short sensitivity
+             "qat.start=baseline", "qat.epochs=1"]
 
 
 @pytest.mark.slow
@@ -29,6 +32,11 @@ def test_ssd_runs_through_the_whole_pipeline(tmp_path, mlflow_server, monkeypatc
     summary = run_local(out, "tiny", OVERRIDES)
 
     assert list(summary["variants"]) == ["fp32", "ptq", "ptq-partial", "qat"]
+    # qat.start baseline: the QAT task fine-tuned the FP32 baseline (finetune-fp32's model) for qat.epochs
+    folders = {json.loads(p.read_text())["stage"]: p.parent for p in (out / "kfp").rglob("tracking.json")}
+    source = json.loads((folders["retrain_qat"] / "source_model.json").read_text())["path"]  # stages/retrain.py
+    assert Path(source).parent == folders["finetune_fp32"]
+    assert json.loads((folders["retrain_qat"] / "train_summary.json").read_text())["epochs"] == 1
     assert {name for name, o in summary["stages"].items() if o["status"] == "done"} >= \
         set(stage_names(logged=True)) | {"compare"}
     fp32 = summary["variants"]["fp32"]

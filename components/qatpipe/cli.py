@@ -173,17 +173,20 @@ def cmd_prune(args) -> int:
 def cmd_retrain(args) -> int:
     from qatpipe.stages.retrain import retrain
 
+    if args.baseline and (args.finetune or not args.qat):
+        raise QatpipeError("--baseline is QAT's fine-tuning of the FP32 baseline: give --qat, not --finetune, with it")
     spec = _load(args)  # once, before any Horovod processes: they find the data set it may generate
     if (code := _horovod_launch(args)) is not None:
         return code
     if args.qat:
         spec.qat.enabled = True
     stage_name = args.stage_name
-    if args.finetune:  # the fine-tunings of qat.start fp32: qat.finetune_epochs and its learning rate
+    if args.finetune or args.baseline:  # the fine-tunings of qat.start fp32, or QAT's of qat.start baseline
         from qatpipe.stages.retrain_plan import plan_retrain
 
-        plan = plan_retrain(spec.model_copy(update={"qat": spec.qat.model_copy(update={"start": "fp32"})}),
-                            spec.qat.enabled, args.model, args.model)
+        start = "baseline" if args.baseline else "fp32"
+        plan = plan_retrain(spec.model_copy(update={"qat": spec.qat.model_copy(update={"start": start})}),
+                            spec.qat.enabled, args.model, args.model, args.model)
         spec, stage_name = plan.applied(spec), stage_name or plan.stage_name
     summary = retrain(spec, args.model, args.results_dir, use_amp=True if args.use_amp else None,
                       stage_name=stage_name)
@@ -419,7 +422,7 @@ def _add_training_commands(sub) -> None:
 
     retrain = sub.add_parser("retrain", help="retrain a pruned model, FP32 or QAT (resumes from checkpoints)",
                              description="Epochs: retrain.epochs (default train.epochs), with --finetune "
-                                         "qat.finetune_epochs; QAT: the qat section.")
+                                         "qat.finetune_epochs, with --baseline qat.epochs; QAT: the qat section.")
     _add_spec_args(retrain)
     retrain.add_argument("-m", "--model", required=True, type=Path, help="the pruned model (.keras)")
     _add_training_args(retrain)
@@ -429,6 +432,9 @@ def _add_training_commands(sub) -> None:
                          help="-m is the FP32 retrain's model, fine-tuned as the pipeline's qat.start fp32 does (with "
                               "--qat, and in FP32 as its baseline): for qat.finetune_epochs under "
                               "qat.finetune_learning_rate")
+    retrain.add_argument("--baseline", action="store_true",
+                         help="with --qat: -m is the FP32 baseline, which QAT fine-tunes briefly as the pipeline's "
+                              "qat.start baseline does: for qat.epochs under qat.learning_rate")
     retrain.set_defaults(func=cmd_retrain, writes=lambda a: a.results_dir)
 
 

@@ -432,19 +432,28 @@ class QatSpec(_Section):
     """Quantization-aware training for TensorRT (quantization/rules.py documents each placement rule)."""
 
     enabled: bool = Field(False, description="retrain with fake quantization (TAO's enable_qat)")
-    start: Literal["pruned", "fp32"] = Field(
+    start: Literal["pruned", "fp32", "baseline"] = Field(
         "fp32", description="where QAT starts. fp32 (NVIDIA's QAT toolkit's order): the FP32 retrain's model, "
         "fine-tuned for finetune_epochs, and the FP32 baseline is that model fine-tuned as long in FP32, so both "
-        "have had the same training. pruned (TAO's order): the pruned model, for retrain.epochs, like the FP32 "
-        "retrain, which is then the baseline (docs/quantization.md: the two orders measured)")
+        "have had the same training. baseline (the textbook order, PyTorch's and TensorRT's QAT guides): the FP32 "
+        "baseline made as under fp32, then QAT fine-tunes that baseline itself, briefly (epochs, learning_rate), "
+        "so PTQ and QAT quantize the same FP32 weights; retrain-qat waits for finetune-fp32. pruned (TAO's order): "
+        "the pruned model, for retrain.epochs, like the FP32 retrain, which is then the baseline "
+        "(docs/quantization.md: the orders measured)")
     finetune_epochs: int | None = Field(
-        None, ge=1, description="start: fp32: the epochs of the QAT fine-tuning and of its FP32 control; default "
-        "retrain.epochs")
+        None, ge=1, description="start: fp32 and baseline: the epochs of the FP32 baseline's fine-tuning (under fp32 "
+        "also of the QAT fine-tuning beside it); default retrain.epochs")
     finetune_learning_rate: LearningRateSpec | None = Field(
-        None, description="start: fp32: the learning-rate schedule of the QAT fine-tuning and of its FP32 control "
-        "(they start from a trained model, which train.learning_rate's peak first knocks back; bench/README.md "
-        "finetune.py: shorter, gentler fine-tunings lost mAP). Default train.learning_rate; keys left out of it "
-        "take the schedule's own defaults, not train's")
+        None, description="start: fp32 and baseline: the learning-rate schedule of the FP32 baseline's fine-tuning "
+        "(under fp32 also of the QAT fine-tuning beside it; they start from a trained model, which "
+        "train.learning_rate's peak first knocks back; bench/README.md finetune.py: shorter, gentler fine-tunings "
+        "lost mAP). Default train.learning_rate; keys left out of it take the schedule's own defaults, not train's")
+    epochs: int = Field(2, ge=1, description="start: baseline: the epochs QAT fine-tunes the FP32 baseline "
+                        "(PyTorch's and NVIDIA's QAT guides: a small fraction of the training)")
+    learning_rate: LearningRateSpec = Field(
+        default_factory=lambda: LearningRateSpec(min_lr=1e-6, max_lr=2e-4, soft_start=0.1, annealing_point=0.6),
+        description="start: baseline: the learning-rate schedule of that QAT fine-tuning (a converged model: about "
+        "a tenth of the default train.learning_rate's peak; the guides: 1-10% of the training's)")
     calibration_batches: int = Field(8, ge=1, description="training batches that initialise activation ranges")
     ema_decay: float = Field(0.999, ge=0, lt=1, description="moving average of activation ranges in training")
     bn_update_epochs: int | None = Field(
@@ -468,7 +477,7 @@ class QatSpec(_Section):
     distill_weight: float = Field(
         0.0, ge=0, description="distillation during QAT: the weight of a loss that pulls the QAT model's outputs "
         "towards those of its FP32 teacher, added to the task loss. The teacher is the model QAT starts from (start "
-        "fp32: the FP32 retrain's; start pruned: the pruned model), frozen, run in inference mode on the same "
+        "fp32: the FP32 retrain's; start baseline: the FP32 baseline; start pruned: the pruned model), frozen, run in inference mode on the same "
         "augmented batch; train time only, the exported model is unchanged. 0: off, the default until a bench/ "
         "measurement decides (docs/quantization.md: Distillation)")
 

@@ -4,8 +4,8 @@ fingerprint data → prepare data → train (unpruned) → evaluate (unpruned) a
   retrain FP32 →
   [finetune FP32 (the baseline: as trained, or as long as QAT) → export → evaluate FP32;
    PTQ calibrate → evaluate PTQ]
-  [retrain QAT (qat.start: the pruned model, or fine-tuning FP32's) → export (Q/DQ + calibration cache)
-   → evaluate QAT]
+  [retrain QAT (qat.start: the pruned model, fine-tuning FP32's, or briefly the FP32 baseline; after the
+   baseline) → export (Q/DQ + calibration cache) → evaluate QAT]
 → layer sensitivity of the PTQ and QAT models → ptq-partial (PTQ with its most sensitive layers float, until
   within the gate's budget) → evaluate PTQ-partial
 → per variant (fp32, ptq, ptq-partial, qat): build engine (+ latency benchmark) → validate against the FP32 baseline

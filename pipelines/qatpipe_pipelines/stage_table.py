@@ -93,14 +93,16 @@ STAGES: tuple[Stage, ...] = (
           runs="gpu", reads_data=True, logs="results"),
     Stage("prune", prune, {"model": From("train", "model")}, logs="pruned"),
     # TAO's recipe: the pruned model retrained in FP32; then, as qat.start says at run time (stages/retrain_plan.py),
-    # the QAT retrain of the pruned model or QAT fine-tuning of the FP32 retrain's model, and the FP32 baseline:
-    # that model handed on, or fine-tuned as long as QAT. KFP's DAG is fixed, so both orders share this shape.
+    # the FP32 baseline (that model handed on, or fine-tuned) and QAT: a retrain of the pruned model, a fine-tuning
+    # of the FP32 retrain's model, or a short one of the baseline. KFP's DAG is fixed, so all orders share this shape.
     Stage("retrain-fp32", retrain, {"qat": False, "dataset": DATASET, "pruned": From("prune", "pruned")},
           **TRAINING),
     Stage("finetune-fp32", retrain, {"qat": False, "dataset": DATASET, "pruned": From("prune", "pruned"),
                                      "start": From("retrain-fp32", "model")}, view="finetune_fp32", **TRAINING),
+    # it also waits for the FP32 baseline, which it fine-tunes under qat.start baseline
     Stage("retrain-qat", retrain, {"qat": True, "dataset": DATASET, "pruned": From("prune", "pruned"),
-                                   "start": From("retrain-fp32", "model")}, view="retrain_qat", **TRAINING),
+                                   "start": From("retrain-fp32", "model"), "baseline": From("finetune-fp32", "model")},
+          view="retrain_qat", **TRAINING),
     *(Stage(f"export-{variant}", export, {"variant": variant, "dataset": DATASET, "model": From(source, "model")},
             reads_data=True, logs="onnx_model") for variant, source in (("fp32", "finetune-fp32"),
                                                                         ("qat", "retrain-qat"))),

@@ -59,8 +59,8 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
     from (its reports in results_dir/qat_auto).
 
     With qat.distill_weight > 0 QAT also distils from the FP32 model it starts from, `pruned_model_path` itself,
-    frozen (training/distillation.py): under qat.start fp32 the FP32 retrain's model, under qat.start pruned
-    (TAO's order) the pruned model before any retraining."""
+    frozen (training/distillation.py): under qat.start fp32 the FP32 retrain's model, under qat.start baseline
+    the FP32 baseline, under qat.start pruned (TAO's order) the pruned model before any retraining."""
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
     from qatpipe.quantization.freeze import freeze_late

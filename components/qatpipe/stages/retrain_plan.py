@@ -1,7 +1,8 @@
 """Where each of the pipeline's retrains starts under `qat.start`, and the stage names they record: the FP32
-retrain always from the pruned model; QAT from the pruned model (TAO's order) or fine-tuning the FP32 retrain's
-model (NVIDIA's QAT toolkit's); the FP32 baseline is the FP32 retrain's model as it is, or, when QAT fine-tunes
-it, that model fine-tuned as long in FP32, so that QAT and its baseline have had the same training.
+retrain always from the pruned model; QAT from the pruned model (TAO's order), fine-tuning the FP32 retrain's
+model (NVIDIA's QAT toolkit's) or briefly fine-tuning the FP32 baseline itself (the textbook order); the FP32
+baseline is the FP32 retrain's model as it is (TAO's order), or that model fine-tuned in FP32 (as long as QAT
+fine-tunes it under fp32, so that both have had the same training).
 
 Its own module, imported by both the train and the retrain stages (train names the FP32 baseline's record), so
 that neither imports the other for it."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from qatpipe.errors import QatpipeError
 from qatpipe.spec import ExperimentSpec, LearningRateSpec
 
 RETRAIN_FP32 = "retrain_fp32"
@@ -42,15 +44,21 @@ class RetrainPlan:
         return spec
 
 
-def plan_retrain(spec: ExperimentSpec, qat: bool, pruned: str | Path, retrained: str | Path | None = None
-                 ) -> RetrainPlan:
+def plan_retrain(spec: ExperimentSpec, qat: bool, pruned: str | Path, retrained: str | Path | None = None,
+                 baseline: str | Path | None = None) -> RetrainPlan:
     """Where a retrain starts and for how long. `retrained`: the FP32 retrain's model, given to the retrains
-    that come after it (the QAT one and the FP32 baseline); without it, a retrain of the pruned model."""
+    that come after it (the QAT one and the FP32 baseline); without it, a retrain of the pruned model.
+    `baseline`: the FP32 baseline's model, which QAT fine-tunes under qat.start baseline."""
     pruned = Path(pruned)
     first = spec.retrain.epochs or spec.train.epochs
     if retrained is None:
         return RetrainPlan(pruned, first, RETRAIN_QAT if qat else RETRAIN_FP32)
-    if spec.qat.start == "fp32":
+    if qat and spec.qat.start == "baseline":
+        if baseline is None:
+            raise QatpipeError("qat.start is baseline: the QAT fine-tuning needs the FP32 baseline's model "
+                               "(finetune-fp32's), and none was given")
+        return RetrainPlan(Path(baseline), spec.qat.epochs, RETRAIN_QAT, spec.qat.learning_rate)
+    if spec.qat.start in ("fp32", "baseline"):
         return RetrainPlan(Path(retrained), spec.qat.finetune_epochs or first,
                            RETRAIN_QAT if qat else FINETUNE_FP32, spec.qat.finetune_learning_rate)
     if qat:  # TAO's order: QAT retrains the pruned model, as the FP32 retrain did

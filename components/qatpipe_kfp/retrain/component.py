@@ -14,7 +14,7 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
             metrics: Output[Metrics], tensorboard: Output[Artifact], gpus: int = 1, workers: int = 1,
             mpijob_api_version: str = "v2beta1", launcher: str = "mpijob", training_image: str = "",
             credentials_secret: str = "", node_selector: dict = {}, tolerations: list = [], mpijob: bool = False,
-            checkpoint_uri: str = "", start: Optional[Input[Model]] = None):
+            checkpoint_uri: str = "", start: Optional[Input[Model]] = None, baseline: Optional[Input[Model]] = None):
     """Fine-tune the pruned detector in FP32 or quantization-aware (QAT), like TAO's retrain.
 
     One Horovod process per GPU; with `workers` > 1, or `mpijob`, an MPIJob (or TrainJob) across nodes.
@@ -42,8 +42,11 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
         start: The FP32 retrain's model, for the retrains after it (qatpipe.stages.retrain_plan.plan_retrain). Under
             qat.start fp32 the QAT task fine-tunes it for qat.finetune_epochs under qat.finetune_learning_rate, and
             the FP32 task (the baseline, finetune-fp32) fine-tunes it as long in FP32. Under qat.start pruned the
-            QAT task retrains the pruned model and the FP32 task hands `start` on unchanged. Absent: a retrain of
-            the pruned model.
+            QAT task retrains the pruned model and the FP32 task hands `start` on unchanged. Under qat.start
+            baseline the FP32 task fine-tunes it as under fp32, and the QAT task fine-tunes `baseline` instead.
+            Absent: a retrain of the pruned model.
+        baseline: The FP32 baseline's model (finetune-fp32's), for the QAT task: under qat.start baseline QAT
+            fine-tunes it for qat.epochs under qat.learning_rate; unused under the other starts.
 
     Returns:
         model: Folder with model.keras, the training log and tracking.json (QAT: also qat_ranges.json; under
@@ -71,7 +74,8 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
         parent_run_from_kfp()  # live training curves in MLflow (tracking/live.py)
         spec.qat.enabled = qat
         plan = plan_retrain(spec, qat, Path(pruned.path) / pruned.metadata.get("file", "model.keras"),
-                            None if start is None else Path(start.path) / start.metadata.get("file", "model.keras"))
+                            *(None if given is None else Path(given.path) / given.metadata.get("file", "model.keras")
+                              for given in (start, baseline)))
         if plan.hands_on:
             summary = hand_on(start.path, model.path)
         else:
