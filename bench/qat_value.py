@@ -1,7 +1,7 @@
 """Benchmark: what QAT adds where it counts (issue 37): FP32, PTQ, PTQ-partial, QAT and QAT + distillation.
 
     python bench/qat_value.py [--work DIR] [--backbones mobilenet_v2 ...] [--distill-weight W] [--set KEY=VALUE ...]
-                              [--qat-auto] [--qat-freeze N] [--qat-start START] [--no-pipeline]
+                              [--qat-auto] [--qat-freeze N] [--qat-start START] [--fp32-longer] [--no-pipeline]
 
 Per backbone it runs the whole pipeline (`qatpipe run --local`, default spec, only `model.backbone.name` and the
 `--set` overrides changed; the val set is the default's), which measures the sensitivity of the PTQ and QAT
@@ -12,7 +12,10 @@ teacher), exported, built into an engine and evaluated on the same val images; w
 with --qat-freeze N, with BatchNormalization statistics and activation ranges frozen after N epochs (qat-freeze:
 `qat.bn_update_epochs` and `qat.range_update_epochs` N); with --qat-start START, QAT again from where `qat.start`
 START begins it (qat-START: fp32 fine-tunes the FP32 retrain's model, baseline fine-tunes the run's FP32 baseline
-briefly, pruned retrains the pruned model; stages/retrain_plan.py), for as long as that order trains it.
+briefly, pruned retrains the pruned model; stages/retrain_plan.py), for as long as that order trains it; with
+--fp32-longer, the control of qat.start baseline: the run's FP32 baseline fine-tuned again as that order's QAT
+fine-tunes it (qat.epochs under qat.learning_rate), in FP32 (fp32-longer: what those epochs give without
+quantization; the QAT variants are also paired against it).
 
 Prints per backbone and variant: mAP@0.5 with its 95% bootstrap CI, the paired difference from FP32 and from PTQ
 with CIs, the compute layers INT8 / FP16 / FP32 of its engine's ONNX, how many layers ptq-partial kept float and
@@ -46,10 +49,13 @@ EXTRA_QAT = {"qat+distill": "distill", "qat-auto": "qat_auto", "qat-freeze": "qa
              **{f"qat-{start}": f"qat_{start}" for start in STARTS}}
 # extra retrains whose model has the QAT model's graph (layers, speed)
 QAT_GRAPH = ("qat+distill", "qat-freeze", *(f"qat-{start}" for start in STARTS))
+FP32_LONGER = "fp32-longer"  # the FP32 control of qat.start baseline's QAT fine-tuning (--fp32-longer)
+EXTRA_QAT[FP32_LONGER] = "fp32_longer"
 
 
 def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight: float, qat_auto: bool,
-                 before: dict | None = None, qat_freeze: int | None = None, qat_start: str | None = None) -> dict:
+                 before: dict | None = None, qat_freeze: int | None = None, qat_start: str | None = None,
+                 fp32_longer: bool = False) -> dict:
     """The pipeline run (none where `before`, the row of a finished one, is given), then the extra QAT
     retrains it lacks."""
     from qatpipe_pipelines.local_run import run_local
@@ -68,6 +74,8 @@ def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight
         extra["qat-freeze"] = {"bn_update_epochs": qat_freeze, "range_update_epochs": qat_freeze}
     if qat_start is not None:
         extra[f"qat-{qat_start}"] = {"start": qat_start}
+    if fp32_longer:
+        extra[FP32_LONGER] = {"enabled": False}
     for variant, settings in extra.items():
         started = time.perf_counter()
         if retrained_qat(backbone, work, EXTRA_QAT[variant], settings, sets):
@@ -92,7 +100,7 @@ def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict, s
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.export import export
     from qatpipe.stages.retrain import retrain
-    from qatpipe.stages.retrain_plan import plan_retrain
+    from qatpipe.stages.retrain_plan import FINETUNE_FP32, RetrainPlan, plan_retrain
 
     folder = work / f"{backbone}_{folder_name}"
     run = work / backbone
@@ -105,11 +113,14 @@ def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict, s
         spec.qat.enabled = True
         for key, value in settings.items():
             setattr(spec.qat, key, value)
-        # from where qat.start begins QAT (stages/retrain_plan.py), for as long as that order trains it
+        baseline = stage_folder(run, "finetune_fp32") / "model.keras"
+        # from where qat.start begins QAT (stages/retrain_plan.py), for as long as that order trains it; the FP32
+        # control (qat.enabled False): the baseline again as qat.start baseline's QAT trains it
         plan = plan_retrain(spec, True, stage_folder(run, "prune") / "model.keras",
-                            stage_folder(run, "retrain_fp32") / "model.keras",
-                            stage_folder(run, "finetune_fp32") / "model.keras")
-        summary = retrain(plan.applied(spec), plan.source, folder / "retrain")
+                            stage_folder(run, "retrain_fp32") / "model.keras", baseline
+                            ) if spec.qat.enabled else RetrainPlan(baseline, spec.qat.epochs, FINETUNE_FP32,
+                                                                   spec.qat.learning_rate)
+        summary = retrain(plan.applied(spec), plan.source, folder / "retrain", stage_name=plan.stage_name)
         export(spec, summary["model"], folder / "model.onnx")
     if not (folder / "engine" / "engine.json").is_file():
         build_engine(spec, folder / "model.onnx", folder / "engine", backend="onnxruntime")
@@ -133,7 +144,8 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None, sec
     evaluations.update({name: folder / "evaluation" for name, folder in extra.items()})
     pairs = [(v, "fp32") for v in evaluations if v != "fp32"] + [(v, "ptq") for v in evaluations
                                                                  if v not in ("fp32", "ptq")] + [
-        (v, "qat") for v in extra]  # what each change to the QAT retrain gained over the pipeline's QAT
+        (v, "qat") for v in extra if v != FP32_LONGER] + [  # what each change gained over the pipeline's QAT
+        (v, FP32_LONGER) for v in evaluations if FP32_LONGER in extra and (v == "qat" or v in QAT_GRAPH)]
     scored = uncertainty(evaluations, pairs=pairs)
     partial = _json(stage_folder(run, "ptq_partial") / "ptq_partial.json")
     engines = engine_folders(run)
@@ -141,7 +153,8 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None, sec
     speeds = engine_speeds(engines, sets)
     variants = {}
     for name in evaluations:
-        row = summary.get("variants", {}).get("qat" if name in QAT_GRAPH else name, {})
+        row = summary.get("variants", {}).get("qat" if name in QAT_GRAPH else "fp32" if name == FP32_LONGER else name,
+                                              {})
         value = scored["variants"][name]["map50"]
         variants[name] = {"map50": value["value"], "ci95": value.get("ci95"), "layers": row.get("layers"),
                           **speeds.get(name, {}), "throughput_in_pipeline": row.get("throughput")}
@@ -204,7 +217,7 @@ def print_report(rows: list[dict]) -> None:
             spread = v.get("speedup_range")  # older rows quote the pipeline's figures, without one
             speed = (f"{v['throughput']:7.1f}  {v['speedup_vs_fp32']:.2f}x"
                      + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "") if v.get("throughput") else
-                     "(QAT's graph)" if name in QAT_GRAPH else "n/a")
+                     "(QAT's graph)" if name in QAT_GRAPH else "(FP32's graph)" if name == FP32_LONGER else "n/a")
             print(f"{name:<12} {v['map50']:.4f}   {ci_text(v['ci95']):<18} {cells[0]:<23} {cells[1]:<23} "
                   f"{str(v['layers'] or ''):<22} {speed}")
         if auto := row["variants"].get("qat-auto", {}).get("excluded_layers_auto"):
@@ -215,6 +228,9 @@ def print_report(rows: list[dict]) -> None:
             if pair := row["pairs"].get(f"{name}-qat"):
                 print(f"{name} - qat: {100 * pair['diff']:+.2f} points {ci_text(pair['ci95'], 100, '+')} (paired over "
                       "the val images; the spread between training runs is not in it)")
+            if pair := row["pairs"].get(f"{name}-{FP32_LONGER}"):
+                print(f"{name} - {FP32_LONGER}: {100 * pair['diff']:+.2f} points {ci_text(pair['ci95'], 100, '+')} "
+                      "(against FP32 trained as long)")
         qat = row["pairs"].get("qat-fp32")
         if qat:
             print(f"QAT - FP32 CI half-width: {50 * (qat['ci95'][1] - qat['ci95'][0]):.2f} points "
@@ -236,6 +252,9 @@ def main() -> None:
     parser.add_argument("--qat-start", choices=STARTS,
                         help="also the variant qat-START: QAT again from where qat.start START begins it, as long as "
                              "that order trains it")
+    parser.add_argument("--fp32-longer", action="store_true",
+                        help="also the variant fp32-longer: the FP32 baseline fine-tuned again as qat.start baseline's "
+                             "QAT fine-tunes it, in FP32 (that order's control)")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="run no pipeline: take WORK's finished runs as they are, run the extra QAT retrains "
                              "they lack, score and time them all again")
@@ -250,7 +269,7 @@ def main() -> None:
     for backbone in args.backbones:
         rows.append(run_backbone(backbone, args.work, args.overrides, args.distill_weight, args.qat_auto,
                                  before.get(backbone, {}) if args.no_pipeline else None, args.qat_freeze,
-                                 args.qat_start))
+                                 args.qat_start, args.fp32_longer))
         out.write_text(json.dumps({"distill_weight": args.distill_weight, "rows": rows}, indent=2))
         print_report(rows[-1:])
     print_report(rows)
