@@ -34,9 +34,11 @@ MAX_MAP_DROP = 0.08
 # the fine-tunings' own schedule: tiny's train.learning_rate but for min_lr 1e-9 above its 1e-4 (the same training to
 # within that), so that the tracked params show which stages trained under it
 FINETUNE_MIN_LR = 1.00001e-4
+# the order qat.start: fp32 (QAT fine-tunes the FP32 retrain's model beside the baseline); test_ssd_pipeline runs
+# the default order, baseline
 OVERRIDES = ["tracking.experiment=pipeline-test", f"validate.max_map_drop={MAX_MAP_DROP}", "sensitivity.max_layers=6",
              f"qat.finetune_learning_rate={{min_lr: {FINETUNE_MIN_LR}, max_lr: 3.0e-3, soft_start: 0.1, "
-             "annealing_point: 0.7}"]
+             "annealing_point: 0.7}", "qat.start=fp32"]
 
 
 def _pipeline_runs(client: MlflowClient, experiment: str):

@@ -56,7 +56,7 @@ def test_baseline_order_fine_tunes_the_baseline_briefly_in_qat_and_makes_the_bas
     for baseline in (None, BASELINE):  # the FP32 baseline itself is fine-tuned as under start fp32
         fp32 = plan_retrain(spec, False, PRUNED, RETRAINED, baseline)
         assert (fp32.source, fp32.epochs, fp32.stage_name, fp32.learning_rate) == (RETRAINED, 5, FINETUNE_FP32, None)
-    default = _spec("qat.start=baseline")  # the spec's own short recipe: 2 epochs at a tenth of train's peak
+    default = _spec()  # the default order, with its own short recipe: 2 epochs at a tenth of train's peak
     applied = plan_retrain(default, True, PRUNED, RETRAINED, BASELINE).applied(default)
     assert (applied.retrain.epochs, applied.train.learning_rate.max_lr) == (2, 2.0e-4)
     for start in ("fp32", "pruned"):  # the baseline given to every QAT task counts only under start baseline
@@ -71,7 +71,8 @@ def test_baseline_order_without_the_baseline_is_refused():
 
 
 def test_the_fine_tunings_and_only_they_train_under_qat_finetune_learning_rate():
-    spec = _spec("qat.finetune_learning_rate={max_lr: 2.0e-4, min_lr: 1.0e-6}", "qat.finetune_epochs=3")
+    spec = _spec("qat.start=fp32", "qat.finetune_learning_rate={max_lr: 2.0e-4, min_lr: 1.0e-6}",
+                 "qat.finetune_epochs=3")
     for qat in (False, True):
         trained = plan_retrain(spec, qat, PRUNED, RETRAINED).applied(spec)
         assert (trained.retrain.epochs, trained.train.learning_rate.max_lr, trained.train.learning_rate.min_lr) == \
@@ -80,7 +81,7 @@ def test_the_fine_tunings_and_only_they_train_under_qat_finetune_learning_rate()
         assert (first.retrain.epochs, first.train.learning_rate) == (8, spec.train.learning_rate)
     tao = _spec("qat.start=pruned", "qat.finetune_learning_rate={max_lr: 2.0e-4}")
     assert plan_retrain(tao, True, PRUNED, RETRAINED).applied(tao).train.learning_rate == tao.train.learning_rate
-    unset = _spec()  # no schedule of its own: train.learning_rate's
+    unset = _spec("qat.start=fp32")  # no schedule of its own: train.learning_rate's
     assert plan_retrain(unset, True, PRUNED, RETRAINED).applied(unset).train.learning_rate == unset.train.learning_rate
     assert spec.train.learning_rate.max_lr == 2.0e-3  # the spec applied is a copy
 

@@ -1,6 +1,7 @@
 """The whole pipeline through kfp.local with model.arch: ssd (issue 35), tracked in a real MLflow server: every
 stage runs an SSD unchanged, the DeepStream config is TAO's SSD one, and the registered model is qatpipe-ssd. It
-runs in the order qat.start: baseline (QAT fine-tunes the FP32 baseline; test_local_pipeline runs fp32's)."""
+runs in the default order, qat.start: baseline (QAT fine-tunes the FP32 baseline; test_local_pipeline runs
+fp32's)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ LEARNED_MAP50 = 0.1
 OVERRIDES = ["model.arch=ssd", "dataset.image_size.height=128", "dataset.image_size.width=192", "train.epochs=5",
              "retrain.epochs=1", "qat.finetune_epochs=1", "tracking.experiment=ssd-pipeline-test",
              "validate.max_map_drop=0.08", "sensitivity.max_layers=6",  # as test_local_pipeline: a short sensitivity
-             "qat.start=baseline", "qat.epochs=1"]
+             "qat.start=baseline"]  # the default, named: tiny's qat.epochs is 1
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import SMALL_IMAGES
 from qatpipe.cli import main
-from qatpipe.spec import load_spec
+from qatpipe.spec import QatSpec, load_spec
 from qatpipe.tracking.records import StageRecord
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -33,7 +33,8 @@ FINETUNE_MAX_LR = 2.5e-4
 # tracing the four trainings and two exports.
 CHEAP = ["train.epochs=1", "retrain.epochs=1", "train.validation_interval=0", "dataset.synthetic.train_images=32",
          "dataset.synthetic.val_images=16", *SMALL_IMAGES, "validate.max_map_drop=1.0",
-         f"qat.finetune_learning_rate={{max_lr: {FINETUNE_MAX_LR}}}"]  # what --finetune trains under (checked)
+         f"qat.finetune_learning_rate={{max_lr: {FINETUNE_MAX_LR}}}",  # what --finetune trains under (checked)
+         "qat.epochs=1"]  # --baseline: QAT's fine-tuning of the baseline, under qat.learning_rate (checked)
 SMALL_SYNTH = ["--train", "4", "--val", "2"]  # `data synth`: a few images, not the README's 4,000
 OUTPUTS = ("-o", "-r", "--out")  # what a command writes, which must exist once it ran
 
@@ -92,9 +93,13 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
     assert Path("results/pruned/prune_report.json").is_file()
     for results in ("train", "retrain", "qat", "fp32"):
         assert Path(f"results/{results}/model.keras").is_file(), results
-    for results, stage in (("qat", "retrain_qat"), ("fp32", "finetune_fp32")):  # --finetune: the pipeline's plan
+    # --finetune and --baseline: the pipeline's plan (qat.start baseline): the FP32 baseline, then QAT from it
+    for results, stage, max_lr in (("fp32", "finetune_fp32", FINETUNE_MAX_LR),
+                                   ("qat", "retrain_qat", QatSpec().learning_rate.max_lr)):
         assert StageRecord.read(Path(f"results/{results}")).stage == stage
-        assert load_spec(f"results/{results}/spec.yaml").train.learning_rate.max_lr == FINETUNE_MAX_LR
+        assert load_spec(f"results/{results}/spec.yaml").train.learning_rate.max_lr == max_lr
+    assert Path(json.loads(Path("results/qat/source_model.json").read_text())["path"]).resolve() == Path(
+        "results/fp32/model.keras").resolve()
     assert load_spec("results/retrain/spec.yaml").train.learning_rate.max_lr != FINETUNE_MAX_LR  # train's
     assert {"qat.onnx", "qat.cache", "qat_implicit.onnx", "fp32.onnx", "ptq.onnx"} <= {
         path.name for path in Path("results").iterdir()}

@@ -433,13 +433,13 @@ class QatSpec(_Section):
 
     enabled: bool = Field(False, description="retrain with fake quantization (TAO's enable_qat)")
     start: Literal["pruned", "fp32", "baseline"] = Field(
-        "fp32", description="where QAT starts. fp32 (NVIDIA's QAT toolkit's order): the FP32 retrain's model, "
-        "fine-tuned for finetune_epochs, and the FP32 baseline is that model fine-tuned as long in FP32, so both "
-        "have had the same training. baseline (the textbook order, PyTorch's and TensorRT's QAT guides): the FP32 "
-        "baseline made as under fp32, then QAT fine-tunes that baseline itself, briefly (epochs, learning_rate), "
-        "so PTQ and QAT quantize the same FP32 weights; retrain-qat waits for finetune-fp32. pruned (TAO's order): "
-        "the pruned model, for retrain.epochs, like the FP32 retrain, which is then the baseline "
-        "(docs/quantization.md: the orders measured)")
+        "baseline", description="where QAT starts. baseline (the default; the textbook order, PyTorch's and "
+        "TensorRT's QAT guides): the FP32 baseline is the FP32 retrain's model fine-tuned for finetune_epochs, and "
+        "QAT fine-tunes that baseline itself, briefly (epochs, learning_rate), so PTQ and QAT quantize the same FP32 "
+        "weights; retrain-qat waits for finetune-fp32. fp32 (NVIDIA's QAT toolkit's order): QAT fine-tunes the FP32 "
+        "retrain's model beside the baseline, as long, so both have had the same training. pruned (TAO's order): the "
+        "pruned model, for retrain.epochs, like the FP32 retrain, which is then the baseline (docs/quantization.md: "
+        "the orders measured)")
     finetune_epochs: int | None = Field(
         None, ge=1, description="start: fp32 and baseline: the epochs of the FP32 baseline's fine-tuning (under fp32 "
         "also of the QAT fine-tuning beside it); default retrain.epochs")
