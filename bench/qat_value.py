@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from recipe import _json  # bench/recipe.py, beside this script
@@ -100,7 +101,7 @@ def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict, s
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.export import export
     from qatpipe.stages.retrain import retrain
-    from qatpipe.stages.retrain_plan import FINETUNE_FP32, RetrainPlan, plan_retrain
+    from qatpipe.stages.retrain_plan import FINETUNE_FP32, plan_retrain
 
     folder = work / f"{backbone}_{folder_name}"
     run = work / backbone
@@ -113,13 +114,14 @@ def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict, s
         spec.qat.enabled = True
         for key, value in settings.items():
             setattr(spec.qat, key, value)
-        baseline = stage_folder(run, "finetune_fp32") / "model.keras"
         # from where qat.start begins QAT (stages/retrain_plan.py), for as long as that order trains it; the FP32
-        # control (qat.enabled False): the baseline again as qat.start baseline's QAT trains it
-        plan = plan_retrain(spec, True, stage_folder(run, "prune") / "model.keras",
-                            stage_folder(run, "retrain_fp32") / "model.keras", baseline
-                            ) if spec.qat.enabled else RetrainPlan(baseline, spec.qat.epochs, FINETUNE_FP32,
-                                                                   spec.qat.learning_rate)
+        # control (qat.enabled False) is planned as qat.start baseline's QAT and recorded as the FP32 baseline's stage
+        order = spec if spec.qat.enabled else spec.model_copy(
+            update={"qat": spec.qat.model_copy(update={"start": "baseline"})})
+        plan = plan_retrain(order, True, *(stage_folder(run, stage) / "model.keras"
+                                           for stage in ("prune", "retrain_fp32", "finetune_fp32")))
+        if not spec.qat.enabled:
+            plan = replace(plan, stage_name=FINETUNE_FP32)
         summary = retrain(plan.applied(spec), plan.source, folder / "retrain", stage_name=plan.stage_name)
         export(spec, summary["model"], folder / "model.onnx")
     if not (folder / "engine" / "engine.json").is_file():
