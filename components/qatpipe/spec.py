@@ -180,12 +180,24 @@ class _ArchitectureSpec(_Section):
         None, description="weights the backbone starts from, matched by layer name: a .keras or .h5 file (a "
         "path or s3://), e.g. qatpipe pretrain's weights.keras, or keras:imagenet (tf_keras.applications' "
         "ImageNet weights; mobilenet_v2 and efficientnet_b0), or pipeline:pretrain (in a pipeline run, the "
-        "weights its pretrain stage writes; that stage runs only then). None: random weights")
+        "weights its pretrain stage writes; that stage runs only then), or qatpipe:<name> (a start shipped with "
+        "the package, made by its own pretrain stage: docs/pretrained.md). None: random weights")
     freeze_blocks: list[int] = Field(
         default_factory=list, description="backbone blocks whose weights stay as loaded in train and every "
         "retrain (TAO's freeze_blocks; each backbone's block numbers are in docs/pretrained.md)")
     freeze_bn: bool = Field(False, description="batch normalisation keeps its loaded statistics, scale and offset "
                                                "in every layer (TAO's freeze_bn)")
+
+    @model_validator(mode="after")
+    def _check_packaged_start(self) -> "_ArchitectureSpec":
+        from qatpipe.weights import is_packaged, lookup
+
+        if is_packaged(self.pretrained):  # a name the package lacks, or a start for another backbone, fails here
+            try:
+                lookup(self.pretrained, getattr(self, "backbone", None))
+            except SpecError as exc:
+                raise ValueError(str(exc).removeprefix("model.pretrained: ")) from None
+        return self
 
 
 class DetectNetV2Spec(_ArchitectureSpec):

@@ -121,9 +121,10 @@ def _collect_summary(pipeline_root: Path, started: float) -> dict:
 
 
 def code_version() -> str:
-    """A hash of the installed qatpipe sources and bundled specs. kfp.local keys its cache on a component's
-    wrapper, arguments and environment, not on the library it calls; with this in every task's environment,
-    editing the library makes a re-run execute the stages again instead of serving stale results."""
+    """A hash of the installed qatpipe sources, bundled specs and packaged starts' cards (each holds its file's
+    SHA-256). kfp.local keys its cache on a component's wrapper, arguments and environment, not on the library
+    it calls; with this in every task's environment, editing the library makes a re-run execute the stages
+    again instead of serving stale results."""
     import hashlib
 
     import qatpipe
@@ -133,7 +134,7 @@ def code_version() -> str:
     for package in (qatpipe, qatpipe_kfp):
         root = Path(package.__file__).parent
         for path in sorted(root.rglob("*")):
-            if path.suffix in (".py", ".yaml") and "test" not in path.name:
+            if path.suffix in (".py", ".yaml", ".json") and "test" not in path.name:
                 digest.update(str(path.relative_to(root)).encode())
                 digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

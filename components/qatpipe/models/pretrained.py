@@ -18,6 +18,8 @@ import numpy as np
 
 from qatpipe.errors import ModelFileError, SpecError, StorageError, shown
 from qatpipe.models.backbones import backbone_module
+from qatpipe.weights import PREFIX as PACKAGED_PREFIX
+from qatpipe.weights import lookup as lookup_packaged
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,8 @@ def resolve_pretrained(source: str, backbone_spec, cache_dir: str | Path = ".qat
     if source == PIPELINE_PRETRAINED:  # the pipeline's train component puts its pretrain stage's file here
         raise SpecError(f"{KEY}: {PIPELINE_PRETRAINED} names a pipeline run's own pretrain stage; outside a "
                         "pipeline run, give the path of qatpipe pretrain's weights.keras")
+    if source.startswith(PACKAGED_PREFIX):  # a start shipped with the package: its card's backbone and SHA-256
+        return str(lookup_packaged(source, backbone_spec).verified_path())
     if source.startswith("keras:"):
         if source != IMAGENET:
             raise SpecError(f"{KEY}: {shown(source)} is not a source; the only keras: one is {IMAGENET}")
