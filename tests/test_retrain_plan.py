@@ -17,14 +17,15 @@ PRUNED, RETRAINED, BASELINE = Path("/p/pruned.keras"), Path("/r/model.keras"), P
 
 
 def _spec(*sets: str):
-    return load_spec(bundled_spec_path("default"), list(sets))
+    """The full recipe (the default's before the quick run): two FP32 trainings after pruning."""
+    return load_spec(bundled_spec_path("full"), list(sets))
 
 
 @pytest.mark.parametrize("start", ["pruned", "fp32", "baseline"])
 @pytest.mark.parametrize("qat", [False, True])
 def test_the_first_retrain_starts_from_the_pruned_model(start, qat):
     plan = plan_retrain(_spec(f"qat.start={start}", "qat.finetune_epochs=3"), qat, PRUNED)
-    assert (plan.source, plan.epochs, plan.hands_on) == (PRUNED, 8, False)  # retrain.epochs of the default spec
+    assert (plan.source, plan.epochs, plan.hands_on) == (PRUNED, 8, False)  # retrain.epochs of the full spec
     assert plan.stage_name == ("retrain_qat" if qat else "retrain_fp32")
 
 
@@ -56,11 +57,31 @@ def test_baseline_order_fine_tunes_the_baseline_briefly_in_qat_and_makes_the_bas
     for baseline in (None, BASELINE):  # the FP32 baseline itself is fine-tuned as under start fp32
         fp32 = plan_retrain(spec, False, PRUNED, RETRAINED, baseline)
         assert (fp32.source, fp32.epochs, fp32.stage_name, fp32.learning_rate) == (RETRAINED, 5, FINETUNE_FP32, None)
-    default = _spec()  # the default order, with its own short recipe: 2 epochs at a tenth of train's peak
+    default = _spec()  # the full spec's order, with its own short recipe: 2 epochs at a tenth of train's peak
     applied = plan_retrain(default, True, PRUNED, RETRAINED, BASELINE).applied(default)
     assert (applied.retrain.epochs, applied.train.learning_rate.max_lr) == (2, 2.0e-4)
     for start in ("fp32", "pruned"):  # the baseline given to every QAT task counts only under start baseline
         assert plan_retrain(_spec(f"qat.start={start}"), True, PRUNED, RETRAINED, BASELINE).source != BASELINE
+
+
+def test_finetune_epochs_0_makes_the_fp32_retrain_the_baseline_and_qat_fine_tunes_it():
+    """The quick default's order: one FP32 training after pruning, handed on as the baseline."""
+    spec = _spec("qat.finetune_epochs=0")
+    baseline = plan_retrain(spec, False, PRUNED, RETRAINED)
+    assert baseline.hands_on and (baseline.source, baseline.stage_name) == (RETRAINED, FINETUNE_FP32)
+    qat = plan_retrain(spec, True, PRUNED, RETRAINED, RETRAINED)  # the pipeline hands finetune-fp32's model on
+    assert (qat.source, qat.epochs, qat.stage_name) == (RETRAINED, 2, "retrain_qat")
+    quick = load_spec(bundled_spec_path("default"))
+    assert plan_retrain(quick, False, PRUNED, RETRAINED).hands_on
+    assert plan_retrain(quick, False, PRUNED).epochs == quick.retrain.epochs
+
+
+@pytest.mark.parametrize("start", ["pruned", "fp32"])
+def test_finetune_epochs_0_is_refused_outside_the_baseline_order(start):
+    from qatpipe.errors import SpecError
+
+    with pytest.raises(SpecError, match="finetune_epochs 0.*needs start: baseline"):
+        _spec(f"qat.start={start}", "qat.finetune_epochs=0")
 
 
 def test_baseline_order_without_the_baseline_is_refused():

@@ -453,8 +453,9 @@ class QatSpec(_Section):
         "pruned model, for retrain.epochs, like the FP32 retrain, which is then the baseline (docs/quantization.md: "
         "the orders measured)")
     finetune_epochs: int | None = Field(
-        None, ge=1, description="start: fp32 and baseline: the epochs of the FP32 baseline's fine-tuning (under fp32 "
-        "also of the QAT fine-tuning beside it); default retrain.epochs")
+        None, ge=0, description="start: fp32 and baseline: the epochs of the FP32 baseline's fine-tuning (under fp32 "
+        "also of the QAT fine-tuning beside it); default retrain.epochs. 0 (start: baseline only): no second FP32 "
+        "training, the FP32 retrain's model is the baseline that PTQ quantizes and QAT fine-tunes")
     finetune_learning_rate: LearningRateSpec | None = Field(
         None, description="start: fp32 and baseline: the learning-rate schedule of the FP32 baseline's fine-tuning "
         "(under fp32 also of the QAT fine-tuning beside it; they start from a trained model, which "
@@ -492,6 +493,13 @@ class QatSpec(_Section):
         "fp32: the FP32 retrain's; start baseline: the FP32 baseline; start pruned: the pruned model), frozen, run in inference mode on the same "
         "augmented batch; train time only, the exported model is unchanged. 0: off, the default until a bench/ "
         "measurement decides (docs/quantization.md: Distillation)")
+
+    @model_validator(mode="after")
+    def _check_finetune(self) -> "QatSpec":
+        if self.finetune_epochs == 0 and self.start != "baseline":
+            raise ValueError(f"finetune_epochs 0 (no FP32 fine-tuning) needs start: baseline; under start {self.start} "
+                             "QAT fine-tunes for finetune_epochs too")
+        return self
 
 
 class PtqSpec(_Section):
@@ -713,10 +721,12 @@ OUTPUT_STRIDE = 16
 
 
 def bundled_spec_path(name: str) -> Path:
-    """Path of a spec shipped with the package (`default`, `tiny`)."""
-    path = Path(str(resources.files("qatpipe") / "specs" / f"{name}.yaml"))
+    """Path of a spec shipped with the package (`default`, `full`, `tiny`)."""
+    folder = Path(str(resources.files("qatpipe") / "specs"))
+    path = folder / f"{name}.yaml"
     if not path.is_file():
-        raise SpecError(f"no bundled spec named {name!r} (looked for {path})")
+        names = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
+        raise SpecError(f"no bundled spec named {name!r}: the bundled ones are {names} (or give a spec file's path)")
     return path
 
 

@@ -1,8 +1,8 @@
 """Where each of the pipeline's retrains starts under `qat.start`, and the stage names they record: the FP32
 retrain always from the pruned model; QAT from the pruned model (TAO's order), fine-tuning the FP32 retrain's
 model (NVIDIA's QAT toolkit's) or briefly fine-tuning the FP32 baseline itself (the textbook order); the FP32
-baseline is the FP32 retrain's model as it is (TAO's order), or that model fine-tuned in FP32 (as long as QAT
-fine-tunes it under fp32, so that both have had the same training).
+baseline is the FP32 retrain's model as it is (TAO's order, and the baseline order with qat.finetune_epochs 0), or
+that model fine-tuned in FP32 (as long as QAT fine-tunes it under fp32, so that both have had the same training).
 
 Its own module, imported by both the train and the retrain stages (train names the FP32 baseline's record), so
 that neither imports the other for it."""
@@ -58,6 +58,8 @@ def plan_retrain(spec: ExperimentSpec, qat: bool, pruned: str | Path, retrained:
             raise QatpipeError("qat.start is baseline: the QAT fine-tuning needs the FP32 baseline's model "
                                "(finetune-fp32's), and none was given")
         return RetrainPlan(Path(baseline), spec.qat.epochs, RETRAIN_QAT, spec.qat.learning_rate)
+    if not qat and spec.qat.start == "baseline" and spec.qat.finetune_epochs == 0:
+        return RetrainPlan(Path(retrained), None, FINETUNE_FP32)  # one FP32 training: the retrain is the baseline
     if spec.qat.start in ("fp32", "baseline"):
         return RetrainPlan(Path(retrained), spec.qat.finetune_epochs or first,
                            RETRAIN_QAT if qat else FINETUNE_FP32, spec.qat.finetune_learning_rate)
