@@ -17,17 +17,34 @@ def write(tmp_path, data) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("name, arch", [("default", "ssd"), ("tiny", "detectnet_v2")])
+@pytest.mark.parametrize("name, arch", [("default", "ssd"), ("full", "ssd"), ("tiny", "detectnet_v2")])
 def test_bundled_specs_are_valid(name, arch):
     spec = load_spec(bundled_spec_path(name))
     assert spec.dataset.classes == ["car", "pedestrian", "cyclist"]
     assert spec.model.arch == arch
 
 
-def test_the_default_spec_evaluates_on_2000_val_images_and_validates_during_training_on_300():
+def test_the_full_spec_evaluates_on_2000_val_images_and_validates_during_training_on_300():
     """Issue 37: the final evaluations' CIs need the large val set; each epoch's validation keeps a fixed 300."""
-    spec = load_spec(bundled_spec_path("default"))
+    spec = load_spec(bundled_spec_path("full"))
     assert spec.dataset.synthetic.val_images == 2000 and spec.train.val_images == 300
+
+
+def training_image_passes(spec) -> int:
+    """Training images seen by the pipeline's trainings: train, retrain-fp32, finetune-fp32 (under start
+    baseline and fp32) and retrain-qat."""
+    first = spec.retrain.epochs or spec.train.epochs
+    qat = spec.qat
+    finetune = 0 if qat.start == "pruned" else (first if qat.finetune_epochs is None else qat.finetune_epochs)
+    qat_epochs = {"baseline": qat.epochs, "fp32": qat.finetune_epochs or first, "pruned": first}[qat.start]
+    return spec.dataset.synthetic.train_images * (spec.train.epochs + first + finetune + qat_epochs)
+
+
+def test_the_quick_default_does_at_most_20000_training_image_passes_and_full_keeps_its_64000():
+    default, full = (load_spec(bundled_spec_path(name)) for name in ("default", "full"))
+    assert training_image_passes(default) <= 20_000
+    assert training_image_passes(full) == 64_000
+    assert default.model.pretrained == "qatpipe:resnet10-0.5-shapes-photos" and full.model.pretrained is None
 
 
 def test_defaults_fill_every_section():
@@ -93,7 +110,7 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("dataset: [unclosed\n")
     with pytest.raises(SpecError, match=r"bad\.yaml: not valid YAML"):
         load_spec(bad)
-    with pytest.raises(SpecError, match="no bundled spec named 'huge'"):
+    with pytest.raises(SpecError, match="no bundled spec named 'huge': the bundled ones are default, full, tiny"):
         bundled_spec_path("huge")
 
 

@@ -26,7 +26,7 @@ def _load(args):
 
 def _add_spec_args(parser: argparse.ArgumentParser, *aliases: str) -> None:
     parser.add_argument("-e", "--experiment-spec", *aliases, required=True,
-                        help="spec YAML file, s3://bucket/key, or a bundled spec name (default, tiny)")
+                        help="spec YAML file, s3://bucket/key, or a bundled spec name (default, full, tiny)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a spec key, e.g. --set train.epochs=5 (repeatable)")
 

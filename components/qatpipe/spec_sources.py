@@ -1,4 +1,4 @@
-"""Where a spec comes from: a bundled name (`default`, `tiny`), a local file, or an s3:// object."""
+"""Where a spec comes from: a bundled name (`default`, `full`, `tiny`), a local file, or an s3:// object."""
 
 from __future__ import annotations
 
