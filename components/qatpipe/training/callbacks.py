@@ -19,6 +19,16 @@ from qatpipe.fileio import atomic_write_text
 log = logging.getLogger("qatpipe.train")
 
 
+def duration(seconds: float) -> str:
+    """A duration as people read it: 45s, 3m05s, 1h02m."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 class ProgressLogger(keras.callbacks.Callback):
     """Logs loss, learning rate and images/s every N steps and at each epoch end."""
 
@@ -35,9 +45,15 @@ class ProgressLogger(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if (batch + 1) % self.every == 0 and batch + 1 < self.steps_per_epoch:
-            rate = self.every * self.batch_size / max(time.perf_counter() - self.window_start, 1e-9)
-            log.info("epoch %d/%d step %d/%d  loss %.4f  %.1f img/s", self.epoch + 1, self.epochs, batch + 1,
-                     self.steps_per_epoch, (logs or {}).get("loss", float("nan")), rate)
+            now = time.perf_counter()
+            rate = self.every * self.batch_size / max(now - self.window_start, 1e-9)
+            # the epoch's ETA from its own pace so far; the stage's adds the epochs left at that pace
+            per_step = (now - self.epoch_start) / (batch + 1)
+            epoch_left = per_step * (self.steps_per_epoch - batch - 1)
+            stage_left = epoch_left + per_step * self.steps_per_epoch * (self.epochs - self.epoch - 1)
+            log.info("epoch %d/%d step %d/%d  loss %.4f  %.1f img/s  ETA epoch %s, stage %s", self.epoch + 1,
+                     self.epochs, batch + 1, self.steps_per_epoch, (logs or {}).get("loss", float("nan")), rate,
+                     duration(epoch_left), duration(stage_left))
             self.window_start = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -49,8 +65,10 @@ class ProgressLogger(keras.callbacks.Callback):
         lr = self.model.optimizer.learning_rate
         lr = float(lr(self.model.optimizer.iterations)) if callable(lr) else float(lr)
         parts = "  ".join(f"{k} {v:.4f}" for k, v in logs.items() if k != "lr")
-        log.info("epoch %d/%d done in %.1fs  %s  lr %.2e  %.1f img/s", epoch + 1, self.epochs, seconds, parts, lr,
-                 self.steps_per_epoch * self.batch_size / max(seconds, 1e-9))
+        # validation included: the mean of this run's epochs (a resumed run's first, with tracing, too)
+        left = (self.epochs - epoch - 1) * sum(self.epoch_seconds) / len(self.epoch_seconds)
+        log.info("epoch %d/%d done in %.1fs  %s  lr %.2e  %.1f img/s  ETA stage %s", epoch + 1, self.epochs, seconds,
+                 parts, lr, self.steps_per_epoch * self.batch_size / max(seconds, 1e-9), duration(left))
 
     @property
     def images_per_second(self) -> float:
