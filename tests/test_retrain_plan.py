@@ -134,7 +134,7 @@ def test_hand_on_copies_the_retrain_and_records_that_nothing_was_trained(tmp_pat
     assert summary == {"params": 7, "epochs": 8}
     assert (tmp_path / "baseline" / "model.keras").read_bytes() == b"weights"
     record = StageRecord.read(tmp_path / "baseline")
-    assert record.stage == FINETUNE_FP32 and record.params == {"qat.start": "pruned", "trained": False}
+    assert record.stage == FINETUNE_FP32 and record.params == {"trained": False}
     assert not record.metrics  # the FP32 retrain's figures are logged once, under its own stage
     assert StageRecord.read(retrained).stage == "retrain_fp32"  # the source is left as it was
 

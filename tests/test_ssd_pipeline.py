@@ -1,7 +1,7 @@
 """The whole pipeline through kfp.local with model.arch: ssd (issue 35), tracked in a real MLflow server: every
 stage runs an SSD unchanged, the DeepStream config is TAO's SSD one, and the registered model is qatpipe-ssd. It
-runs in the default order, qat.start: baseline (QAT fine-tunes the FP32 baseline; test_local_pipeline runs
-fp32's)."""
+runs in the default spec's order, qat.start: baseline with qat.finetune_epochs 0 (the FP32 retrain handed on as the
+baseline, which QAT fine-tunes; test_local_pipeline runs fp32's), and a re-run reuses every stage."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from qatpipe_pipelines.stage_table import stage_names
 # test_local_pipeline, fails an INT8 model that quantization broke.
 LEARNED_MAP50 = 0.1
 OVERRIDES = ["model.arch=ssd", "dataset.image_size.height=128", "dataset.image_size.width=192", "train.epochs=5",
-             "retrain.epochs=1", "qat.finetune_epochs=1", "tracking.experiment=ssd-pipeline-test",
+             "retrain.epochs=1", "qat.finetune_epochs=0", "tracking.experiment=ssd-pipeline-test",
              "validate.max_map_drop=0.08", "sensitivity.max_layers=6",  # as test_local_pipeline: a short sensitivity
              "qat.start=baseline"]  # the default, named: tiny's qat.epochs is 1
 
@@ -33,10 +33,14 @@ def test_ssd_runs_through_the_whole_pipeline(tmp_path, mlflow_server, monkeypatc
     summary = run_local(out, "tiny", OVERRIDES)
 
     assert list(summary["variants"]) == ["fp32", "ptq", "ptq-partial", "qat"]
-    # qat.start baseline: the QAT task fine-tuned the FP32 baseline (finetune-fp32's model) for qat.epochs
+    # qat.start baseline: the QAT task fine-tuned the FP32 baseline (finetune-fp32's model) for qat.epochs; with
+    # qat.finetune_epochs 0 that baseline is the FP32 retrain's model, handed on untrained
     folders = {json.loads(p.read_text())["stage"]: p.parent for p in (out / "kfp").rglob("tracking.json")}
     source = json.loads((folders["retrain_qat"] / "source_model.json").read_text())["path"]  # stages/retrain.py
     assert Path(source).parent == folders["finetune_fp32"]
+    assert json.loads((folders["finetune_fp32"] / "tracking.json").read_text())["params"]["trained"] is False
+    assert (folders["finetune_fp32"] / "model.keras").read_bytes() == \
+        (folders["retrain_fp32"] / "model.keras").read_bytes()
     assert json.loads((folders["retrain_qat"] / "train_summary.json").read_text())["epochs"] == 1
     assert {name for name, o in summary["stages"].items() if o["status"] == "done"} >= \
         set(stage_names(logged=True)) | {"compare"}
@@ -58,3 +62,9 @@ def test_ssd_runs_through_the_whole_pipeline(tmp_path, mlflow_server, monkeypatc
     found = mlflow.pyfunc.load_model("models:/qatpipe-ssd@champion").predict(np.array([str(image)], dtype=object))
     assert len(found) > 0 and set(found["class_name"]) <= {"car", "pedestrian", "cyclist"}
     assert json.loads((out / "summary.json").read_text()) == summary
+
+    # a re-run into the same folder serves every stage from kfp.local's cache, the handed-on baseline too (its
+    # empty TensorBoard folder: a missing output folder is a cache miss, which re-ran everything after it)
+    again = run_local(out, "tiny", OVERRIDES)
+    assert not set(stage_names(logged=True)) & set(again["stages"]), again["stages"]
+    assert again["variants"] == summary["variants"]

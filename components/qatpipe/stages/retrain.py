@@ -26,19 +26,19 @@ AUTO_FILE = "excluded_layers.json"  # ... and the layer names QAT keeps float, w
 
 
 def hand_on(retrained_dir: str | Path, results_dir: str | Path) -> dict:
-    """The FP32 baseline under qat.start: pruned: the FP32 retrain's results copied to `results_dir` as they
-    are, with a tracking record that says so; returns its training summary."""
+    """The FP32 baseline as the FP32 retrain's model (qat.start: pruned, or baseline with qat.finetune_epochs 0):
+    the FP32 retrain's results copied to `results_dir` as they are, with a tracking record that says so; returns
+    its training summary."""
     from qatpipe.stages.train import SUMMARY_FILE
     from qatpipe.tracking.records import RECORD_FILE, StageRecord
 
     retrained_dir, results_dir = Path(retrained_dir), Path(results_dir)
     shutil.copytree(retrained_dir, results_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(RECORD_FILE))
     summary = json.loads((results_dir / SUMMARY_FILE).read_text())
-    StageRecord(FINETUNE_FP32, params={"qat.start": "pruned", "trained": False},
-                tags={"note": "qat.start is pruned: the FP32 baseline is the FP32 retrain's model, unchanged"}
-                ).write(results_dir)
-    log.info("qat.start is pruned: the FP32 baseline is the FP32 retrain's model (%s), handed on unchanged",
-             retrained_dir)
+    StageRecord(FINETUNE_FP32, params={"trained": False},
+                tags={"note": "the FP32 baseline is the FP32 retrain's model, unchanged (qat.start pruned, or "
+                              "baseline with qat.finetune_epochs 0)"}).write(results_dir)
+    log.info("the FP32 baseline is the FP32 retrain's model (%s), handed on unchanged", retrained_dir)
     return summary
 
 

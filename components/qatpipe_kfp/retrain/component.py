@@ -78,6 +78,9 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
                               for given in (start, baseline)))
         if plan.hands_on:
             summary = hand_on(start.path, model.path)
+            # no training, no event files: the folder is still made, since kfp.local treats a cached output
+            # whose folder is missing as a cache miss, and would run this stage and all after it again
+            Path(tensorboard.path).mkdir(parents=True, exist_ok=True)
         else:
             spec = plan.applied(spec)
             cluster = cluster_settings(training_image, credentials_secret, node_selector, tolerations,
