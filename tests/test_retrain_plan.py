@@ -170,3 +170,14 @@ def test_the_cli_baseline_flag_is_qat_alone_and_refused_before_anything_is_read(
     assert main(argv) == 2
     assert "--baseline is QAT's fine-tuning of the FP32 baseline" in caplog.text
     assert not [path for path in (tmp_path / "out").glob("*") if path.name != ".qatpipe.lock"]  # nothing trained
+
+
+def test_the_cli_finetune_of_a_spec_without_fp32_fine_tuning_is_refused_before_any_data_is_made(tmp_path, caplog,
+                                                                                                monkeypatch):
+    from qatpipe.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the spec's .qatpipe-cache, where a generated data set would land
+    argv = ["retrain", "-e", "default", "-m", "missing.keras", "-r", "out", "--finetune"]
+    assert main(argv) == 2
+    assert "--finetune: qat.finetune_epochs is 0 in this spec" in caplog.text
+    assert not list(tmp_path.rglob("*.png")) and not list(tmp_path.rglob("*.jpg"))  # no synthetic set was made

@@ -175,6 +175,13 @@ def cmd_retrain(args) -> int:
 
     if args.baseline and (args.finetune or not args.qat):
         raise QatpipeError("--baseline is QAT's fine-tuning of the FP32 baseline: give --qat, not --finetune, with it")
+    if args.finetune and not args.qat:  # checked before _load makes any data
+        from qatpipe.spec_sources import load_spec_uri
+
+        if load_spec_uri(args.experiment_spec, args.overrides).qat.finetune_epochs == 0:
+            raise QatpipeError("--finetune: qat.finetune_epochs is 0 in this spec, so its FP32 baseline is the FP32 "
+                               "retrain's model itself and there is nothing to fine-tune; give `retrain --qat "
+                               "--baseline` that model, or --set qat.finetune_epochs=N to fine-tune it anyway")
     spec = _load(args)  # once, before any Horovod processes: they find the data set it may generate
     if (code := _horovod_launch(args)) is not None:
         return code
