@@ -91,16 +91,22 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
     # what the steps left behind is what the next ones read
     assert Path("results/train/evaluate/metrics.json").is_file()  # evaluate's default folder: beside the model
     assert Path("results/pruned/prune_report.json").is_file()
-    for results in ("train", "retrain", "qat", "fp32"):
+    for results in ("train", "retrain", "qat"):
         assert Path(f"results/{results}/model.keras").is_file(), results
-    # --finetune and --baseline: the pipeline's plan (qat.start baseline): the FP32 baseline, then QAT from it
-    for results, stage, max_lr in (("fp32", "finetune_fp32", FINETUNE_MAX_LR),
-                                   ("qat", "retrain_qat", QatSpec().learning_rate.max_lr)):
-        assert StageRecord.read(Path(f"results/{results}")).stage == stage
-        assert load_spec(f"results/{results}/spec.yaml").train.learning_rate.max_lr == max_lr
+    # --baseline: the default spec's plan (qat.start baseline, qat.finetune_epochs 0): QAT fine-tunes the FP32
+    # retrain's model, under qat.learning_rate
+    assert StageRecord.read(Path("results/qat")).stage == "retrain_qat"
+    assert load_spec("results/qat/spec.yaml").train.learning_rate.max_lr == QatSpec().learning_rate.max_lr
     assert Path(json.loads(Path("results/qat/source_model.json").read_text())["path"]).resolve() == Path(
-        "results/fp32/model.keras").resolve()
+        "results/retrain/model.keras").resolve()
     assert load_spec("results/retrain/spec.yaml").train.learning_rate.max_lr != FINETUNE_MAX_LR  # train's
+    # the full spec's second FP32 training, as the README's note gives it (on tiny, cheap): --finetune trains the
+    # FP32 baseline under qat.finetune_learning_rate
+    finetune = ["retrain", "-e", "tiny", "-m", "results/retrain/model.keras", "-r", "results/fp32", "--finetune",
+                *[arg for override in CHEAP for arg in ("--set", override)]]
+    assert main(finetune) == 0
+    assert StageRecord.read(Path("results/fp32")).stage == "finetune_fp32"
+    assert load_spec("results/fp32/spec.yaml").train.learning_rate.max_lr == FINETUNE_MAX_LR
     assert {"qat.onnx", "qat.cache", "qat_implicit.onnx", "fp32.onnx", "ptq.onnx"} <= {
         path.name for path in Path("results").iterdir()}
     assert json.loads(Path("results/engine_qat/bench.json").read_text())["batches"]
