@@ -3,7 +3,7 @@
     python bench/amp.py [--work DIR] [--train-images 480] [--repeats 2] [--set KEY=VALUE ...]
                         [--runs FP32_RUN AMP_RUN]
 
-Throughput: the default spec's detector trained by the real `train` stage (data pipeline included, validation
+Throughput: the full spec's detector trained by the real `train` stage (data pipeline included, validation
 off) for two epochs on the default synthetic data, once per policy and repeat, float32 and `train.use_amp`
 alternating; the figure is the second epoch's images/s (the first carries tf.function tracing). `--set` changes
 the spec as the CLI's does (e.g. `model.arch=detectnet_v2`, `model.backbone.name=mobilenet_v2`). It prints the
@@ -15,7 +15,7 @@ train.use_amp=false` and `... =true`). For the unpruned model and the retrained 
 run's mAP@0.5 and the paired difference AMP - float32 with its 95% bootstrap CI over the val images.
 
 Targets (issue "Speed where the work is"): AMP training at least 2.5x float32's throughput on this CPU; the
-default spec turns AMP on if FP32 mAP@0.5 stays within 0.5 points. Writes WORK/bench_amp.json.
+full spec turns AMP on if FP32 mAP@0.5 stays within 0.5 points. Writes WORK/bench_amp.json.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def throughput(work: Path, train_images: int, repeats: int, sets: list[str]) -> 
     from qatpipe.stages.train import train
     from qatpipe.training.precision import configure_precision
 
-    spec = load_spec(bundled_spec_path("default"), sets)
+    spec = load_spec(bundled_spec_path("full"), sets)
     data = work / "data"
     if not (data / "train").is_dir():
         write_synthetic_dataset(data, num_train=train_images, num_val=16)

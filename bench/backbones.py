@@ -3,7 +3,7 @@
     python bench/backbones.py [--work DIR] [--backbones NAME ...] [--set KEY=VALUE ...]
 
 For each backbone (default: every one in models/backbones.py's registry) it runs `qatpipe run --local` on the
-default spec with only `model.backbone.name` (and the `--set` overrides, the same for every backbone) changed,
+full spec with only `model.backbone.name` (and the `--set` overrides, the same for every backbone) changed,
 and prints per backbone: the deployed (pruned) model's params and GFLOPs, FP32 / PTQ / QAT mAP@0.5 with their
 95% bootstrap CIs over the val images, the paired differences QAT - FP32, PTQ - FP32 and QAT - PTQ with their
 CIs, each variant's CPU engine latency (p50, batch 1), pruning's FLOPs ratio, the unpruned model's mAP@0.5, and
@@ -40,7 +40,7 @@ def run_backbone(backbone: str, work: Path, overrides: list[str]) -> dict:
 
     sets = [f"model.backbone.name={backbone}", *overrides]
     started = time.perf_counter()
-    run_local(work / backbone, "default", sets)
+    run_local(work / backbone, "full", sets)
     return describe(backbone, work, sets, time.perf_counter() - started)
 
 

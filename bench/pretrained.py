@@ -6,11 +6,11 @@
 1. Pretraining data: the `shapes` and `photos` synthetic sets (train splits, N images each), written to
    WORK/pretrain_data; for each backbone, `qatpipe pretrain` on their object and background crops (the default
    spec's pretrain section, `pretrain.data` set to both), timed; its held-back top-1 against chance.
-2. For each backbone, three runs of `qatpipe run --local` on the default spec with the data set `--kind`
+2. For each backbone, three runs of `qatpipe run --local` on the full spec with the data set `--kind`
    (default glyphs_shift: the glyphs set whose val split is printed in fonts train never shows), only the
    backbone and the `--set` overrides changed: from scratch; from the pretrained weights
    (`model.pretrained`); and from them at half the epochs (`train.epochs` halved; the retrains and fine-tunings
-   keep `retrain.epochs`, which the default spec sets to 8).
+   keep `retrain.epochs`, which the full spec sets to 8).
 3. Prints per run: FP32 / PTQ / QAT mAP@0.5 with their 95% bootstrap CIs, the paired difference of each
    pretrained run's FP32 mAP@0.5 from the scratch run's (same val images: paired bootstrap, 1,000 resamples),
    the unpruned model's mAP@0.5, train's time and the run's wall time. With `--kind glyphs_shift` it also scores
@@ -60,7 +60,7 @@ def pretrain_backbone(backbone: str, work: Path, data: list[str], tag: str = "")
 
     out = work / f"pretrain_{backbone}{tag}"
     if not (out / WEIGHTS_FILE).is_file():
-        spec = load_spec(bundled_spec_path("default"), [f"model.backbone.name={backbone}",
+        spec = load_spec(bundled_spec_path("full"), [f"model.backbone.name={backbone}",
                                                         f"pretrain.data=[{', '.join(data)}]"])
         started = time.perf_counter()
         pretrain(spec, out)
@@ -73,7 +73,7 @@ def synthetic_folder(work: Path, sets: list[str]) -> Path:
     from qatpipe.data.synth import write_synthetic_dataset
     from qatpipe.spec import bundled_spec_path, load_spec
 
-    synthetic = load_spec(bundled_spec_path("default"), sets).dataset.synthetic
+    synthetic = load_spec(bundled_spec_path("full"), sets).dataset.synthetic
     data = work / f"data_{synthetic.kind}_{synthetic.train_images}_{synthetic.val_images}_{synthetic.seed}"
     if not (data / "val").is_dir():
         write_synthetic_dataset(data, num_train=synthetic.train_images, num_val=synthetic.val_images,
@@ -92,17 +92,17 @@ def map50_ci(evaluation: Path) -> list[float]:
 
 
 def train_and_evaluate(name: str, work: Path, sets: list[str]) -> dict:
-    """--train-only: train's library stage on the default spec with `sets`, then evaluate's on the trained
+    """--train-only: train's library stage on the full spec with `sets`, then evaluate's on the trained
     (unpruned) model; the FP32 question without the pruning, retrains and quantization of a whole run."""
     from qatpipe.spec import bundled_spec_path, load_spec
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.train import train
 
     out = work / name
-    spec = load_spec(bundled_spec_path("default"), sets)
+    spec = load_spec(bundled_spec_path("full"), sets)
     if spec.dataset.train is None:
         data = synthetic_folder(work, sets)
-        spec = load_spec(bundled_spec_path("default"), [*sets, f"dataset.train={data / 'train'}",
+        spec = load_spec(bundled_spec_path("full"), [*sets, f"dataset.train={data / 'train'}",
                                                         f"dataset.val={data / 'val'}"])
     if not (out / "evaluation" / "metrics.json").is_file():
         train(spec, out / "train")
@@ -123,7 +123,7 @@ def run_pipeline(name: str, work: Path, sets: list[str]) -> dict:
 
     started = time.perf_counter()
     if not (work / name / "summary.json").is_file():
-        run_local(work / name, "default", sets)
+        run_local(work / name, "full", sets)
     row = collect(name, work, sets, time.perf_counter() - started)
     train = json.loads((stage_folder(work / name, "train") / "train_summary.json").read_text())
     row["train_seconds"] = train.get("wall_seconds")
@@ -138,7 +138,7 @@ def score_on(model: str, val: Path, kind: str, out: Path) -> Path:
     from qatpipe.stages.evaluate import evaluate
 
     if not (out / "metrics.json").is_file():
-        spec = load_spec(bundled_spec_path("default"), [f"dataset.synthetic.kind={kind}",
+        spec = load_spec(bundled_spec_path("full"), [f"dataset.synthetic.kind={kind}",
                                                         f"dataset.classes={_classes(kind)}",
                                                         f"dataset.train={val}", f"dataset.val={val}"])
         evaluate(spec, Path(model), out, stage_name="evaluate_fp32", variant="fp32")
@@ -209,7 +209,7 @@ def main() -> None:
             if not (seen / "val").is_dir():
                 from qatpipe.data.synth import write_synthetic_dataset
 
-                spec = load_spec(bundled_spec_path("default"), args.sets)
+                spec = load_spec(bundled_spec_path("full"), args.sets)
                 write_synthetic_dataset(seen, num_train=1, num_val=spec.dataset.synthetic.val_images,
                                         seed=spec.dataset.synthetic.seed, kind="glyphs")
             folders = {name: score_on(result["runs"][name]["model"], seen / "val", "glyphs",

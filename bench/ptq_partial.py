@@ -38,7 +38,7 @@ def partial_again(run: Path, sets: list[str], out: Path) -> dict:
     from qatpipe.stages.validate import validate
 
     dataset = stage_folder(run, "prepare_data")
-    spec = spec_with_prepared_dataset(load_spec(bundled_spec_path("default"), sets), dataset)
+    spec = spec_with_prepared_dataset(load_spec(bundled_spec_path("full"), sets), dataset)
     fp32_onnx = stage_folder(run, "export_fp32") / "model.onnx"
     ptq_onnx = stage_folder(run, "ptq") / "model.onnx"
     if out.exists():

@@ -3,7 +3,7 @@
     python bench/qat_value.py [--work DIR] [--backbones mobilenet_v2 ...] [--distill-weight W] [--set KEY=VALUE ...]
                               [--qat-auto] [--qat-freeze N] [--qat-start START] [--fp32-longer] [--no-pipeline]
 
-Per backbone it runs the whole pipeline (`qatpipe run --local`, default spec, only `model.backbone.name` and the
+Per backbone it runs the whole pipeline (`qatpipe run --local`, full spec, only `model.backbone.name` and the
 `--set` overrides changed; the val set is the default's), which measures the sensitivity of the PTQ and QAT
 models and makes the ptq-partial variant (`ptq.keep_float: auto`). Then QAT + distillation (none with W 0): the
 run's own QAT retrain spec with `qat.distill_weight` W, from the same start (the FP32 retrain's model, also the
@@ -64,7 +64,7 @@ def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight
     sets = [f"model.backbone.name={backbone}", *overrides]
     if before is None:
         started = time.perf_counter()
-        run_local(work / backbone, "default", sets)
+        run_local(work / backbone, "full", sets)
         wall, seconds = round(time.perf_counter() - started, 1), {}
     else:  # the times stay those of the runs that made them
         wall, seconds = before.get("wall_seconds"), extra_seconds(before)
@@ -107,7 +107,7 @@ def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict, s
     run = work / backbone
     # the run's spec (the bundled one with its overrides: the retrains' own spec.yaml files hold the epochs and
     # schedule their order applied) on the run's prepared data set, read from its FP32 retrain's
-    spec = load_spec(bundled_spec_path("default"), sets)
+    spec = load_spec(bundled_spec_path("full"), sets)
     spec.dataset = load_spec(stage_folder(run, "retrain_fp32") / "spec.yaml").dataset
     done = (folder / "evaluation" / "metrics.json").is_file()
     if not done:
@@ -187,7 +187,7 @@ def engine_speeds(engines: dict[str, Path], sets: list[str], batch_size: int = 8
     from qatpipe.engines import load_engine
     from qatpipe.spec import bundled_spec_path, load_spec
 
-    size = load_spec(bundled_spec_path("default"), sets).dataset.image_size
+    size = load_spec(bundled_spec_path("full"), sets).dataset.image_size
     runners = {variant: load_engine(folder).run for variant, folder in engines.items()}
     batch = np.random.default_rng(0).uniform(size=(batch_size, size.height, size.width, 3)).astype(np.float32)
     timed = {name: per[batch_size] for name, per in

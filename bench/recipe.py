@@ -4,7 +4,7 @@
 
 For each generated data set (`dataset.synthetic.kind`: the default `shapes`, and `glyphs` and `photos`,
 whose ten classes differ only in internal detail; data/synth/detail.py) it runs `qatpipe run --local` on the
-default spec with only the data set and its classes changed, and prints per data set: FP32 / PTQ / QAT
+full spec with only the data set and its classes changed, and prints per data set: FP32 / PTQ / QAT
 mAP@0.5 with their 95% bootstrap CIs, the paired differences, the FP32 model's class-agnostic mAP@0.5 and
 class accuracy at found objects (the learning check), the unpruned model's mAP@0.5 and the epoch of its best
 val mAP@0.5, and the wall time. Writes WORK/bench_recipe.json.
@@ -45,7 +45,7 @@ def run_kind(kind: str, work: Path, overrides: list[str]) -> dict:
 
     sets = [f"dataset.synthetic.kind={kind}", f"dataset.classes={_classes(kind)}", *overrides]
     started = time.perf_counter()
-    run_local(work / kind, "default", sets)
+    run_local(work / kind, "full", sets)
     return collect(kind, work, sets, time.perf_counter() - started)
 
 

@@ -66,7 +66,7 @@ def ssd_matching(boxes: list[np.ndarray], height: int, width: int, small: float)
     from qatpipe.models.ssd import SSD
     from qatpipe.spec import bundled_spec_path, load_spec
 
-    spec = load_spec(bundled_spec_path("default"), ["model.arch=ssd", f"dataset.image_size.height={height}",
+    spec = load_spec(bundled_spec_path("full"), ["model.arch=ssd", f"dataset.image_size.height={height}",
                                                     f"dataset.image_size.width={width}"])
     priors = centres_to_corners(SSD(spec).priors) * [width, height, width, height]
     threshold = spec.model.target.pos_iou_threshold

@@ -1,4 +1,4 @@
-"""Benchmark: the default spec's main job (synth data -> train -> evaluate), figures measured on this machine.
+"""Benchmark: the full spec's main job (synth data -> train -> evaluate), figures measured on this machine.
 
     python bench/train_eval.py [--work DIR] [--set KEY=VALUE ...]
 
@@ -28,8 +28,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, help="working folder (default: a fresh temporary one)")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    # the default spec's synthetic set sizes (2000 / 2000)
-    synthetic = load_spec(bundled_spec_path("default")).dataset.synthetic
+    # the full spec's synthetic set sizes (2000 / 2000)
+    synthetic = load_spec(bundled_spec_path("full")).dataset.synthetic
     parser.add_argument("--train-images", type=int, default=synthetic.train_images)
     parser.add_argument("--val-images", type=int, default=synthetic.val_images)
     args = parser.parse_args()
@@ -53,7 +53,7 @@ def main() -> None:
         write_synthetic_dataset(data, args.train_images, args.val_images, seed=0)
     times["synth_data"] = time.perf_counter() - t
 
-    spec = load_spec(bundled_spec_path("default"),
+    spec = load_spec(bundled_spec_path("full"),
                      [f"dataset.train={data / 'train'}", f"dataset.val={data / 'val'}", *args.overrides])
     t = time.perf_counter()
     summary = train(spec, work / "train")
