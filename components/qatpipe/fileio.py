@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import sys
@@ -119,3 +120,12 @@ def save_keras_model(model, path: str | Path) -> Path:
     with replacing(path, path.with_name(f".{path.stem}.tmp{path.suffix}")) as tmp:
         model.save(tmp)
     return path
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

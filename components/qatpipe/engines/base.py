@@ -8,7 +8,6 @@ says which of an export's files it builds from (`EngineBackend.source`).
 from __future__ import annotations
 
 import abc
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -104,14 +103,6 @@ class EngineBackend(abc.ABC):
 def engine_label(backend: str, device_kind: str, compute_precision: str) -> str:
     """`backend [device kind] compute precision`: "onnxruntime cpu int8", "tensorrt fp16"."""
     return " ".join(part for part in (backend, device_kind, compute_precision) if part)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def is_explicitly_quantized(model) -> bool:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from qatpipe.engines.base import (EngineBackend, EngineMetadata, EngineRunner, engine_label, file_sha256,
-                                  is_explicitly_quantized)
+from qatpipe.engines.base import EngineBackend, EngineMetadata, EngineRunner, engine_label, is_explicitly_quantized
+from qatpipe.fileio import file_sha256
 
 log = logging.getLogger(__name__)
 

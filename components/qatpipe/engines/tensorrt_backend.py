@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from qatpipe.engines.base import (EngineBackend, EngineMetadata, EngineRunner, engine_label, file_sha256,
-                                  is_explicitly_quantized)
+from qatpipe.engines.base import EngineBackend, EngineMetadata, EngineRunner, engine_label, is_explicitly_quantized
+from qatpipe.fileio import file_sha256
 from qatpipe.devices import gpu_names
 from qatpipe.errors import ModelFileError, QatpipeError
 

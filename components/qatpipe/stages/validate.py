@@ -63,7 +63,8 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
     Otherwise the source ONNX (`onnx_model`, else the one engine.json names, checked by its SHA-256) is scored
     as TensorRT would run it, into output_dir/tensorrt_emulated: its FP16 form with every FP16 value rounded
     as FP16 holds it (export/fp16.py `rounded_form`), in ONNX Runtime's exact CPU form."""
-    from qatpipe.engines.base import EngineMetadata, file_sha256
+    from qatpipe.engines.base import EngineMetadata
+    from qatpipe.fileio import file_sha256
 
     metadata = EngineMetadata.read(engine_dir)
     if metadata.backend == "tensorrt":

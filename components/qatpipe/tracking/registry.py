@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qatpipe.fileio import file_sha256
 from qatpipe.tracking.lineage import dataset_entities
 from qatpipe.tracking.mlflow_runs import MlflowTracker
 
@@ -46,11 +47,7 @@ def previous_alias(champion_alias: str) -> str:
 
 def file_digest(path: str | Path) -> str:
     """The SHA-256 of a model file: the same model registered twice is one version."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_sha256(path)
 
 
 def spec_digest(spec_text: str) -> str:

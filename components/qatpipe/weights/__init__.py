@@ -8,13 +8,13 @@ held-back top-1 and the file's SHA-256. No TensorFlow here: the spec checks a na
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from qatpipe.errors import ModelFileError, SpecError
+from qatpipe.fileio import file_sha256 as sha256
 
 PREFIX = "qatpipe:"
 KEY = "model.pretrained"
@@ -60,14 +60,6 @@ class PackagedStart:
                                  f"{path.with_suffix('.json').name} says {self.card['sha256']}: the file is not the "
                                  "one the card describes (reinstall qatpipe, or re-make it: docs/pretrained.md)")
         return path
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @cache
