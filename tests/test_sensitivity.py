@@ -15,7 +15,7 @@ from qatpipe.errors import QatpipeError
 from qatpipe.quantization.sensitivity import (ALL_BUT, DEQUANTIZED_WEIGHT, FP32_WEIGHT, ONLY, fp32_weights, layer_qdq,
                                               measure, qdq_node_names, quantizable_layers, resolve_layers, variant)
 
-PLANTED_FACTOR = 50.0  # the planted layer's input steps, times its calibrated ones: a few levels cover its range
+PLANTED_FACTOR = 500.0  # the planted layer's input steps, times its calibrated ones: under one level covers its range
 # a budget (validate.max_map_drop) the planted model meets with the planted layer float and not without it: on
 # the fixture's 32-image sample, float 0.223, planted PTQ 0.114, planted layer float 0.166 (PTQ alone 0.154)
 PLANTED_BUDGET = 0.08
@@ -28,9 +28,12 @@ def _producers(model):
 def plant_bad_range(model) -> str:
     """Multiply the input scale (its QuantizeLinear's and DequantizeLinear's) of the first quantized layer whose
     input Q/DQ pair it alone reads (the tiny detector's conv1, reading the image) by PLANTED_FACTOR, in place;
-    returns the layer's node name. Its int8 input then keeps 3 levels of the image's range. (Measured on the
-    fixture, 32 val images: mAP@0.5 0.223 float, 0.154 PTQ, 0.114 planted; planted only 0.129, all but the
-    planted layer 0.166.)"""
+    returns the layer's node name. Its int8 input then keeps under one level of the image's range, so the
+    planted model finds nothing whatever the tiny detector learnt on this CPU. (At a factor of 50, 3 levels, the
+    plant cost too little on some CPUs: on the fixture's 32 val images an AMD EPYC gave mAP@0.5 0.223 float,
+    0.154 PTQ, 0.114 planted, while an Intel Xeon with AMX trained a detector scoring 0.170 float, 0.222 PTQ,
+    0.112 planted, within the 8-point budget of float. At 500 there: 0.000 planted, 0.214 with it and one
+    benign layer float.)"""
     producers = _producers(model)
     readers: dict[str, int] = {}
     for node in model.graph.node:
