@@ -88,7 +88,8 @@ def lookup(source: str, backbone_spec=None) -> PackagedStart:
     start = starts[name]
     if backbone_spec is not None and (differs := start.fits(backbone_spec)):
         fit = ", ".join(f"{field} {start.backbone[field]}" for field in FIT_FIELDS if field in start.backbone)
-        raise SpecError(f"{KEY}: {source} fits the backbone {fit}, not this spec's model.backbone: {differs}")
+        raise SpecError(f"{KEY}: {source} fits the backbone {fit}, not this spec's model.backbone: {differs}. "
+                        f"Set {KEY} to another source, or to null for random weights")
     return start
 
 
