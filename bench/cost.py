@@ -35,6 +35,7 @@ def main() -> None:
     from train_speed import cpu  # bench/train_speed.py, beside this script
 
     from qatpipe.spec_sources import load_spec_uri
+    from qatpipe.stages.retrain_plan import training_epochs
     from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
 
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # the local SQLite store, as in the README main job
@@ -52,8 +53,7 @@ def main() -> None:
                 summary = run_local(out, args.spec, sets)
             wall = summary["wall_seconds"]
             stages = {name: outcome["seconds"] for name, outcome in summary["stages"].items()}
-            epochs = spec.train.epochs + (spec.retrain.epochs or spec.train.epochs) + spec.qat.epochs + (
-                spec.qat.finetune_epochs if spec.qat.finetune_epochs is not None else spec.retrain.epochs or 0)
+            epochs = training_epochs(spec)
             variants = summary["variants"]
             rows.append({
                 "train_images": images, "image_size": size, "passes": images * epochs, "wall_seconds": wall,

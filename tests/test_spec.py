@@ -30,20 +30,17 @@ def test_the_full_spec_evaluates_on_2000_val_images_and_validates_during_trainin
     assert spec.dataset.synthetic.val_images == 2000 and spec.train.val_images == 300
 
 
-def training_image_passes(spec) -> int:
-    """Training images seen by the pipeline's trainings: train, retrain-fp32, finetune-fp32 (under start
-    baseline and fp32) and retrain-qat."""
-    first = spec.retrain.epochs or spec.train.epochs
-    qat = spec.qat
-    finetune = 0 if qat.start == "pruned" else (first if qat.finetune_epochs is None else qat.finetune_epochs)
-    qat_epochs = {"baseline": qat.epochs, "fp32": qat.finetune_epochs or first, "pruned": first}[qat.start]
-    return spec.dataset.synthetic.train_images * (spec.train.epochs + first + finetune + qat_epochs)
-
-
 def test_the_quick_default_does_at_most_20000_training_image_passes_and_full_keeps_its_64000():
+    from qatpipe.stages.retrain_plan import training_epochs
+
     default, full = (load_spec(bundled_spec_path(name)) for name in ("default", "full"))
-    assert training_image_passes(default) <= 20_000
-    assert training_image_passes(full) == 64_000
+    assert default.dataset.synthetic.train_images * training_epochs(default) == 20_000  # 6 + 3 + 0 + 1 epochs
+    assert full.dataset.synthetic.train_images * training_epochs(full) == 64_000  # 14 + 8 + 8 + 2
+    # the other orders: TAO's (QAT retrains the pruned model, the FP32 retrain handed on), and fp32's (QAT as long
+    # as the FP32 fine-tuning beside it)
+    assert training_epochs(load_spec(bundled_spec_path("full"), ["qat.start=pruned"])) == 14 + 8 + 8
+    assert training_epochs(load_spec(bundled_spec_path("full"), ["qat.start=fp32", "qat.finetune_epochs=3"])) == \
+        14 + 8 + 3 + 3
     assert default.model.pretrained == "qatpipe:resnet10-0.5-shapes-photos" and full.model.pretrained is None
 
 

@@ -68,4 +68,16 @@ def plan_retrain(spec: ExperimentSpec, qat: bool, pruned: str | Path, retrained:
     return RetrainPlan(Path(retrained), None, FINETUNE_FP32)
 
 
-__all__ = ["FINETUNE_FP32", "RETRAIN_FP32", "RETRAIN_QAT", "RetrainPlan", "plan_retrain"]
+def training_epochs(spec: ExperimentSpec) -> int:
+    """Epochs over the training set that a pipeline run trains in all, under `qat.start`: train, retrain-fp32,
+    finetune-fp32 and retrain-qat (times the training images: the run's training image passes)."""
+    first = spec.retrain.epochs or spec.train.epochs
+    qat = spec.qat
+    if qat.start == "pruned":  # QAT retrains the pruned model as the FP32 retrain does; the baseline is handed on
+        return spec.train.epochs + 2 * first
+    finetune = first if qat.finetune_epochs is None else qat.finetune_epochs
+    qat_epochs = qat.epochs if qat.start == "baseline" else finetune
+    return spec.train.epochs + first + finetune + qat_epochs
+
+
+__all__ = ["FINETUNE_FP32", "RETRAIN_FP32", "RETRAIN_QAT", "RetrainPlan", "plan_retrain", "training_epochs"]
