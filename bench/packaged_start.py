@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import shutil
 import subprocess
 import sys
@@ -27,13 +26,6 @@ log = logging.getLogger("bench")
 REPO = Path(__file__).resolve().parent.parent
 SEED = 7
 KINDS = ("shapes", "photos")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def run(command: list[str], cwd: Path) -> float:
@@ -52,6 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    from qatpipe.devices import cpu_name
     from qatpipe.models.backbones import backbone_module
     from qatpipe.spec import bundled_spec_path, load_spec
     from qatpipe.weights import FIT_FIELDS, sha256

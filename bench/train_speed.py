@@ -10,8 +10,8 @@ On the spec's detector and its training data (the synthetic set of the spec, wri
 Each is timed over STEPS steps after a warm-up of 5. Beside them: GFLOP per training image (3 x the forward
 convolutions' FLOPs: forward, and backward for inputs and weights), the GFLOP/s that makes, and the CPU's FP32
 FMA peak from its flags, core count and clock (2 FMA units per core: 64 FLOP/cycle with AVX-512, 32 with AVX2).
-`--jit` compiles the training step with XLA (jit_compile); `--cache` keeps the decoded images in memory
-(tf.data cache before augmentation). Prints the CPU with its flags; writes WORK/bench_train_speed.json.
+`--jit` compiles the training step with XLA (jit_compile); `--cache` keeps each decoded image in memory after
+its first decoding (a py_function in front of the augmentation). Prints the CPU with its flags; writes WORK/bench_train_speed.json.
 """
 
 from __future__ import annotations
@@ -28,17 +28,18 @@ WARMUP = 5
 
 
 def cpu() -> dict:
-    info = Path("/proc/cpuinfo").read_text()
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
-    flags = set(fields.get("flags", "").split())
+    from qatpipe.devices import cpu_flags, cpu_name
+
+    flags = cpu_flags()
     max_khz = Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq")
-    mhz = int(max_khz.read_text()) / 1000 if max_khz.is_file() else float(fields.get("cpu MHz", "nan"))
+    clock = [line.split(":", 1)[1] for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("cpu MHz")]
+    mhz = int(max_khz.read_text()) / 1000 if max_khz.is_file() else float(clock[0]) if clock else float("nan")
     cores = len(os.sched_getaffinity(0))
     per_cycle = 64 if "avx512f" in flags else 32 if {"avx2", "fma"} <= flags else 16
     shown = [flag for flag in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
              if flag in flags]
-    return {"name": fields.get("model name", "unknown"), "flags": shown, "cores": cores, "mhz": mhz,
+    return {"name": cpu_name(), "flags": shown, "cores": cores, "mhz": mhz,
             "fp32_flop_per_cycle": per_cycle, "peak_gflops": round(cores * mhz * 1e-3 * per_cycle, 1)}
 
 
@@ -72,7 +73,7 @@ def main() -> None:
     from qatpipe.models import get_architecture
     from qatpipe.pruning.cost import conv_flops
     from qatpipe.spec_sources import load_spec_uri
-    from qatpipe.stages.train import _build_optimizer
+    from qatpipe.stages.train import build_optimizer
 
     spec = load_spec_uri(args.spec, args.overrides)
     synthetic = spec.dataset.synthetic
@@ -85,7 +86,7 @@ def main() -> None:
     samples = load_split(spec, "train")
     arch = get_architecture(spec)
     model = arch.build_model()
-    model.compile(optimizer=_build_optimizer(spec, total_steps=10_000), loss=arch.losses(), jit_compile=args.jit)
+    model.compile(optimizer=build_optimizer(spec, total_steps=10_000), loss=arch.losses(), jit_compile=args.jit)
     batch = spec.train.batch_size
 
     if args.cache:  # decoded once, then served from memory: the decoding leaves the per-epoch work

@@ -1,9 +1,10 @@
 """The machine's NVIDIA GPUs, as the driver reports them (nvidia-smi): what the TensorRT backend records and
 checks, how many Horovod processes `--gpus N` may start, and whether an engine task landed on the GPU model
-the pipeline's `gpu_type` names (its cache key); and the CPU's feature flags."""
+the pipeline's `gpu_type` names (its cache key); and the CPU's name and feature flags."""
 
 from __future__ import annotations
 
+import platform
 import re
 import subprocess
 from pathlib import Path
@@ -24,6 +25,17 @@ def cpu_flags(cpuinfo: Path = _CPUINFO) -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def cpu_name(cpuinfo: Path = _CPUINFO) -> str:
+    """The CPU's model name as the kernel reports it, else what the platform module knows."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def gpu_names() -> list[str]:

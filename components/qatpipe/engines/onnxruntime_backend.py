@@ -17,21 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from qatpipe.engines.base import EngineBackend, EngineMetadata, EngineRunner, engine_label, is_explicitly_quantized
+from qatpipe.devices import cpu_name
 from qatpipe.fileio import file_sha256
 
 log = logging.getLogger(__name__)
 
 ENGINE_FILE = "model.onnx"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class OnnxRuntimeRunner(EngineRunner):
@@ -107,7 +98,7 @@ class OnnxRuntimeBackend(EngineBackend):
             source_sha256=file_sha256(onnx_path), precision=precision, compute_precision=compute, cpu_form=cpu_form,
             label=engine_label(self.name, "cpu" if on_cpu else providers[0].removesuffix("ExecutionProvider").lower(),
                                compute),
-            runtime_version=ort.__version__, device=_cpu_name() if on_cpu else providers[0],
+            runtime_version=ort.__version__, device=cpu_name() if on_cpu else providers[0],
             input_name=model.graph.input[0].name,
             batch_profile={"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch},
             extra=rewrites,

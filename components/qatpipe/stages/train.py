@@ -94,7 +94,7 @@ def _drop_redone_epochs(csv_path: Path, initial_epoch: int) -> None:
         atomic_write_text(csv_path, "".join(kept))
 
 
-def _build_optimizer(spec: ExperimentSpec, total_steps: int, lr_scale: float = 1.0):
+def build_optimizer(spec: ExperimentSpec, total_steps: int, lr_scale: float = 1.0):
     """The spec's optimizer; `lr_scale` multiplies the learning rates (the data-parallel world size: N
     processes take one step on N batches, so the step may be N times larger, as in TAO and Horovod)."""
     import tf_keras as keras
@@ -168,7 +168,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     steps = steps_per_epoch(len(samples), spec.train.batch_size, world.size)
     # the optimizer the model trains with (under Horovod, the wrapper that averages gradients) is the one
     # the checkpoint holds
-    optimizer = world.wrap_optimizer(_build_optimizer(spec, total_steps=steps * spec.train.epochs,
+    optimizer = world.wrap_optimizer(build_optimizer(spec, total_steps=steps * spec.train.epochs,
                                                       lr_scale=world.size))
     model.compile(optimizer=optimizer, loss=arch.losses())
 
@@ -374,4 +374,4 @@ def _write_tracking_record(spec: ExperimentSpec, results_dir: Path, summary: dic
     ).write(results_dir)
 
 
-__all__ = ["train", "summary_metrics", "MODEL_FILE"]
+__all__ = ["train", "build_optimizer", "summary_metrics", "MODEL_FILE"]
