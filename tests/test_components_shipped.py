@@ -151,3 +151,18 @@ def test_every_component_folder_has_metadata_matching_its_function():
         assert metadata["name"] == folder.name
         assert metadata["description"] == inspect.getdoc(function).splitlines()[0], folder.name
         assert metadata["stability"] in ("alpha", "beta", "stable") and "qatpipe" in metadata["tags"]
+
+
+def test_data_parameters_replace_the_specs_data(tmp_path, monkeypatch):
+    """The pipeline's train_data / val_data reach every stage's view in place of the spec's dataset.train / val,
+    and win over an override of the same key; a path with YAML-looking text stays a string."""
+    monkeypatch.chdir(tmp_path)
+    local.init(local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "kfp"))
+    train, val = tmp_path / "kitti: train", tmp_path / "123"
+    task = resolve_spec(spec_uri="tiny", overrides=["dataset.train=/elsewhere"], train_data=str(train),
+                        val_data=str(val))
+    for view in ("data_spec", "train_spec", "evaluate_spec"):
+        dataset = yaml.safe_load(task.outputs[view])["dataset"]
+        assert (dataset["train"], dataset["val"]) == (str(train), str(val)), view
+    untouched = resolve_spec(spec_uri="tiny", overrides=[])
+    assert yaml.safe_load(untouched.outputs["data_spec"])["dataset"]["train"] is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -161,7 +162,8 @@ def test_parameters(compiled):
     _, spec, _ = compiled
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert {name: p["parameterType"] for name, p in params.items()} == {
-        "spec_uri": "STRING", "spec_overrides": "LIST", "run_name": "STRING", "gpus": "NUMBER_INTEGER",
+        "spec_uri": "STRING", "spec_overrides": "LIST", "train_data": "STRING", "val_data": "STRING",
+        "run_name": "STRING", "gpus": "NUMBER_INTEGER",
         "workers": "NUMBER_INTEGER", "mpijob_api_version": "STRING", "launcher": "STRING", "training_image": "STRING",
         "engine_image": "STRING", "node_selector": "STRUCT", "tolerations": "LIST", "credentials_secret": "STRING",
         "kfp_ui_url": "STRING", "gpu_type": "STRING", "checkpoint_uri": "STRING",
@@ -183,6 +185,13 @@ def test_parameters(compiled):
     assert all(p.get("description", "").strip() for p in params.values()), [
         name for name, p in params.items() if not p.get("description")]
     assert spec["root"]["inputDefinitions"]["parameters"]["training_memory"]["description"].startswith("memory")
+    # described for the UI's users, not in the code's names: the Secret's keys spelled out
+    from qatpipe_kfp.runtime import CREDENTIAL_KEYS
+
+    assert all(key in params["credentials_secret"]["description"] for key in CREDENTIAL_KEYS)
+    assert not [name for name, p in params.items() if re.search(r"\b[A-Z]+(_[A-Z]+)+_TO_[A-Z_]+\b|\.py\b",
+                                                                  p.get("description", ""))]
+    assert "dataset.train" in params["train_data"]["description"] and "s3://" in params["val_data"]["description"]
 
 
 def test_gpu_requests_and_placement(compiled):
@@ -227,10 +236,12 @@ def test_secrets_come_from_a_kubernetes_secret(compiled):
         assert k8s[executor]["podMetadata"]["labels"] == dict([MLFLOW_CLIENT_LABEL]), name
     # credentials appear only as key names in secretAsEnv (secretKey + envVar per executor), never as
     # parameters or values
+    # (and once in credentials_secret's description, which lists the Secret's keys for the UI)
     text = path.read_text()
-    assert text.count("AWS_SECRET_ACCESS_KEY") == 2 * len(k8s)
-    assert text.count("MLFLOW_TRACKING_PASSWORD") == 2 * len(k8s)
     params = spec["root"]["inputDefinitions"]["parameters"]
+    described = params["credentials_secret"]["description"]
+    for key in ("AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_PASSWORD"):
+        assert text.count(key) == 2 * len(k8s) + described.count(key) and described.count(key) == 1, key
     assert not [name for name in params if any(word in name for word in ("password", "token", "key"))]
 
 

@@ -224,6 +224,8 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
     def qat_pipeline(
         spec_uri: str = "default",
         spec_overrides: List[str] = [],
+        train_data: str = "",
+        val_data: str = "",
         run_name: str = "",
         gpus: int = 1,
         workers: int = 1,
@@ -251,6 +253,11 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         Args:
             spec_uri: bundled spec name (default, tiny), a path inside the image, or s3://bucket/key.
             spec_overrides: KEY=VALUE spec overrides, e.g. ["train.epochs=20"].
+            train_data: your training data: a KITTI folder (images/ and labels/) as s3://bucket/prefix or a path
+                the pods can read; it replaces the spec's dataset.train. Empty: the spec's data (the bundled specs
+                generate a synthetic set).
+            val_data: your validation data, a KITTI folder as s3://bucket/prefix or a path the pods can read; it
+                replaces the spec's dataset.val.
             run_name: name of the MLflow parent run (default "qatpipe").
             gpus: GPUs per training / engine stage (nvidia.com/gpu); train and retrain run one Horovod process
                 per GPU.
@@ -264,7 +271,9 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             node_selector: node labels for GPU stages, e.g. {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}.
             tolerations: Kubernetes tolerations for GPU stages, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists",
                 "effect": "NoSchedule"}].
-            credentials_secret: Kubernetes Secret with the S3 / MLflow credentials (keys: SECRET_KEYS_TO_ENV).
+            credentials_secret: Kubernetes Secret with the S3 / MLflow credentials, each key optional:
+                AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, MLFLOW_TRACKING_URI,
+                MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_TOKEN, MLFLOW_S3_ENDPOINT_URL.
             kfp_ui_url: the KFP UI's address (`qatpipe submit` sets it): MLflow runs and model versions then link
                 to this run's page.
             gpu_type: the GPU model engines are built for, as nvidia.com/gpu.product names it (e.g.
@@ -298,7 +307,8 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
 
         with dsl.ExitHandler(finish, name="stages"):
             specs = run.cpu(resolve_spec(spec_uri=spec_uri, overrides=spec_overrides,
-                                         credentials_secret=credentials_secret), network=True, per_run=True,
+                                         credentials_secret=credentials_secret, train_data=train_data,
+                                         val_data=val_data), network=True, per_run=True,
                             size="light")  # per run: the URI's content may change
             # task outputs, as KFP takes no expression over parameters: the GPU stages' node selector (node_selector
             # plus gpu_type's GPU model, so gpu_type pins the model that keys build-engine's cache), and what a
