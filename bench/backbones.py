@@ -172,7 +172,8 @@ def export_qat(backbone: str, work: Path) -> dict:
     check = report["layer_check"]
     engine = evaluate(spec, folder / "model.onnx", folder / "evaluation")["map50"]
     tensorrt = exact_form_map50(spec, folder / "model.onnx", folder / "exact", "qat")
-    [fp32], [ptq] = stage_folders(kfp_root, "evaluate_fp32"), stage_folders(kfp_root, "evaluate_ptq")
+    # PTQ's engine as its validation scored it (the pipeline scores an INT8 model once, there)
+    [fp32], [ptq] = stage_folders(kfp_root, "evaluate_fp32"), stage_folders(kfp_root, "validate_ptq")
     [ptq_trt] = [f / EMULATED_FOLDER for f in stage_folders(kfp_root, "validate_ptq")]
     [fp32_trt] = [f / EMULATED_FOLDER for f in stage_folders(kfp_root, "validate_fp32")]
     engine_run = uncertainty({"fp32": fp32, "ptq": ptq, "qat": folder / "evaluation"})

@@ -56,7 +56,8 @@ def finetune(run: Path, folder: Path, overrides: list[str]) -> None:
 def describe(run: Path, work: Path, recipes: dict[str, list[str]]) -> dict:
     from qatpipe.stages.compare import uncertainty
 
-    evaluations = {f"{RUN}/fp32": stage_folder(run, "evaluate_fp32"), f"{RUN}/qat": stage_folder(run, "evaluate_qat")}
+    # the run's QAT model as its validation scored it (the pipeline scores an INT8 model once, there)
+    evaluations = {f"{RUN}/fp32": stage_folder(run, "evaluate_fp32"), f"{RUN}/qat": stage_folder(run, "validate_qat")}
     for name in recipes:
         evaluations.update({f"{name}/{v}": work / name / v / "evaluation" for v in ("fp32", "qat")})
     names = [RUN, *recipes]

@@ -2,13 +2,14 @@
 
 fingerprint data → prepare data → train (unpruned) → evaluate (unpruned) and prune →
   retrain FP32 →
-  [finetune FP32 (the baseline: as trained, or as long as QAT) → export → evaluate FP32;
-   PTQ calibrate → evaluate PTQ]
+  [finetune FP32 (the baseline: as trained, or as long as QAT) → export → evaluate FP32 (the baseline's mAP);
+   PTQ calibrate]
   [retrain QAT (qat.start: the pruned model, fine-tuning FP32's, or briefly the FP32 baseline; after the
-   baseline) → export (Q/DQ + calibration cache) → evaluate QAT]
+   baseline) → export (Q/DQ + calibration cache)]
 → layer sensitivity of the PTQ and QAT models → ptq-partial (PTQ with its most sensitive layers float, until
-  within the gate's budget) → evaluate PTQ-partial
-→ per variant (fp32, ptq, ptq-partial, qat): build engine (+ latency benchmark) → validate against the FP32 baseline
+  within the gate's budget)
+→ per variant (fp32, ptq, ptq-partial, qat): build engine (+ latency benchmark) → validate: the engine's mAP (and
+  TensorRT's numbers, emulated where the engine computes others) against the FP32 baseline
 → compare (the variants' table, their differences, pruning block, gate) → register (each variant an MLflow model;
   the QAT one a registry version: alias champion when it passed the gate, challenger when not).
 
