@@ -57,18 +57,18 @@ def test_defaults_fill_every_section():
 @pytest.mark.parametrize(
     "patch, expected",
     [
-        ({"train": {"epochz": 3}}, "train.epochz: unknown key"),
-        ({"model": {"backbone": {"depth": 11}}}, "model.backbone.depth: Input should be 10, 18 or 34"),
-        ({"train": {"batch_size": "big"}}, "train.batch_size: Input should be a valid integer"),
+        ({"train": {"epochz": 3}}, "train.epochz: unknown key (did you mean train.epochs?)"),
+        ({"model": {"backbone": {"depth": 11}}}, "model.backbone.depth: must be 10, 18 or 34 (got 11)"),
+        ({"train": {"batch_size": "big"}}, "train.batch_size: must be an integer (got 'big')"),
         ({"train": {"learning_rate": {"min_lr": 1.0, "max_lr": 0.1}}}, "min_lr (1.0) > max_lr (0.1)"),
         ({"dataset": {**MINIMAL["dataset"], "image_size": {"height": 100, "width": 160}}},
          "must be a multiple of 16, model.arch detectnet_v2"),
         ({"dataset": {**MINIMAL["dataset"], "class_mapping": {"van": "truck"}}}, "names not in classes: ['truck']"),
         ({"validate": {"max_map_dropp": 1}}, "validate.max_map_dropp: unknown key"),
-        ({"train": {"keep": "worst"}}, "train.keep: Input should be 'best' or 'last'"),
-        ({"train": {"validation_interval": -1}}, "train.validation_interval: Input should be greater than or equal"),
-        ({"train": {"val_images": 0}}, "train.val_images: Input should be greater than or equal to 1"),
-        ({"model": {"arch": "yolo"}}, "model: model.arch must be one of: detectnet_v2, ssd"),
+        ({"train": {"keep": "worst"}}, "train.keep: must be 'best' or 'last' (got 'worst')"),
+        ({"train": {"validation_interval": -1}}, "train.validation_interval: must be >= 0 (got -1)"),
+        ({"train": {"val_images": 0}}, "train.val_images: must be >= 1 (got 0)"),
+        ({"model": {"arch": "yolo"}}, "model.arch: must be one of: detectnet_v2, ssd (got 'yolo')"),
         ({"model": {"arch": "detectnet_v2", "decoder": {"methd": "nms"}}}, "model.decoder.methd: unknown key"),
     ],
 )
@@ -218,3 +218,32 @@ def test_non_mapping_spec_with_overrides(tmp_path, text, kind):
     for overrides in (None, ["train.epochs=3"]):
         with pytest.raises(SpecError, match=rf"spec\.yaml: the spec must be a YAML mapping, got {kind}"):
             load_spec(path, overrides)
+
+
+def test_errors_are_one_line_per_key_naming_the_override_that_set_it(tmp_path):
+    """Issue 58: an override's error names the override, not the file it was applied to; a union's members share
+    one line; a list item is named by its index; an unknown key gets the nearest known one."""
+    path = write(tmp_path, {**MINIMAL, "train": {"batch_size": 0}})
+    with pytest.raises(SpecError) as info:
+        load_spec(path, ["qat.excluded_layers=5", "engine.bench.batch_sizes=[a]", "model.decoder.methd=nms",
+                         "trian.epochs=3"])
+    assert str(info.value).splitlines() == [
+        f"{path}: invalid spec, 5 errors:",
+        "  --set model.decoder.methd=nms: model.decoder.methd: unknown key (did you mean model.decoder.method?)",
+        "  train.batch_size: must be >= 1 (got 0)",
+        "  --set qat.excluded_layers=5: qat.excluded_layers: must be 'auto' or a list (got 5)",
+        "  --set engine.bench.batch_sizes=[a]: engine.bench.batch_sizes[0]: must be an integer (got 'a')",
+        "  --set trian.epochs=3: trian: unknown key (did you mean train?)",
+    ]
+    assert "pydantic" not in str(info.value)
+
+
+def test_format_validation_error_without_a_source():
+    from pydantic import ValidationError
+
+    from qatpipe.spec import PruneSpec, format_validation_error
+
+    with pytest.raises(ValidationError) as info:
+        PruneSpec(target_flops_ratio=2, granularity=0)
+    assert format_validation_error(info.value) == (
+        "invalid settings, 2 errors:\n  target_flops_ratio: must be <= 1 (got 2)\n  granularity: must be >= 1 (got 0)")

@@ -4,7 +4,7 @@ Every stage reads its settings from here; nothing else defines defaults. Unknown
 (`extra="forbid"`) so a typo never silently falls back to a default. The modules: base (what every section
 shares), data (the dataset section), architectures (the model section of each architecture), stage_sections
 (the stages' sections), experiment (the root), load (files, overrides, the bundled specs), views (what each
-pipeline stage reads). Callers import from `qatpipe.spec`.
+pipeline stage reads), errors (validation errors one line per key). Callers import from `qatpipe.spec`.
 """
 
 from qatpipe.spec.architectures import (
@@ -27,6 +27,7 @@ from qatpipe.spec.architectures import (
 )
 from qatpipe.spec.base import Section, field_choices, field_default
 from qatpipe.spec.data import DatasetSpec, ImageSize, SyntheticDataSpec
+from qatpipe.spec.errors import format_validation_error
 from qatpipe.spec.experiment import ExperimentSpec
 from qatpipe.spec.load import (
     apply_overrides,
@@ -65,6 +66,6 @@ __all__ = [
     "LearningRateSpec", "LossSpec", "ModelSpec", "PretrainSpec", "PruneSpec", "PtqSpec", "QatSpec", "RegularizerSpec",
     "RetrainSpec", "Section", "SensitivitySpec", "SsdDecoderSpec", "SsdLossSpec", "SsdPriorSpec", "SsdSpec",
     "SsdTargetSpec", "SyntheticDataSpec", "TargetSpec", "TrackingSpec", "TrainSpec", "ValidateSpec",
-    "apply_overrides", "bundled_spec_path", "dump_spec", "field_choices", "field_default", "flatten", "load_spec",
+    "apply_overrides", "bundled_spec_path", "dump_spec", "field_choices", "field_default", "flatten", "format_validation_error", "load_spec",
     "load_spec_text", "parse_spec", "spec_output_name", "spec_to_yaml", "stage_view",
 ]

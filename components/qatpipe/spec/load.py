@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from qatpipe.errors import SpecError
-from qatpipe.spec.architectures import ARCHITECTURE_SPECS
+from qatpipe.spec.errors import format_validation_error
 from qatpipe.spec.experiment import ExperimentSpec
 
 
@@ -57,30 +57,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _format_validation_error(source: str, exc: ValidationError) -> str:
-    lines = [f"{source}: invalid spec"]
-    for err in exc.errors():
-        parts = list(err["loc"])
-        if parts[:1] == ["model"] and len(parts) > 1 and parts[1] in ARCHITECTURE_SPECS:
-            del parts[1]  # the union's tag (model.arch), not a key of the spec
-        loc = ".".join(str(part) for part in parts) or "<root>"
-        loc = loc.replace("validate_", "validate")
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        elif err["type"] == "missing":
-            msg = "required key is missing"
-        lines.append(f"  {loc}: {msg}")
-    return "\n".join(lines)
-
-
-def parse_spec(data: dict[str, Any], source: str = "<spec>") -> ExperimentSpec:
+def parse_spec(data: dict[str, Any], source: str = "<spec>", overrides: list[str] | None = None) -> ExperimentSpec:
+    """Validate spec data; errors name `source`, or the one of `overrides` (already applied) that set the key."""
     if not isinstance(data, dict):
         raise SpecError(f"{source}: the spec must be a YAML mapping, got {type(data).__name__}")
     try:
         return ExperimentSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(_format_validation_error(source, exc)) from None
+        raise SpecError(format_validation_error(exc, source, overrides or (), schema=ExperimentSpec)) from None
 
 
 class _DuplicateKeyError(yaml.YAMLError):
@@ -135,7 +119,7 @@ def load_spec_text(text: str, overrides: list[str] | None = None, source: str = 
         data = {}
     if overrides and isinstance(data, dict):  # a non-mapping is reported by parse_spec
         data = apply_overrides(data, overrides)
-    return parse_spec(data, source=str(path))
+    return parse_spec(data, source=str(path), overrides=overrides)
 
 
 def dump_spec(spec: ExperimentSpec, path: str | Path) -> None:
