@@ -77,7 +77,7 @@ def _key(err: dict, schema: type[BaseModel] | None) -> tuple[list[str], list[typ
             candidates = None
             continue
         last = index == len(parts) - 1
-        if candidates is not None and len(candidates) > 1 and not last:
+        if candidates is not None and len(candidates) > 1 and not (last and err["type"] == "extra_forbidden"):
             tagged = [model for model in candidates if _tag(model) == part]
             if tagged:  # a discriminated union's tag: it picks the section, it is no key
                 candidates = tagged
