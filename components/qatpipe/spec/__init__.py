@@ -1,7 +1,9 @@
 """The experiment spec: one YAML file, typed and validated, with TAO-like sections.
 
-Every stage reads its settings from here; nothing else defines defaults. Unknown keys are errors
-(`extra="forbid"`) so a typo never silently falls back to a default. The modules: base (what every section
+Every stage reads its settings from here; nothing else defines defaults, and the defaults are the bundled
+default recipe (specs/default.yaml names only its data), so a spec naming only `dataset:` runs what
+`--spec default` runs. Unknown keys are errors (`extra="forbid"`) so a typo never silently falls back to a
+default. The modules: base (what every section
 shares), data (the dataset section), architectures (the model section of each architecture), stage_sections
 (the stages' sections), experiment (the root), load (files, overrides, the bundled specs), views (what each
 pipeline stage reads), errors (validation errors one line per key). Callers import from `qatpipe.spec`.
@@ -66,6 +68,7 @@ __all__ = [
     "LearningRateSpec", "LossSpec", "ModelSpec", "PretrainSpec", "PruneSpec", "PtqSpec", "QatSpec", "RegularizerSpec",
     "RetrainSpec", "Section", "SensitivitySpec", "SsdDecoderSpec", "SsdLossSpec", "SsdPriorSpec", "SsdSpec",
     "SsdTargetSpec", "SyntheticDataSpec", "TargetSpec", "TrackingSpec", "TrainSpec", "ValidateSpec",
-    "apply_overrides", "bundled_spec_path", "dump_spec", "field_choices", "field_default", "flatten", "format_validation_error", "load_spec",
-    "load_spec_text", "parse_spec", "spec_output_name", "spec_to_yaml", "stage_view",
+    "apply_overrides", "bundled_spec_path", "dump_spec", "field_choices", "field_default", "flatten",
+    "format_validation_error", "load_spec", "load_spec_text", "parse_spec", "spec_output_name", "spec_to_yaml",
+    "stage_view",
 ]

@@ -12,12 +12,12 @@ from qatpipe.spec.base import Section
 
 
 class BackboneSpec(Section):
-    """The feature extractor under DetectNet_v2's heads, stride 16 whichever it is (models/backbones.py)."""
+    """The feature extractor under the detection heads, stride 16 whichever it is (models/backbones.py)."""
 
     name: str = Field("resnet", description="a backbone of models/backbones.py's registry (BACKBONES; an unknown "
                                             "name's error lists them)")
     depth: Literal[10, 18, 34] = Field(10, description="resnet only: 10, 18 or 34 layers")
-    width: float = Field(1.0, gt=0, le=2.0, description="multiplier on every filter count (ResNet's 64-128-256-"
+    width: float = Field(0.5, gt=0, le=2.0, description="multiplier on every filter count (ResNet's 64-128-256-"
                                                         "512, MobileNetV2's alpha, EfficientNet's width)")
     all_projections: bool = Field(True, description="resnet only: 1x1 conv shortcut in every block (TAO default)")
 
@@ -77,17 +77,21 @@ class LossSpec(Section):
         "is, without moving coverage as a whole; 0 leaves TAO's per-class sigmoid loss alone (docs/recipe.md)")
 
 PIPELINE_PRETRAINED = "pipeline:pretrain"  # model.pretrained: the weights of the pipeline run's own pretrain stage
+# model.pretrained's default: the default backbone (ResNet-10/0.5) pretrained by `qatpipe pretrain` on 8,000 synthetic
+# images, shipped with the package (docs/pretrained.md has its card)
+PACKAGED_START = "qatpipe:resnet10-0.5-shapes-photos"
 
 
 class _ArchitectureSpec(Section):
     """What every architecture's model section has: where its backbone's weights start (docs/pretrained.md)."""
 
     pretrained: str | None = Field(
-        None, description="weights the backbone starts from, matched by layer name: a .keras or .h5 file (a "
+        PACKAGED_START, description="weights the backbone starts from, matched by layer name: a .keras or .h5 file (a "
         "path or s3://), e.g. qatpipe pretrain's weights.keras, or keras:imagenet (tf_keras.applications' "
         "ImageNet weights; mobilenet_v2 and efficientnet_b0), or pipeline:pretrain (in a pipeline run, the "
         "weights its pretrain stage writes; that stage runs only then), or qatpipe:<name> (a start shipped with "
-        "the package, made by its own pretrain stage: docs/pretrained.md). None: random weights")
+        "the package, made by its own pretrain stage: docs/pretrained.md; the default, which fits only the default "
+        "backbone). null: random weights")
     freeze_blocks: list[int] = Field(
         default_factory=list, description="backbone blocks whose weights stay as loaded in train and every "
         "retrain (TAO's freeze_blocks; each backbone's block numbers are in docs/pretrained.md)")
@@ -240,8 +244,9 @@ class SsdSpec(_ArchitectureSpec):
 # a new architecture adds its section class to ARCHITECTURE_SPECS, its package to qatpipe.models and its line
 # to qatpipe.models.get_architecture's table; nothing else in the spec changes.
 ARCHITECTURE_SPECS = {"detectnet_v2": DetectNetV2Spec, "ssd": SsdSpec}
-# DEFAULT_ARCH: of a spec that names no arch, as every spec did before SSD came (the bundled default names ssd)
-DEFAULT_ARCH = "detectnet_v2"
+# DEFAULT_ARCH: of a spec that names no arch (the default recipe's; specs written before SSD came name no arch
+# and meant detectnet_v2: they say so now)
+DEFAULT_ARCH = "ssd"
 
 
 def _arch(value: Any) -> str | None:

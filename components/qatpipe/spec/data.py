@@ -44,7 +44,8 @@ class DatasetSpec(Section):
         default_factory=dict, description="label name -> class name (e.g. van: car); others must be in classes"
     )
     ignore_classes: list[str] = Field(
-        default_factory=list, description="label names skipped on purpose (e.g. DontCare)"
+        default_factory=lambda: ["DontCare"], description="label names skipped on purpose (KITTI's DontCare: "
+        "regions nobody labelled)"
     )
     image_size: ImageSize = Field(default_factory=ImageSize)
     box_tolerance_px: float = Field(2.0, ge=0, description="how far a box may stick out of its image")

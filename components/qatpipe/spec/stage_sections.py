@@ -3,7 +3,7 @@ sensitivity, export, engine, pretraining, validation and tracking."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
@@ -13,7 +13,7 @@ from qatpipe.spec.base import Section
 class AugmentationSpec(Section):
     hflip_prob: float = Field(0.5, ge=0, le=1)
     scale_min: float = Field(0.8, gt=0, description="zoom jitter: image scaled by a factor in [min, max]")
-    scale_max: float = Field(1.2, gt=0)
+    scale_max: float = Field(1.25, gt=0)
     translate: float = Field(0.1, ge=0, le=0.5, description="max shift as a fraction of the image size")
     brightness: float = Field(0.15, ge=0, le=1)
     contrast: float = Field(0.2, ge=0, le=1)
@@ -37,9 +37,9 @@ class LearningRateSpec(Section):
     """TAO's soft-start annealing schedule: log-linear ramp min->max, plateau, log-linear decay to min."""
 
     min_lr: float = Field(1e-5, gt=0)
-    max_lr: float = Field(1e-3, gt=0)
+    max_lr: float = Field(2e-3, gt=0)
     soft_start: float = Field(0.1, ge=0, lt=1, description="fraction of training spent ramping up")
-    annealing_point: float = Field(0.7, gt=0, le=1, description="fraction of training where decay starts")
+    annealing_point: float = Field(0.6, gt=0, le=1, description="fraction of training where decay starts")
 
     @model_validator(mode="after")
     def _check_order(self) -> "LearningRateSpec":
@@ -51,7 +51,7 @@ class LearningRateSpec(Section):
 
 
 class TrainSpec(Section):
-    epochs: int = Field(20, ge=1)
+    epochs: int = Field(6, ge=1)
     batch_size: int = Field(16, ge=1)
     seed: int = 42
     optimizer: Literal["adam", "sgd"] = "adam"
@@ -77,29 +77,42 @@ class TrainSpec(Section):
 
 
 class EvaluateSpec(Section):
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(32, ge=1)
 
 
 # ---------------------------------------------------------------- later stages (room kept, typed now)
 
 
 class PruneSpec(Section):
-    threshold: float = Field(0.1, ge=0, description="TAO's -pth: channels whose normalised norm is below it go")
+    threshold: float = Field(0.1, ge=0, description="TAO's -pth: channels whose normalised norm is below it go, "
+                             "when target_flops_ratio is null (a section giving a threshold and no "
+                             "target_flops_ratio sets it null)")
     target_flops_ratio: float | None = Field(
-        None, gt=0, le=1, description="instead of `threshold`: the lowest threshold that leaves at most this "
+        0.5, gt=0, le=1, description="instead of `threshold`: the lowest threshold that leaves at most this "
         "share of the model's FLOPs (the same threshold prunes models trained on other data to very different "
-        "sizes); the threshold it found is in prune_report.json")
+        "sizes); the threshold it found is in prune_report.json; null: prune at `threshold`")
     normalizer: Literal["max", "L2"] = "max"
     granularity: int = Field(8, ge=1)
     min_filters: int = Field(16, ge=1)
-    equalization: Literal["union", "intersection", "arithmetic_mean", "geometric_mean"] = "union"
+    equalization: Literal["union", "intersection", "arithmetic_mean", "geometric_mean"] = Field(
+        "arithmetic_mean", description="how the channel scores of layers joined by an add are combined (TAO)")
     excluded_layers: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _threshold_given(cls, data: Any) -> Any:
+        # a threshold written without a FLOPs target means that threshold (as `qatpipe prune -pth` does), not
+        # the default target's
+        if isinstance(data, dict) and "threshold" in data and "target_flops_ratio" not in data:
+            data = {**data, "target_flops_ratio": None}
+        return data
 
 
 class RetrainSpec(Section):
     """Retraining of the pruned model (FP32 and QAT): the train section's settings, except these."""
 
-    epochs: int | None = Field(None, ge=1, description="default: train.epochs")
+    epochs: int | None = Field(3, ge=1, description="the FP32 retrain's epochs (and QAT's under qat.start "
+                               "pruned); null: train.epochs")
 
 
 class QatSpec(Section):
@@ -115,15 +128,16 @@ class QatSpec(Section):
         "pruned model, for retrain.epochs, like the FP32 retrain, which is then the baseline (docs/quantization.md: "
         "the orders measured)")
     finetune_epochs: int | None = Field(
-        None, ge=0, description="start: fp32 and baseline: the epochs of the FP32 baseline's fine-tuning (under fp32 "
-        "also of the QAT fine-tuning beside it); default retrain.epochs. 0 (start: baseline only): no second FP32 "
-        "training, the FP32 retrain's model is the baseline that PTQ quantizes and QAT fine-tunes")
+        0, ge=0, description="start: fp32 and baseline: the epochs of the FP32 baseline's fine-tuning (under fp32 "
+        "also of the QAT fine-tuning beside it); null: retrain.epochs. 0 (start: baseline only; the default, and "
+        "a section naming another start without finetune_epochs gets null): no second FP32 training, the FP32 "
+        "retrain's model is the baseline that PTQ quantizes and QAT fine-tunes")
     finetune_learning_rate: LearningRateSpec | None = Field(
         None, description="start: fp32 and baseline: the learning-rate schedule of the FP32 baseline's fine-tuning "
         "(under fp32 also of the QAT fine-tuning beside it; they start from a trained model, which "
         "train.learning_rate's peak first knocks back; bench/README.md finetune.py: shorter, gentler fine-tunings "
         "lost mAP). Default train.learning_rate; keys left out of it take the schedule's own defaults, not train's")
-    epochs: int = Field(2, ge=1, description="start: baseline: the epochs QAT fine-tunes the FP32 baseline "
+    epochs: int = Field(1, ge=1, description="start: baseline: the epochs QAT fine-tunes the FP32 baseline "
                         "(PyTorch's and NVIDIA's QAT guides: a small fraction of the training)")
     learning_rate: LearningRateSpec = Field(
         default_factory=lambda: LearningRateSpec(min_lr=1e-6, max_lr=2e-4, soft_start=0.1, annealing_point=0.6),
@@ -156,6 +170,15 @@ class QatSpec(Section):
         "in inference mode on the same augmented batch; train time only, the exported model is unchanged. 0: off, "
         "the default until a bench/ "
         "measurement decides (docs/quantization.md: Distillation)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _start_given(cls, data: Any) -> Any:
+        # the default finetune_epochs 0 belongs to the default start; another start, written without it,
+        # fine-tunes for retrain.epochs as it always did
+        if isinstance(data, dict) and data.get("start", "baseline") != "baseline" and "finetune_epochs" not in data:
+            data = {**data, "finetune_epochs": None}
+        return data
 
     @model_validator(mode="after")
     def _check_finetune(self) -> "QatSpec":
