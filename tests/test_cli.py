@@ -41,7 +41,23 @@ def test_spec_show_and_bad_override(capsys, caplog):
     assert "epochs: 9" in capsys.readouterr().out
     with caplog.at_level(logging.ERROR):
         assert main(["spec", "show", "-e", "tiny", "--set", "train.epochs=-1"]) == 2
-    assert "train.epochs: Input should be greater than or equal to 1" in caplog.text
+    assert "--set train.epochs=-1: train.epochs: must be >= 1 (got -1)" in caplog.text
+
+
+def test_a_mistyped_override_is_named_with_the_nearest_key(caplog):
+    """Issue 58: the override is blamed, not the bundled spec file it was applied to, and the key it meant named."""
+    with caplog.at_level(logging.ERROR):
+        assert main(["spec", "show", "-e", "default", "--set", "train.epoch=5"]) == 2
+    assert "--set train.epoch=5: train.epoch: unknown key (did you mean train.epochs?)" in caplog.text
+    assert "default.yaml" not in caplog.text
+
+
+def test_bad_prune_settings_are_one_line_without_pydantic_text(tmp_path, caplog):
+    with caplog.at_level(logging.ERROR):
+        assert main(["prune", "-m", str(tmp_path / "m.keras"), "-o", str(tmp_path / "out"),
+                     "--target-flops-ratio", "2"]) == 2
+    assert "prune settings: target_flops_ratio: must be <= 1 (got 2.0)" in caplog.text
+    assert "pydantic" not in caplog.text and "\n" not in caplog.records[-1].getMessage()
 
 
 def test_synth_refuses_to_overwrite(tmp_path, caplog):

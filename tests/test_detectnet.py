@@ -19,7 +19,8 @@ def make_spec(**decoder):
     return parse_spec({
         "dataset": {"train": "t", "val": "v", "classes": ["car", "pedestrian", "cyclist"],
                     "image_size": {"height": 192, "width": 320}},
-        "model": {"backbone": {"depth": 10, "width": 0.25}, "decoder": decoder},
+        "model": {"arch": "detectnet_v2", "backbone": {"depth": 10, "width": 0.25}, "pretrained": None,
+                  "decoder": decoder},
     })
 
 
@@ -142,7 +143,8 @@ def test_model_file_errors(tmp_path):
         load_keras_model(tmp_path / "classifier.keras", arch)
     arch.build_model().save(tmp_path / "detector.keras")
     two_classes = parse_spec({"dataset": {"train": "t", "val": "v", "classes": ["a", "b"],
-                                          "image_size": {"height": 192, "width": 320}}})
+                                          "image_size": {"height": 192, "width": 320}},
+                              "model": {"arch": "detectnet_v2"}})
     with pytest.raises(ModelFileError, match="model predicts 3 classes, the spec's dataset.classes has 2"):
         load_keras_model(tmp_path / "detector.keras", get_architecture(two_classes))
     other_size = make_spec().model_copy(deep=True)
@@ -173,7 +175,8 @@ def test_coverage_loss_class_signal_and_the_number_of_classes(normalizer):
     for classes, size in ((3, (192, 320)), (10, (192, 320)), (10, (384, 640))):
         spec = parse_spec({"dataset": {"train": "t", "val": "v", "classes": [f"c{k}" for k in range(classes)],
                                        "image_size": {"height": size[0], "width": size[1]}},
-                           "model": {"loss": {"coverage_normalizer": normalizer, "class_weight": 0.0}}})
+                           "model": {"arch": "detectnet_v2",
+                                     "loss": {"coverage_normalizer": normalizer, "class_weight": 0.0}}})
         arch = get_architecture(spec)
         target = encode(arch, np.array([[100, 50, 140, 90]], np.float32), [1])["output_cov"][None]
         background = np.full_like(target, 0.01)
@@ -200,7 +203,7 @@ def test_class_cross_entropy_term_makes_classes_compete_at_object_cells_only():
     def spec(weight):
         return parse_spec({"dataset": {"train": "t", "val": "v", "classes": [f"c{k}" for k in range(4)],
                                        "image_size": {"height": 192, "width": 320}},
-                           "model": {"loss": {"class_weight": weight}}})
+                           "model": {"arch": "detectnet_v2", "loss": {"class_weight": weight}}})
 
     arch = get_architecture(spec(0.0))
     target = encode(arch, np.array([[100, 50, 140, 90], [200, 100, 260, 150]], np.float32), [1, 3])["output_cov"][None]

@@ -9,6 +9,7 @@ from qatpipe.errors import SpecError
 from qatpipe.spec import apply_overrides, bundled_spec_path, flatten, load_spec, parse_spec
 
 MINIMAL = {"dataset": {"train": "a", "val": "b", "classes": ["car"]}}
+DETECTNET = {"model": {"arch": "detectnet_v2"}}  # the tests of DetectNet_v2's keys name it: the default is SSD
 
 
 def write(tmp_path, data) -> str:
@@ -44,9 +45,36 @@ def test_the_quick_default_does_at_most_20000_training_image_passes_and_full_kee
     assert default.model.pretrained == "qatpipe:resnet10-0.5-shapes-photos" and full.model.pretrained is None
 
 
+def test_a_spec_naming_only_its_data_runs_the_default_recipe(tmp_path):
+    """Issue 58, one spec truth: the schema's defaults are the bundled default recipe, so a spec of only
+    `dataset:` resolves as `--spec default` does (with default.yaml's data keys, to the letter; with other data,
+    every section but dataset)."""
+    default = load_spec(bundled_spec_path("default"))
+    data = yaml.safe_load(bundled_spec_path("default").read_text())["dataset"]
+    assert load_spec(write(tmp_path, {"dataset": data})).to_dict() == default.to_dict()
+    own = parse_spec(MINIMAL).to_dict()
+    assert {k: v for k, v in own.items() if k != "dataset"} == \
+        {k: v for k, v in default.to_dict().items() if k != "dataset"}
+    assert (default.model.arch, default.model.backbone.width, default.train.epochs, default.prune.target_flops_ratio) \
+        == ("ssd", 0.5, 6, 0.5)
+    assert default.dataset.ignore_classes == parse_spec(MINIMAL).dataset.ignore_classes == ["DontCare"]
+
+
+def test_a_threshold_or_start_written_alone_keeps_its_meaning():
+    """The default FLOPs target and finetune_epochs 0 are the default recipe's: a prune section giving only a
+    threshold prunes at it (as `-pth` does), a qat section naming another start fine-tunes for retrain.epochs."""
+    spec = parse_spec({**MINIMAL, "prune": {"threshold": 0.3}, "qat": {"start": "fp32"}})
+    assert (spec.prune.threshold, spec.prune.target_flops_ratio, spec.qat.finetune_epochs) == (0.3, None, None)
+    both = parse_spec({**MINIMAL, "prune": {"threshold": 0.3, "target_flops_ratio": 0.4},
+                       "qat": {"start": "fp32", "finetune_epochs": 2}})
+    assert (both.prune.target_flops_ratio, both.qat.finetune_epochs) == (0.4, 2)
+    with pytest.raises(SpecError, match="finetune_epochs 0 .*needs start: baseline"):
+        parse_spec({**MINIMAL, "qat": {"start": "fp32", "finetune_epochs": 0}})
+
+
 def test_defaults_fill_every_section():
     spec = parse_spec(MINIMAL)
-    assert spec.train.epochs == 20 and spec.model.backbone.depth == 10
+    assert spec.train.epochs == 6 and spec.model.backbone.depth == 10
     assert spec.validate_.max_map_drop == 0.01
     assert spec.train.validation_interval == 1 and spec.train.keep == "best"
     assert spec.train.val_images == 300 and spec.dataset.synthetic.val_images == 2000
@@ -57,18 +85,20 @@ def test_defaults_fill_every_section():
 @pytest.mark.parametrize(
     "patch, expected",
     [
-        ({"train": {"epochz": 3}}, "train.epochz: unknown key"),
-        ({"model": {"backbone": {"depth": 11}}}, "model.backbone.depth: Input should be 10, 18 or 34"),
-        ({"train": {"batch_size": "big"}}, "train.batch_size: Input should be a valid integer"),
+        ({"train": {"epochz": 3}}, "train.epochz: unknown key (did you mean train.epochs?)"),
+        ({"model": {"backbone": {"depth": 11}}}, "model.backbone.depth: must be 10, 18 or 34 (got 11)"),
+        ({"train": {"batch_size": "big"}}, "train.batch_size: must be an integer (got 'big')"),
         ({"train": {"learning_rate": {"min_lr": 1.0, "max_lr": 0.1}}}, "min_lr (1.0) > max_lr (0.1)"),
-        ({"dataset": {**MINIMAL["dataset"], "image_size": {"height": 100, "width": 160}}},
+        ({"dataset": {**MINIMAL["dataset"], "image_size": {"height": 100, "width": 160}}, **DETECTNET},
          "must be a multiple of 16, model.arch detectnet_v2"),
+        ({"dataset": {**MINIMAL["dataset"], "image_size": {"height": 96, "width": 160}}},
+         "must be a multiple of 64, model.arch ssd"),
         ({"dataset": {**MINIMAL["dataset"], "class_mapping": {"van": "truck"}}}, "names not in classes: ['truck']"),
         ({"validate": {"max_map_dropp": 1}}, "validate.max_map_dropp: unknown key"),
-        ({"train": {"keep": "worst"}}, "train.keep: Input should be 'best' or 'last'"),
-        ({"train": {"validation_interval": -1}}, "train.validation_interval: Input should be greater than or equal"),
-        ({"train": {"val_images": 0}}, "train.val_images: Input should be greater than or equal to 1"),
-        ({"model": {"arch": "yolo"}}, "model: model.arch must be one of: detectnet_v2, ssd"),
+        ({"train": {"keep": "worst"}}, "train.keep: must be 'best' or 'last' (got 'worst')"),
+        ({"train": {"validation_interval": -1}}, "train.validation_interval: must be >= 0 (got -1)"),
+        ({"train": {"val_images": 0}}, "train.val_images: must be >= 1 (got 0)"),
+        ({"model": {"arch": "yolo"}}, "model.arch: must be one of: detectnet_v2, ssd (got 'yolo')"),
         ({"model": {"arch": "detectnet_v2", "decoder": {"methd": "nms"}}}, "model.decoder.methd: unknown key"),
     ],
 )
@@ -82,12 +112,12 @@ def test_invalid_values_name_the_key(tmp_path, patch, expected):
 
 def test_the_model_section_is_the_architectures_own():
     """model.arch picks the section's schema (DetectNet_v2's target, decoder and loss); absent, the default
-    architecture's; every architecture the spec knows has a model builder."""
+    architecture's (the default recipe's SSD); every architecture the spec knows has a model builder."""
     from qatpipe.models import get_architecture
-    from qatpipe.spec import ARCHITECTURE_SPECS, DEFAULT_ARCH, DetectNetV2Spec
+    from qatpipe.spec import ARCHITECTURE_SPECS, DEFAULT_ARCH, SsdSpec
 
     spec = parse_spec(MINIMAL)
-    assert type(spec.model) is DetectNetV2Spec and spec.model.arch == DEFAULT_ARCH
+    assert type(spec.model) is SsdSpec and spec.model.arch == DEFAULT_ARCH == "ssd"
     assert parse_spec({**MINIMAL, "model": {"arch": "detectnet_v2", "loss": {"class_weight": 0.5}}}).model.loss \
         .class_weight == 0.5
     for arch, section in ARCHITECTURE_SPECS.items():
@@ -112,7 +142,7 @@ def test_missing_file_and_bad_yaml(tmp_path):
 
 
 def test_overrides_parse_yaml_values(tmp_path):
-    spec = load_spec(write(tmp_path, MINIMAL), [
+    spec = load_spec(write(tmp_path, {**MINIMAL, **DETECTNET}), [
         "train.epochs=7", "train.learning_rate.max_lr=0.01", "dataset.classes=[a, b]", "train.use_amp=true",
         "model.decoder.method=dbscan",
     ])
@@ -218,3 +248,32 @@ def test_non_mapping_spec_with_overrides(tmp_path, text, kind):
     for overrides in (None, ["train.epochs=3"]):
         with pytest.raises(SpecError, match=rf"spec\.yaml: the spec must be a YAML mapping, got {kind}"):
             load_spec(path, overrides)
+
+
+def test_errors_are_one_line_per_key_naming_the_override_that_set_it(tmp_path):
+    """Issue 58: an override's error names the override, not the file it was applied to; a union's members share
+    one line; a list item is named by its index; an unknown key gets the nearest known one."""
+    path = write(tmp_path, {**MINIMAL, **DETECTNET, "train": {"batch_size": 0}})
+    with pytest.raises(SpecError) as info:
+        load_spec(path, ["qat.excluded_layers=5", "engine.bench.batch_sizes=[a]", "model.decoder.methd=nms",
+                         "trian.epochs=3"])
+    assert str(info.value).splitlines() == [
+        f"{path}: invalid spec, 5 errors:",
+        "  --set model.decoder.methd=nms: model.decoder.methd: unknown key (did you mean model.decoder.method?)",
+        "  train.batch_size: must be >= 1 (got 0)",
+        "  --set qat.excluded_layers=5: qat.excluded_layers: must be 'auto' or a list (got 5)",
+        "  --set engine.bench.batch_sizes=[a]: engine.bench.batch_sizes[0]: must be an integer (got 'a')",
+        "  --set trian.epochs=3: trian: unknown key (did you mean train?)",
+    ]
+    assert "pydantic" not in str(info.value)
+
+
+def test_format_validation_error_without_a_source():
+    from pydantic import ValidationError
+
+    from qatpipe.spec import PruneSpec, format_validation_error
+
+    with pytest.raises(ValidationError) as info:
+        PruneSpec(target_flops_ratio=2, granularity=0)
+    assert format_validation_error(info.value) == (
+        "invalid settings, 2 errors:\n  target_flops_ratio: must be <= 1 (got 2)\n  granularity: must be >= 1 (got 0)")

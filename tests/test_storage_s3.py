@@ -443,5 +443,5 @@ def test_a_spec_loads_from_s3_and_a_missing_one_is_named(raw, capsys, caplog):
 
     bad = f"s3://{BUCKET}/specs/bad.yaml"
     raw.put_object(Bucket=BUCKET, Key="specs/bad.yaml", Body=b"dataset: {classes: [car]}\ntrain: {epochz: 3}\n")
-    with pytest.raises(SpecError, match=f"^{re.escape(bad)}: invalid spec\n  train.epochz: unknown key"):
+    with pytest.raises(SpecError, match=f"^{re.escape(bad)}: train.epochz: unknown key"):
         load_spec_uri(bad)

@@ -144,8 +144,10 @@ def _evaluation_folder(args) -> Path:
 
 
 def cmd_prune(args) -> int:
+    from pydantic import ValidationError
+
     from qatpipe.models import get_architecture
-    from qatpipe.spec import PruneSpec
+    from qatpipe.spec import PruneSpec, format_validation_error
     from qatpipe.spec_sources import load_spec_uri
     from qatpipe.stages.prune import prune
 
@@ -160,8 +162,8 @@ def cmd_prune(args) -> int:
         settings["excluded_layers"] = args.excluded_layers
     try:
         prune_settings = PruneSpec(**settings)
-    except ValueError as exc:
-        log.error("prune settings: %s", exc)
+    except ValidationError as exc:
+        log.error("prune settings: %s", format_validation_error(exc))
         return 2
     result = prune(args.model, args.output, prune_settings, arch=get_architecture(spec) if spec else None)
     print(f"params {result['params_before']} -> {result['params_after']}  "
