@@ -180,9 +180,9 @@ def test_the_alias_moves_on_a_pass_and_stays_on_a_failure(mlflow_server, evaluat
     assert len(client.search_model_versions("name='test-aliases'")) == 2
 
     failed = _register(tracker, spec, onnx_path, evaluation, tmp_path, passed=False, run="3")["registered"]
-    assert failed["alias"] == "challenger" and not failed["passed"]
+    assert failed["alias"] == "rejected" and not failed["passed"]
     aliases = client.get_registered_model("test-aliases").aliases
-    assert aliases["champion"] == second["version"] and aliases["challenger"] == failed["version"]
+    assert aliases["champion"] == second["version"] and aliases["rejected"] == failed["version"]
     version = client.get_model_version("test-aliases", failed["version"])
     assert version.tags["qatpipe.gate"] == "failed"
     assert "validation gate failed" in version.tags["qatpipe.gate_reason"] and version.description

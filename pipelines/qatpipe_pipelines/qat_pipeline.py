@@ -11,7 +11,7 @@ fingerprint data → prepare data → train (unpruned) → evaluate (unpruned) a
 → per variant (fp32, ptq, ptq-partial, qat): build engine (+ latency benchmark) → validate: the engine's mAP (and
   TensorRT's numbers, emulated where the engine computes others) against the FP32 baseline
 → compare (the variants' table, their differences, pruning block, gate) → register (each variant an MLflow model;
-  the QAT one a registry version: alias champion when it passed the gate, challenger when not).
+  the QAT one a registry version: alias champion when it passed the gate, rejected when not).
 
 The stages are the rows of stage_table.py: a task per row, each followed by the log task of its tracking
 record. Adding a stage is its component folder and its row there.

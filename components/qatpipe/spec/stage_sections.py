@@ -351,4 +351,4 @@ class TrackingSpec(Section):
                                                            "qatpipe-<model.arch> (qatpipe-detectnet-v2, qatpipe-ssd)")
     champion_alias: str = Field("champion", pattern=r"^[A-Za-z][\w-]*$",
                                 description="registry alias of the QAT version that passed the gate (the one it "
-                                            "replaces keeps previous-<alias>; a failed one gets challenger)")
+                                            "replaces keeps previous-<alias>; a failed one gets rejected)")

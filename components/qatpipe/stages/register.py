@@ -3,7 +3,7 @@
 Every variant (fp32, ptq, ptq-partial, qat) is logged as an MLflow model over the ONNX file its evaluation
 scored, with its validated figures; the QAT model also carries what deployment needs (calibration cache, implicit
 ONNX, engine metadata, validation report, DeepStream config). The QAT model becomes a new registered version: alias
-`tracking.champion_alias` when its validation passed, `challenger` with the gate's reason when it did not.
+`tracking.champion_alias` when its validation passed, `rejected` with the gate's reason when it did not.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from qatpipe.stages.compare import variant_row
 from qatpipe.stages.validate import DEEPSTREAM_FOLDER, MARKDOWN_FILE, REPORT_FILE as VALIDATION_FILE, gate_message
 from qatpipe.tracking.mlflow_runs import KFP_RUN_TAG, KFP_RUN_URL_TAG, MlflowTracker
 from qatpipe.tracking.records import RECORD_FILE
-from qatpipe.tracking.registry import (MODEL_DIGEST_TAG, file_digest, loading_snippet, log_variant_model,
-                                      register_variant, spec_digest)
+from qatpipe.tracking.registry import (MODEL_DIGEST_TAG, REJECTED_ALIAS, file_digest, loading_snippet,
+                                      log_variant_model, register_variant, spec_digest)
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ def register_models(tracker: MlflowTracker, parent_run_id: str, spec: Experiment
     version = register_variant(tracker, spec.tracking.registered_model, logged[REGISTERED_VARIANT], passed, reason,
                                champion_alias=alias, tags=tags)
     result["registered"] = {"name": spec.tracking.registered_model, "version": str(version.version),
-                            "alias": alias if passed else "challenger", "passed": passed, "reason": reason,
-                            "uri": f"models:/{spec.tracking.registered_model}@{alias if passed else 'challenger'}"}
+                            "alias": alias if passed else REJECTED_ALIAS, "passed": passed, "reason": reason,
+                            "uri": f"models:/{spec.tracking.registered_model}@{alias if passed else REJECTED_ALIAS}"}
     return result
 
 

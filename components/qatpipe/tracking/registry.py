@@ -8,7 +8,7 @@ model registry under an alias.
 - `register_variant`: a new version of the registered model from a logged model. When the validation gate
   passed it takes the alias `tracking.champion_alias` ("champion"), and the version that held it keeps the
   alias "previous-<alias>"; no version is ever deleted. When the gate failed the version is still registered,
-  so it can be looked at, under the alias "challenger", with the reason on it; the champion does not move.
+  so it can be looked at, under the alias "rejected", with the reason on it; the champion does not move.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from qatpipe.tracking.mlflow_runs import MlflowTracker
 
 log = logging.getLogger(__name__)
 
-CHALLENGER_ALIAS = "challenger"
+REJECTED_ALIAS = "rejected"  # not "challenger": MLflow users read that as a candidate still under test
 MODEL_STAGE_PREFIX = "model-"
 MODEL_ID_TAG = "qatpipe.model_id"
 GATE_TAG, GATE_REASON_TAG = "qatpipe.gate", "qatpipe.gate_reason"
@@ -138,9 +138,9 @@ def register_variant(tracker: MlflowTracker, name: str, logged: LoggedVariant, p
         log.info("registered %s version %s as @%s%s", name, version.version, champion_alias,
                  f" (version {current} is now @{previous_alias(champion_alias)})" if current else "")
     else:
-        tracker.call("aliasing the challenger", lambda: client.set_registered_model_alias(
-            name, CHALLENGER_ALIAS, version.version))
-        log.warning("registered %s version %s as @%s only: %s", name, version.version, CHALLENGER_ALIAS, reason)
+        tracker.call("aliasing the rejected version", lambda: client.set_registered_model_alias(
+            name, REJECTED_ALIAS, version.version))
+        log.warning("registered %s version %s as @%s only: %s", name, version.version, REJECTED_ALIAS, reason)
     return version
 
 

@@ -1,6 +1,6 @@
 """register: every variant as an MLflow model (ONNX flavour + a pyfunc that returns detections), and the QAT one
 as a new version of the registered model: alias `tracking.champion_alias` when its validation passed, else
-`challenger` with the gate's reason (qatpipe.stages.register)."""
+`rejected` with the gate's reason (qatpipe.stages.register)."""
 
 from kfp.dsl import Artifact, Dataset, Input, Markdown, Model, Output
 
@@ -16,7 +16,7 @@ def register(parent_run_id: str, spec: str, kfp_run_id: str, kfp_ui_url: str, da
     """Log every variant as an MLflow model and register the QAT one as a new model version.
 
     The QAT version gets the alias `tracking.champion_alias` when its validation passed the gate, else
-    `challenger` with the gate's reason.
+    `rejected` with the gate's reason.
 
     Args:
         parent_run_id: The MLflow parent run id (start-tracking's output). Empty, or no tracking server
