@@ -8,7 +8,7 @@ import pytest
 import tf_keras as keras
 
 from qatpipe.errors import SpecError
-from qatpipe.models.graph import LayerGraph
+from qatpipe.graph.keras_graph import LayerGraph
 from qatpipe.quantization.layers import (QDQActivation, QDQAdd, QDQConv2D, QDQDense, QDQDepthwiseConv2D,
                                          quantized_layers)
 from qatpipe.quantization.quantizers import QMAX, fake_quant_per_channel, fake_quant_per_tensor

@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from qatpipe.errors import QatpipeError
-from qatpipe.export.onnx_graph import attribute, drop_unused_initializers, graph_maps
+from qatpipe.graph.onnx_graph import attribute, drop_unused_initializers, graph_maps
 from qatpipe.fileio import temp_path
 from qatpipe.onnx_model import load_onnx_proto
 from qatpipe.quantization.kinds import (INPUT_QUANTIZED_ONNX_OPS, MULTIPLY_ONNX_OP, RESIDUAL_ADD_ONNX_OP,

@@ -4,7 +4,7 @@ A quantizable layer is a weighted node (kinds.WEIGHTED_ONNX_OPS: Conv, MatMul, G
 its weight through DequantizeLinear, as TensorRT runs it in int8 (export/qdq.py's check calls these nodes
 `quantized`). Its quantizers are the Q/DQ on those two inputs: the layer's input quantizer and weight quantizer,
 as NVIDIA's QAT toolkit's per-layer sensitivity analysis toggles them. For each layer L the model is scored
-(on a val subset, in ONNX Runtime's exact CPU form of TensorRT's int8: engines/cpu_qdq.py) twice:
+(on a val subset, in ONNX Runtime's exact CPU form of TensorRT's int8: graph/cpu_qdq.py) twice:
 
 - only L in INT8: every other Q/DQ bypassed (the other layers, the residual Adds, any requantization of a
   layer's output read float), L's input and weight quantized as in the model;
@@ -43,7 +43,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from qatpipe.errors import QatpipeError
-from qatpipe.export.onnx_graph import RANGE_KEEPING_OPS, attribute, drop_unused_initializers, sort_topologically
+from qatpipe.graph.onnx_graph import RANGE_KEEPING_OPS, attribute, drop_unused_initializers, sort_topologically
 from qatpipe.quantization.kinds import WEIGHTED_ONNX_OPS
 
 log = logging.getLogger(__name__)
@@ -473,11 +473,11 @@ def sort_layers(layers: list[LayerSensitivity]) -> list[LayerSensitivity]:
 
 def exact_scorer(score_path: Callable[[Path], float], folder: str | Path) -> Callable:
     """score(onnx.ModelProto, name) over `score_path(onnx path)`: a copy of the model in the exact CPU form of its
-    Q/DQ (engines/cpu_qdq.py: TensorRT's int8 numbers), written to `folder`/<name>.onnx and scored: how every
+    Q/DQ (graph/cpu_qdq.py: TensorRT's int8 numbers), written to `folder`/<name>.onnx and scored: how every
     variant here, and every partially quantized model (quantization/partial.py), is scored."""
     import onnx
 
-    from qatpipe.engines.cpu_qdq import to_cpu_form
+    from qatpipe.graph.cpu_qdq import to_cpu_form
 
     def score(model, name: str = "model") -> float:
         copy = onnx.ModelProto()
@@ -496,7 +496,7 @@ def measure(model_path: str | Path, score: Callable[[Path], float], layers: Sequ
     """Score the float form, the model itself and each layer's two variants of the Q/DQ ONNX `model_path` with
     `score(onnx path) -> mAP@0.5` (sensitivity_scorer's): `layers` (node or layer names; empty: every
     quantizable layer), at most `max_layers` of them (the noisiest by quantization_noise on
-    `screening_batch`). Each variant is written in the exact CPU form (engines/cpu_qdq.py) under `work`."""
+    `screening_batch`). Each variant is written in the exact CPU form (graph/cpu_qdq.py) under `work`."""
     from qatpipe.onnx_model import load_onnx_proto
 
     started = time.perf_counter()
