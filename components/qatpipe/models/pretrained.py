@@ -73,7 +73,7 @@ def resolve_pretrained(source: str, backbone_spec, cache_dir: str | Path = ".qat
         _keras_application(backbone_spec)
         return source
     if source.startswith("s3://"):
-        from qatpipe.data.storage import download_s3_file
+        from qatpipe.storage import download_s3_file
 
         try:
             path = download_s3_file(source, cache_dir)
