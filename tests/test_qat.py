@@ -313,6 +313,27 @@ def test_qat_model_saves_and_loads_with_its_ranges(tmp_path):
     np.testing.assert_array_equal(loaded(x).numpy(), qat(x).numpy())
 
 
+def test_a_qat_model_needs_its_layers_registered_and_says_so(tmp_path):
+    """models/io.py sits below quantization/ and does not import it: in a Python where nothing imported
+    quantization/layers.py, a QAT model fails to load naming its unregistered layers (not Keras' "'str' object is
+    not callable"); once it is imported, it loads. A fresh interpreter each, so this process's imports do not count."""
+    import subprocess
+    import sys
+
+    quantize_model(projection_block(), QatSpec()).save(tmp_path / "qat.keras")
+    script = ("import sys\nfrom qatpipe.errors import ModelFileError\nfrom qatpipe.models.io import load_keras_model\n"
+              "if sys.argv[2] == 'registered':\n    import qatpipe.quantization.layers\n"
+              "try:\n    print('loaded', len(load_keras_model(sys.argv[1]).layers))\n"
+              "except ModelFileError as exc:\n    print(exc)\n")
+    said = {case: subprocess.run([sys.executable, "-c", script, str(tmp_path / "qat.keras"), case], capture_output=True,
+                                 text=True, timeout=120).stdout.strip().splitlines()[-1]
+            for case in ("alone", "registered")}
+    assert said["alone"] == (f"{tmp_path / 'qat.keras'}: holds layers not registered with tf_keras in this process: "
+                             "qatpipe>QDQAdd, qatpipe>QDQConv2D (qatpipe's QAT layers register when "
+                             "qatpipe.quantization.layers is imported)")
+    assert said["registered"] == f"loaded {len(projection_block().layers)}"
+
+
 def test_detector_twin_quantizes_every_conv_and_residual():
     from qatpipe.models import get_architecture
     from qatpipe.spec import bundled_spec_path, load_spec

@@ -116,8 +116,7 @@ def read_weights(path: str | Path) -> Weights:
 def _load_model(path: Path):
     import tf_keras as keras
 
-    import qatpipe.quantization.layers  # noqa: F401  (registers the QAT layers, so QAT models load)
-
+    # a QAT model's file loads where its layers are registered (models/io.py; the train stage registers them)
     return keras.models.load_model(path, compile=False)
 
 
