@@ -7,7 +7,7 @@ DIR is a `qatpipe run --local` output folder (for instance bench/pipeline_local.
 newest run's ONNX models (ptq-partial's too where the run has that variant), builds each into an ONNX Runtime engine
 (`qatpipe build-engine --backend onnxruntime`): the INT8 models in both CPU forms (`engine.cpu_form` fast, the
 default where the CPU has VNNI or AMX, and exact, TensorRT's numbers), and with `--without` in the fast form less
-each named speed rewrite (engines/cpu_qdq.OPTIONAL_REWRITES), to show what it buys. It times them with the latency
+each named speed rewrite (graph/cpu_qdq.OPTIONAL_REWRITES), to show what it buys. It times them with the latency
 harness of `qatpipe bench-engine` on random inputs of the spec's image size, every engine in this one process, once
 a round for `--rounds` rounds: a slow spell of a shared machine then hits every engine alike. Figures are the
 rounds' medians, and each speed-up's range over the rounds (each round's FP32 over the engine's) is printed beside
@@ -49,7 +49,7 @@ def main() -> None:
                         help="also print where each engine spends its time at the largest batch (ORT profiler)")
     parser.add_argument("--without", nargs="+", default=[], metavar="REWRITE",
                         help="also time each INT8 model's fast form without these speed rewrites (what each "
-                             "buys; engines/cpu_qdq.OPTIONAL_REWRITES, e.g. residual_conv_outputs_quantized)")
+                             "buys; graph/cpu_qdq.OPTIONAL_REWRITES, e.g. residual_conv_outputs_quantized)")
     parser.add_argument("--openvino", action="store_true",
                         help="also time the ONNX models in OpenVINO (a candidate CPU runtime; pip install openvino)")
     args = parser.parse_args()
@@ -148,7 +148,7 @@ def _rebuild_without(source: Path, engine_dir: Path, rewrite: str) -> None:
     import onnx
 
     from qatpipe.engines.base import EngineMetadata
-    from qatpipe.engines.cpu_qdq import to_cpu_form
+    from qatpipe.graph.cpu_qdq import to_cpu_form
     from qatpipe.export.onnx_export import save_onnx
 
     model = onnx.load(source)

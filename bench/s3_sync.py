@@ -36,7 +36,7 @@ def main() -> None:
 
     import boto3
 
-    from qatpipe.data.storage import sync_s3_prefix
+    from qatpipe.storage import sync_s3_prefix
 
     # the server in its own process, as a real endpoint is: in this one it would share the client's GIL
     port = _free_port()

@@ -195,7 +195,7 @@ def test_se_block_placement_quantizes_the_scale_and_the_squeeze_not_the_activati
 
 
 def test_each_new_rule_decides_only_its_own_kind():
-    from qatpipe.models.graph import LayerGraph
+    from qatpipe.graph.keras_graph import LayerGraph
 
     model = inverted_residual()
     graph = LayerGraph(model)

@@ -79,9 +79,9 @@ def test_unreadable_secrets_fall_back_to_the_environment(api, monkeypatch):
 
 
 def test_outside_a_pod_only_the_environment_counts(monkeypatch, tmp_path):
-    from qatpipe.cluster import launcher
+    from qatpipe.cluster import kube_client
 
-    monkeypatch.setattr(launcher, "NAMESPACE_FILE", tmp_path / "no-service-account")
+    monkeypatch.setattr(kube_client, "NAMESPACE_FILE", tmp_path / "no-service-account")
     with pytest.raises(CredentialsError, match="AWS_ACCESS_KEY_ID is not set, and the spec reads s3://"):
         check_credentials("qatpipe-credentials", S3_DATA, None)
     check_credentials("qatpipe-credentials", ["/local/train"], None)

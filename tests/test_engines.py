@@ -521,7 +521,7 @@ def _qdq_graph(nodes, initializers, outputs=("y",)):
 def test_merge_requantization_on_a_chain_of_three_and_keeps_relu_clips(tmp_path):
     from onnx import helper
 
-    from qatpipe.engines.cpu_qdq import activations_to_uint8, merge_requantization
+    from qatpipe.graph.cpu_qdq import activations_to_uint8, merge_requantization
 
     scale = {f"s{i}": np.float32(0.05 * i) for i in (1, 2, 3)}
     zero = {"z": np.int8(0)}
@@ -554,7 +554,7 @@ def test_fast_form_after_a_relu_saturates_where_tensorrt_does():
     import onnxruntime as ort
     from onnx import helper
 
-    from qatpipe.engines.cpu_qdq import activations_to_uint8
+    from qatpipe.graph.cpu_qdq import activations_to_uint8
 
     nodes = [helper.make_node("Relu", ["x"], ["r"]),
              helper.make_node("QuantizeLinear", ["r", "s", "z"], ["q"]),
@@ -573,7 +573,7 @@ def test_fast_form_after_a_relu_saturates_where_tensorrt_does():
 def test_fold_batch_norm_skips_what_it_cannot_fold_exactly():
     from onnx import helper
 
-    from qatpipe.engines.cpu_qdq import fold_batch_norms
+    from qatpipe.graph.cpu_qdq import fold_batch_norms
 
     w = np.ones((2, 2, 1, 1), np.int8)
     inits = {"xs": np.float32(0.1), "xz": np.int8(0), "w": w, "ws": np.float32(0.2), "wz": np.int8(0),
@@ -592,7 +592,7 @@ def test_the_fast_form_can_leave_out_a_speed_rewrite_and_refuses_a_needed_one():
     """bench/engines.py --without times what each of the fast form's optional rewrites buys."""
     from onnx import helper
 
-    from qatpipe.engines.cpu_qdq import to_cpu_form
+    from qatpipe.graph.cpu_qdq import to_cpu_form
 
     def chain():  # Q -> DQ -> ReLU -> Q -> DQ: a requantization the fast form merges into one Q
         nodes = [helper.make_node("QuantizeLinear", ["x", "s1", "z"], ["q1"]),

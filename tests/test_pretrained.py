@@ -218,7 +218,7 @@ def test_an_unreachable_s3_uri_is_named(monkeypatch, tmp_path):
 def test_an_s3_weights_file_downloads_once_into_the_cache(monkeypatch, tmp_path):
     from moto.server import ThreadedMotoServer
 
-    from qatpipe.data.storage import s3_client
+    from qatpipe.storage import s3_client
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

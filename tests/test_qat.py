@@ -8,7 +8,7 @@ import pytest
 import tf_keras as keras
 
 from qatpipe.errors import SpecError
-from qatpipe.models.graph import LayerGraph
+from qatpipe.graph.keras_graph import LayerGraph
 from qatpipe.quantization.layers import (QDQActivation, QDQAdd, QDQConv2D, QDQDense, QDQDepthwiseConv2D,
                                          quantized_layers)
 from qatpipe.quantization.quantizers import QMAX, fake_quant_per_channel, fake_quant_per_tensor
@@ -311,6 +311,27 @@ def test_qat_model_saves_and_loads_with_its_ranges(tmp_path):
     loaded = load_keras_model(tmp_path / "qat.keras")
     assert activation_ranges(loaded) == activation_ranges(qat)
     np.testing.assert_array_equal(loaded(x).numpy(), qat(x).numpy())
+
+
+def test_a_qat_model_needs_its_layers_registered_and_says_so(tmp_path):
+    """models/io.py sits below quantization/ and does not import it: in a Python where nothing imported
+    quantization/layers.py, a QAT model fails to load naming its unregistered layers (not Keras' "'str' object is
+    not callable"); once it is imported, it loads. A fresh interpreter each, so this process's imports do not count."""
+    import subprocess
+    import sys
+
+    quantize_model(projection_block(), QatSpec()).save(tmp_path / "qat.keras")
+    script = ("import sys\nfrom qatpipe.errors import ModelFileError\nfrom qatpipe.models.io import load_keras_model\n"
+              "if sys.argv[2] == 'registered':\n    import qatpipe.quantization.layers\n"
+              "try:\n    print('loaded', len(load_keras_model(sys.argv[1]).layers))\n"
+              "except ModelFileError as exc:\n    print(exc)\n")
+    said = {case: subprocess.run([sys.executable, "-c", script, str(tmp_path / "qat.keras"), case], capture_output=True,
+                                 text=True, timeout=120).stdout.strip().splitlines()[-1]
+            for case in ("alone", "registered")}
+    assert said["alone"] == (f"{tmp_path / 'qat.keras'}: holds layers not registered with tf_keras in this process: "
+                             "qatpipe>QDQAdd, qatpipe>QDQConv2D (qatpipe's QAT layers register when "
+                             "qatpipe.quantization.layers is imported)")
+    assert said["registered"] == f"loaded {len(projection_block().layers)}"
 
 
 def test_detector_twin_quantizes_every_conv_and_residual():

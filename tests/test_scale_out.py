@@ -75,24 +75,24 @@ def _service_account_token(path: Path, namespace: str, name: str) -> Path:
 
 
 def test_the_pod_service_account_is_read_from_its_token(tmp_path, monkeypatch, caplog):
-    from qatpipe.cluster import launcher
+    from qatpipe.cluster import kube_client
 
-    monkeypatch.setattr(launcher, "TOKEN_FILE", tmp_path / "token")
-    assert launcher.pod_service_account() is None  # outside a pod
+    monkeypatch.setattr(kube_client, "TOKEN_FILE", tmp_path / "token")
+    assert kube_client.pod_service_account() is None  # outside a pod
     _service_account_token(tmp_path / "token", "kubeflow-user-example-com", "default-editor")
-    assert launcher.pod_service_account() == "default-editor"
+    assert kube_client.pod_service_account() == "default-editor"
     (tmp_path / "token").write_text("not-a-jwt")
-    assert launcher.pod_service_account() is None and "not a ServiceAccount token" in caplog.text
+    assert kube_client.pod_service_account() is None and "not a ServiceAccount token" in caplog.text
 
 
 @pytest.mark.slow
 def test_train_on_an_mpijob_stages_data_on_the_shared_volume_and_brings_the_results_back(
         played_cluster, tiny_spec, tmp_path, monkeypatch):
-    from qatpipe.cluster import launcher, validate_manifest
+    from qatpipe.cluster import kube_client, validate_manifest
 
     _play_the_pods(played_cluster)
     # the task's pod runs as the pipeline's account: the job's pods run as it too (Istio lets it reach MLflow)
-    monkeypatch.setattr(launcher, "TOKEN_FILE", _service_account_token(tmp_path / "token", "ml", "default-editor"))
+    monkeypatch.setattr(kube_client, "TOKEN_FILE", _service_account_token(tmp_path / "token", "ml", "default-editor"))
     spec = tiny_spec("train.epochs=1", *SMALL_IMAGES)
     shared = tmp_path / "shared"
     cluster = ClusterSettings(image="registry.local/qatpipe-training:test", shared_pvc="qatpipe-cache",

@@ -1,6 +1,6 @@
-"""Layer sensitivity (quantization/sensitivity.py, stages/sensitivity.py, `qatpipe sensitivity`): the variants keep
-exactly the Q/DQ they should, read the float tensors behind the bypassed ones, and a layer planted with a ruinous
-range is the one the ranking names first."""
+"""Layer sensitivity (quantization/qdq_graph.py, quantization/sensitivity.py, stages/sensitivity.py, `qatpipe
+sensitivity`): the variants keep exactly the Q/DQ they should, read the float tensors behind the bypassed ones,
+and a layer planted with a ruinous range is the one the ranking names first."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qatpipe.errors import QatpipeError
-from qatpipe.quantization.sensitivity import (ALL_BUT, DEQUANTIZED_WEIGHT, FP32_WEIGHT, ONLY, fp32_weights, layer_qdq,
-                                              measure, qdq_node_names, quantizable_layers, resolve_layers, variant)
+from qatpipe.quantization.qdq_graph import (ALL_BUT, DEQUANTIZED_WEIGHT, FP32_WEIGHT, ONLY, fp32_weights, layer_qdq,
+                                            qdq_node_names, quantizable_layers, resolve_layers, variant)
+from qatpipe.quantization.sensitivity import measure
 
 PLANTED_FACTOR = 500.0  # the planted layer's input steps, times its calibrated ones: under one level covers its range
 # a budget (validate.max_map_drop) the planted model meets with the planted layer float and not without it: on
@@ -137,7 +138,8 @@ def test_the_screen_counts_the_requantization_of_a_layers_output(ptq_models):
     noisiest: keeping it float drops that Q/DQ too (output_requantization), so the screen counts it."""
     from qatpipe.data.pipeline import eval_dataset
     from qatpipe.data.splits import sample_split
-    from qatpipe.quantization.sensitivity import output_requantization, quantization_noise
+    from qatpipe.quantization.qdq_graph import output_requantization
+    from qatpipe.quantization.sensitivity import quantization_noise
 
     spec, _, ptq_path, _, _ = ptq_models
     model = onnx.load(ptq_path)
@@ -299,7 +301,7 @@ def test_a_float_layers_output_quantizer_stays_where_the_next_int8_layer_reads_i
     output requantization and conv2's input quantizer. Keeping conv1 float drops it only for its other readers
     (an Add here); conv2 stays INT8, reading both its input and its weight quantized as TensorRT's rule asks."""
     from qatpipe.export.qdq import check_explicit_quantization
-    from qatpipe.quantization.sensitivity import float_layers, output_requantization
+    from qatpipe.quantization.qdq_graph import float_layers, output_requantization
 
     model, _, _ = qat_form_graph(np.random.default_rng(0))
     graph = model.graph
@@ -555,7 +557,7 @@ def test_qat_excluded_layers_auto_keeps_float_what_partial_ptq_keeps_float(train
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
     from qatpipe.quantization.layers import quantized_layers
-    from qatpipe.quantization.sensitivity import layer_name
+    from qatpipe.quantization.qdq_graph import layer_name
     from qatpipe.quantization.transform import quantize_model
     from qatpipe.spec import stage_view
     from qatpipe.stages.retrain import AUTO_FILE, AUTO_FOLDER, auto_excluded_layers, retrain

@@ -1,4 +1,4 @@
-"""Tests for qatpipe.data.storage against a real HTTP S3 endpoint.
+"""Tests for qatpipe.storage against a real HTTP S3 endpoint.
 
 No real S3 or MinIO can run here, so moto's standalone server (ThreadedMotoServer)
 stands in for it: boto3 talks HTTP to it exactly as it would to MinIO/S3.
@@ -20,7 +20,7 @@ import pytest
 from botocore.exceptions import ReadTimeoutError
 from moto.server import ThreadedMotoServer
 
-from qatpipe.data.storage import (
+from qatpipe.storage import (
     MANIFEST_NAME,
     SyncReport,
     is_s3_uri,
@@ -376,7 +376,7 @@ def test_secret_never_logged(s3_env, seeded, monkeypatch, caplog, tmp_path):
     caplog.set_level(logging.DEBUG)  # botocore/urllib3 too
     report = sync_s3_prefix(URI, tmp_path)
     assert report.downloaded == 4
-    assert any(r.name == "qatpipe.data.storage" and "4 downloaded" in r.getMessage() for r in caplog.records)
+    assert any(r.name == "qatpipe.storage" and "4 downloaded" in r.getMessage() for r in caplog.records)
     assert secret not in caplog.text
 
 

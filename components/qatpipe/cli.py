@@ -53,7 +53,7 @@ def cmd_data_synth(args) -> int:
 def cmd_data_upload(args) -> int:
     """Push a local data set to S3 for the cluster path; with -e, its train/ and val/ are first checked as the
     pipeline will read them (KITTI layout, labels, the spec's classes), so a bad file fails here."""
-    from qatpipe.data.storage import parse_s3_uri, upload_dir
+    from qatpipe.storage import parse_s3_uri, upload_dir
 
     parse_s3_uri(args.to)  # a wrong destination fails before the data set is read
     if args.experiment_spec:

@@ -17,7 +17,7 @@ def spec_path(value: str) -> Path:
 
 def load_spec_uri(uri: str, overrides: list[str] | None = None) -> ExperimentSpec:
     """Load, override and validate the spec at `uri` (bundled name, path or s3://bucket/key)."""
-    from qatpipe.data.storage import is_s3_uri, read_s3_text
+    from qatpipe.storage import is_s3_uri, read_s3_text
 
     if is_s3_uri(uri):
         return load_spec_text(read_s3_text(uri), overrides, source=uri)

@@ -122,7 +122,7 @@ def training_resume_uri(checkpoint_uri: str) -> str | None:
     """Where train / retrain mirror their resume state without the cache volume: `checkpoint_uri` (s3://, the
     pipeline parameter) / this KFP run's id, so a retried task finds it; None when not asked for, or when the
     cache volume holds it already."""
-    from qatpipe.data.storage import is_s3_uri
+    from qatpipe.storage import is_s3_uri
     from qatpipe.errors import QatpipeError
     from qatpipe.tracking.live import kfp_run_id
 

@@ -37,7 +37,7 @@ def needed_keys(s3_uris: list[str]) -> dict[str, str]:
 
 def check_credentials(secret_name: str, s3_uris: list[str], namespace: str | None = None, api_client=None) -> None:
     """Raise CredentialsError (see the module docstring) when the run cannot have what it needs."""
-    from qatpipe.cluster.launcher import pod_namespace
+    from qatpipe.cluster.kube_client import pod_namespace
 
     needs = needed_keys(s3_uris)
     missing = [key for key in needs if not os.environ.get(key)]
@@ -80,7 +80,7 @@ def check_tracking_access(secret_name: str = "", namespace: str | None = None, t
     import urllib.error
     import urllib.request
 
-    from qatpipe.cluster.launcher import pod_namespace
+    from qatpipe.cluster.kube_client import pod_namespace
     from qatpipe.tracking.mlflow_runs import redact_uri
 
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
@@ -120,7 +120,7 @@ def _read_secret(name: str, namespace: str, api_client=None):
     from kubernetes.client import CoreV1Api
     from kubernetes.client.exceptions import ApiException
 
-    from qatpipe.cluster.launcher import REQUEST_TIMEOUT, load_api_client
+    from qatpipe.cluster.kube_client import REQUEST_TIMEOUT, load_api_client
 
     try:
         client = api_client or load_api_client()

@@ -1,1 +1,1 @@
-"""Datasets: KITTI reader, synthetic KITTI generator, S3 cache and the tf.data input pipeline."""
+"""Datasets: KITTI reader, synthetic KITTI generator and the tf.data input pipeline (the S3 cache is ../storage.py)."""

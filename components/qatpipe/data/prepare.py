@@ -106,7 +106,7 @@ def data_fingerprint(spec: ExperimentSpec) -> str:
     sizes, ETags) or the local files (paths, sizes, SHA-256 of the bytes) of dataset.train and dataset.val;
     "synthetic" when the spec names no data (then the spec alone decides it). The pipeline passes it to
     prepare-data, so new or changed files under the same URI miss the cache."""
-    from qatpipe.data.storage import is_s3_uri, list_objects
+    from qatpipe.storage import is_s3_uri, list_objects
 
     ds = spec.dataset
     if ds.train is None and ds.val is None:

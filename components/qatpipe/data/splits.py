@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from qatpipe.data.kitti import ClassMap, KittiSample, read_kitti_dataset
-from qatpipe.data.storage import resolve_dataset_dir
+from qatpipe.storage import resolve_dataset_dir
 from qatpipe.errors import SpecError
 from qatpipe.spec import ExperimentSpec
 

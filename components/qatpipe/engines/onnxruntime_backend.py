@@ -1,7 +1,7 @@
 """The portable engine: ONNX Runtime, CPU by default, CUDA / TensorRT execution providers when present.
 
 Building writes the ONNX the runtime executes: for a Q/DQ model, the CPU form `engine.cpu_form` of
-cpu_qdq.py (`exact`: the same numbers with uint8 activations; `fast`: BatchNormalization folded and ReLU
+graph/cpu_qdq.py (`exact`: the same numbers with uint8 activations; `fast`: BatchNormalization folded and ReLU
 absorbed, for integer kernels), so that the CPU provider runs integer kernels where it can; the TensorRT
 artifact itself stays symmetric int8. engine.json's `cpu_form` says which form the engine runs.
 
@@ -77,7 +77,7 @@ class OnnxRuntimeBackend(EngineBackend):
     def build(self, onnx_path: Path, folder: Path, settings) -> EngineMetadata:
         import onnxruntime as ort
 
-        from qatpipe.engines.cpu_qdq import CPU_FORM_REWRITES, to_cpu_form
+        from qatpipe.graph.cpu_qdq import CPU_FORM_REWRITES, to_cpu_form
         from qatpipe.export.onnx_export import save_onnx
         from qatpipe.onnx_model import ENGINE_PROVIDERS, available_providers, load_onnx_proto
 

@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from qatpipe.errors import QatpipeError
-from qatpipe.export.onnx_graph import attribute
+from qatpipe.graph.onnx_graph import attribute
 from qatpipe.quantization.kinds import onnx_ops_of
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def _fold_batch_norms(graph) -> int:
     how many."""
     from onnx import numpy_helper
 
-    from qatpipe.export.onnx_graph import absorb_batch_norm, batch_norm_factor, drop_unused_initializers, graph_maps
+    from qatpipe.graph.onnx_graph import absorb_batch_norm, batch_norm_factor, drop_unused_initializers, graph_maps
 
     inits = {init.name: init for init in graph.initializer}
     _, consumers = graph_maps(graph)
@@ -113,7 +113,7 @@ FUSED_ACTIVATIONS = ("Relu", "Clip", "LeakyRelu")
 
 def fused_interiors(model) -> set[str]:
     """Convolution outputs whose only consumer is an activation: inside one fused DLA layer, never stored."""
-    from qatpipe.export.onnx_graph import graph_maps
+    from qatpipe.graph.onnx_graph import graph_maps
 
     _, consumers = graph_maps(model.graph)
     outputs = {output.name for output in model.graph.output}
@@ -330,7 +330,7 @@ def fake_quantized(model, scales: dict[str, float]):
                   helper.make_node("DequantizeLinear", [f"{name}__dla_q", f"{name}__dla_s", f"{name}__dla_z"],
                                    [target])]
     graph.node.extend(pairs)
-    from qatpipe.export.onnx_graph import sort_topologically
+    from qatpipe.graph.onnx_graph import sort_topologically
 
     sort_topologically(graph)
     return model

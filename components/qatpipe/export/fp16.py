@@ -27,7 +27,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from qatpipe.errors import QatpipeError
-from qatpipe.export.onnx_graph import tensor_types
+from qatpipe.graph.onnx_graph import tensor_types
 from qatpipe.quantization.kinds import WEIGHTED_ONNX_OPS
 
 log = logging.getLogger(__name__)

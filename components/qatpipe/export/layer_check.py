@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qatpipe.export.onnx_graph import graph_maps
+from qatpipe.graph.onnx_graph import graph_maps
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Iterable
 import numpy as np
 
 from qatpipe.errors import QatpipeError
-from qatpipe.export.onnx_graph import tensor_types
+from qatpipe.graph.onnx_graph import tensor_types
 from qatpipe.onnx_model import load_onnx_proto
 from qatpipe.quantization.kinds import WEIGHTED_ONNX_OPS
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qatpipe.export.onnx_graph import RANGE_KEEPING_OPS, attribute, drop_unused_initializers, graph_maps
+from qatpipe.graph.onnx_graph import RANGE_KEEPING_OPS, attribute, drop_unused_initializers, graph_maps
 from qatpipe.quantization.kinds import RESIDUAL_ADD_ONNX_OP, WEIGHTED_ONNX_OPS, onnx_weight_axis
 
 QUANTIZED_OPS = WEIGHTED_ONNX_OPS  # the ops TensorRT runs in int8 given both inputs through DequantizeLinear

@@ -1,7 +1,12 @@
-"""Loading saved detector models with clear errors for missing, corrupt or wrong-kind files."""
+"""Loading saved detector models with clear errors for missing, corrupt or wrong-kind files.
+
+A QAT model's quantized layers load from tf_keras' registry of serializable classes (`qatpipe>QDQConv2D`, ...),
+which quantization/layers.py fills when imported: models/ sits below quantization/ and does not import it, so a
+caller that may load a QAT model imports that module first (the evaluate, export and train stages do)."""
 
 from __future__ import annotations
 
+import json
 import zipfile
 from pathlib import Path
 
@@ -14,8 +19,6 @@ def load_keras_model(path: str | Path, arch=None):
     """A tf_keras model saved by a qatpipe stage (`.keras`, or TAO-style `.hdf5`), checked against `arch`."""
     import tf_keras as keras
 
-    import qatpipe.quantization.layers  # noqa: F401  (registers the QAT layers, so QAT models load)
-
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"{path}: model file not found")
@@ -23,6 +26,10 @@ def load_keras_model(path: str | Path, arch=None):
         raise ModelFileError(f"{path}: not a Keras model file (expected one of {', '.join(KERAS_SUFFIXES)})")
     if path.suffix.lower() == ".keras" and not zipfile.is_zipfile(path):
         raise ModelFileError(f"{path}: corrupt model file (a .keras file is a zip archive)")
+    if unregistered := unregistered_classes(path):  # else Keras fails with "'str' object is not callable"
+        raise ModelFileError(f"{path}: holds layers not registered with tf_keras in this process: "
+                             f"{', '.join(unregistered)} (qatpipe's QAT layers register when "
+                             "qatpipe.quantization.layers is imported)")
     try:
         model = keras.models.load_model(path, compile=False)
     except Exception as exc:  # Keras raises many kinds (ValueError, OSError, KeyError) for bad files
@@ -30,3 +37,28 @@ def load_keras_model(path: str | Path, arch=None):
     if arch is not None:
         arch.check_model(model, str(path))
     return model
+
+
+def unregistered_classes(path: Path) -> list[str]:
+    """The registered names (`package>Class`) of the custom classes a `.keras` file's config uses that tf_keras'
+    registry does not hold in this process; [] for other files or where the config cannot be read."""
+    import tf_keras as keras
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            config = json.loads(archive.read("config.json"))
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        return []
+    return sorted({name for name in _registered_names(config) if keras.utils.get_registered_object(name) is None})
+
+
+def _registered_names(node):
+    """Every `registered_name` of a custom class (`package>Class`) in a Keras config, nested ones included."""
+    if isinstance(node, dict):
+        name = node.get("registered_name")
+        if isinstance(name, str) and ">" in name:
+            yield name
+        node = list(node.values())
+    if isinstance(node, list):
+        for child in node:
+            yield from _registered_names(child)

@@ -73,7 +73,7 @@ def resolve_pretrained(source: str, backbone_spec, cache_dir: str | Path = ".qat
         _keras_application(backbone_spec)
         return source
     if source.startswith("s3://"):
-        from qatpipe.data.storage import download_s3_file
+        from qatpipe.storage import download_s3_file
 
         try:
             path = download_s3_file(source, cache_dir)
@@ -116,8 +116,7 @@ def read_weights(path: str | Path) -> Weights:
 def _load_model(path: Path):
     import tf_keras as keras
 
-    import qatpipe.quantization.layers  # noqa: F401  (registers the QAT layers, so QAT models load)
-
+    # a QAT model's file loads where its layers are registered (models/io.py; the train stage registers them)
     return keras.models.load_model(path, compile=False)
 
 

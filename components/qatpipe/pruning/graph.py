@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import tf_keras as keras
 
 from qatpipe.errors import ModelFileError
-from qatpipe.models.graph import LayerGraph
+from qatpipe.graph.keras_graph import LayerGraph
 
 # layers that keep their input's channels one-to-one
 PASSTHROUGH = (keras.layers.BatchNormalization, keras.layers.Activation, keras.layers.ReLU,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import tf_keras as keras
 
-from qatpipe.models.graph import rebuild as rebuild_graph
+from qatpipe.graph.keras_graph import rebuild as rebuild_graph
 from qatpipe.pruning.graph import PRODUCERS, ChannelGraph
 
 

@@ -3,7 +3,7 @@
 Starting from the all-INT8 model (a PTQ model), layers are kept float in the order a sensitivity ranking gives,
 fewest first, until the model scores within the budget of the FP32 model (NNCF's accuracy-aware quantization
 and Model Optimizer's AutoQuantize do the same search for PyTorch / OpenVINO). A layer kept float reads its
-input and weight without Q/DQ (sensitivity.float_layers: the FP32 ONNX's weight where it matches) and its output
+input and weight without Q/DQ (qdq_graph.float_layers: the FP32 ONNX's weight where it matches) and its output
 stays float up to the next INT8 layer's input quantizer, so TensorRT runs it in the float region: FP16 in the
 model's FP16 form (export/fp16.py), FP32 in the exact CPU form.
 """
@@ -66,11 +66,11 @@ class PartialResult:
 
 
 def keep_float(int8_model, layers: Sequence[str], reference: dict | None = None):
-    """`int8_model` (an onnx.ModelProto) with `layers` (node or layer names: sensitivity.resolve_layers; an
+    """`int8_model` (an onnx.ModelProto) with `layers` (node or layer names: qdq_graph.resolve_layers; an
     unknown one fails naming it) reading float; its metadata records them (KEEP_FLOAT_KEY)."""
     import onnx
 
-    from qatpipe.quantization.sensitivity import float_layers, resolve_layers
+    from qatpipe.quantization.qdq_graph import float_layers, resolve_layers
 
     nodes = [layer.node for layer in resolve_layers(int8_model, layers)] if layers else []
     model, _ = float_layers(int8_model, nodes, reference)
@@ -98,7 +98,7 @@ def search(int8_model, order: Sequence[str], score: Callable[[object], float], m
     `traffic_night`). Returns that model
     (or, where no k meets the budget, the best scoring one on the sample, with a warning naming the budget and the
     best figure) and the search's record."""
-    from qatpipe.quantization.sensitivity import quantizable_layers
+    from qatpipe.quantization.qdq_graph import quantizable_layers
 
     started = time.perf_counter()
     target = map50_fp32 - budget

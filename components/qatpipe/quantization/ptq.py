@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from qatpipe.errors import QatpipeError
-from qatpipe.export.onnx_graph import attribute, drop_unused_initializers, graph_maps
+from qatpipe.graph.onnx_graph import attribute, drop_unused_initializers, graph_maps
 from qatpipe.fileio import temp_path
 from qatpipe.onnx_model import load_onnx_proto
 from qatpipe.quantization.kinds import (INPUT_QUANTIZED_ONNX_OPS, MULTIPLY_ONNX_OP, RESIDUAL_ADD_ONNX_OP,
@@ -157,7 +157,7 @@ def float_products(model) -> list[str]:
     activation's own product (SiLU's x * sigmoid(x), as tf2onnx writes Swish: the Mul and its one-input gate are
     nodes of one layer) and a product with a constant (an initializer or a Constant node's output, as `x * 0.5`
     in a model writes it). Unnamed ones are named here (ORT excludes nodes by name); changes `model` in place."""
-    from qatpipe.quantization.sensitivity import layer_name
+    from qatpipe.quantization.qdq_graph import layer_name
 
     graph = model.graph
     producers, _ = graph_maps(graph)
@@ -179,9 +179,9 @@ def float_products(model) -> list[str]:
 def float_reads_stay_float(model, float_nodes: Iterable[str] = ()) -> int:
     """ONNX Runtime makes every reader of a tensor it quantizes read the DequantizeLinear; the QAT rules quantize
     a tensor only where a quantized layer reads it. The other readers (ops outside OP_TYPES, and the `float_nodes`
-    ORT was told to leave alone) read the float tensor again (sensitivity.bypass, which drops the Q/DQ left
+    ORT was told to leave alone) read the float tensor again (qdq_graph.bypass, which drops the Q/DQ left
     unread). Returns the reads changed (changes `model` in place)."""
-    from qatpipe.quantization.sensitivity import FloatSources, bypass, dequantized_reads
+    from qatpipe.quantization.qdq_graph import FloatSources, bypass, dequantized_reads
 
     float_nodes = set(float_nodes)
     reads = [(node, index) for node, index in dequantized_reads(model)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import tf_keras as keras
 
-from qatpipe.models.graph import LayerGraph
+from qatpipe.graph.keras_graph import LayerGraph
 from qatpipe.quantization.layers import WEIGHTED_KINDS, WRAPPERS, QDQActivation, QDQAdd, QDQMultiply
 
 

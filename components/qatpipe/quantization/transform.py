@@ -10,7 +10,7 @@ import numpy as np
 import tf_keras as keras
 
 from qatpipe.errors import SpecError
-from qatpipe.models.graph import rebuild
+from qatpipe.graph.keras_graph import rebuild
 from qatpipe.quantization.layers import quantized_layers
 from qatpipe.quantization.rules import Placement, default_rules, plan
 

@@ -47,6 +47,8 @@ def evaluate(spec: ExperimentSpec, model_path: str | Path, output_dir: str | Pat
     elif model_path.suffix.lower() == ".onnx":
         forward = onnx_forward(model_path, arch)
     else:
+        import qatpipe.quantization.layers  # noqa: F401  (registers the QAT layers with tf_keras: a QAT model loads)
+
         model = load_keras_model(model_path, arch)
         forward = lambda batch: dict(zip(arch.output_names,  # noqa: E731
                                          (o.numpy() for o in model(batch, training=False))))

@@ -32,7 +32,7 @@ import numpy as np
 
 from qatpipe.boxes import iou_matrix
 from qatpipe.data.kitti import IMAGE_EXTENSIONS, ClassMap, check_inside, read_image_size, read_kitti_dataset
-from qatpipe.data.storage import resolve_dataset_dir
+from qatpipe.storage import resolve_dataset_dir
 from qatpipe.errors import DataError, QatpipeError, SpecError, shown
 from qatpipe.fileio import write_json
 from qatpipe.spec import STAGE_SECTIONS, ExperimentSpec, dump_spec, flatten

@@ -67,7 +67,8 @@ def ptq_partial(spec: ExperimentSpec, fp32_onnx: str | Path, ptq_onnx: str | Pat
     from qatpipe.models import get_architecture
     from qatpipe.onnx_model import load_onnx_proto
     from qatpipe.quantization.partial import PartialResult, Step, keep_float, search
-    from qatpipe.quantization.sensitivity import exact_scorer, fp32_weights, quantizable_layers, resolve_layers
+    from qatpipe.quantization.qdq_graph import fp32_weights, quantizable_layers, resolve_layers
+    from qatpipe.quantization.sensitivity import exact_scorer
     from qatpipe.stages.sensitivity import val_sample
 
     fp32_onnx, ptq_onnx, output = Path(fp32_onnx), Path(ptq_onnx), Path(output)

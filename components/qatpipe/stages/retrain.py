@@ -135,7 +135,7 @@ def auto_excluded_layers(spec: ExperimentSpec, fp32_model: Path, results_dir: Pa
     first). Returns what it found: their Keras layer names (`excluded_layers`), the ONNX nodes and the search's
     figures. The reports go to results_dir/qat_auto (the models made on the way are deleted: they would travel
     with the QAT model), and a resumed retrain reads what was found back from there."""
-    from qatpipe.quantization.sensitivity import layer_name
+    from qatpipe.quantization.qdq_graph import layer_name
     from qatpipe.stages.export import export
     from qatpipe.stages.ptq import ptq
     from qatpipe.stages.ptq_partial import ptq_partial

@@ -234,7 +234,7 @@ def worker_resources(processes: int):
 
 def _on_mpijob(stage, spec, results_dir, pruned_model, processes, nodes, cluster: ClusterSettings,
                tensorboard_dir=None, stage_name=None) -> dict:
-    from qatpipe.cluster.launcher import pod_namespace, pod_service_account
+    from qatpipe.cluster.kube_client import pod_namespace, pod_service_account
     from qatpipe.cluster.mpijob import MpiJobRequest, PvcMount, job_name
 
     name = _job_folder_name(stage, spec, pruned_model, f"{nodes}x{processes}")

@@ -128,6 +128,7 @@ def train(spec: ExperimentSpec, results_dir: str | Path, use_amp: bool | None = 
     import tensorflow as tf
     import tf_keras as keras
 
+    import qatpipe.quantization.layers  # noqa: F401  (registers the QAT layers: a start may be a QAT model's file)
     from qatpipe.data.pipeline import steps_per_epoch, train_dataset
     from qatpipe.models import get_architecture
     from qatpipe.models.pretrained import check_freeze_blocks, freeze, load_pretrained

@@ -27,7 +27,7 @@ SKIPPED = ("tensorboard",)
 
 
 def _keys(uri: str, client) -> list[str]:
-    from qatpipe.data.storage import list_objects
+    from qatpipe.storage import list_objects
 
     return [obj["Key"] for obj in list_objects(uri, client, must_exist=False)]
 
@@ -40,7 +40,7 @@ def _files(folder: Path) -> list[str]:
 
 def save(folder: str | Path, uri: str, *, client=None) -> int:
     """Mirror `folder`'s resume state to `uri` (see the module docstring); returns the files uploaded."""
-    from qatpipe.data.storage import parse_s3_uri, s3_client, s3_errors
+    from qatpipe.storage import parse_s3_uri, s3_client, s3_errors
 
     folder = Path(folder)
     bucket, prefix = parse_s3_uri(uri)
@@ -60,7 +60,7 @@ def save(folder: str | Path, uri: str, *, client=None) -> int:
 
 def restore(uri: str, folder: str | Path, *, client=None) -> int:
     """Download the mirror at `uri` into `folder`; returns the files restored (0: nothing there yet)."""
-    from qatpipe.data.storage import parse_s3_uri, s3_client, s3_errors
+    from qatpipe.storage import parse_s3_uri, s3_client, s3_errors
 
     bucket, prefix = parse_s3_uri(uri)
     client = client or s3_client()
@@ -78,7 +78,7 @@ def restore(uri: str, folder: str | Path, *, client=None) -> int:
 
 def clear(uri: str, *, client=None) -> None:
     """Delete the mirror (the training finished and its model is kept)."""
-    from qatpipe.data.storage import parse_s3_uri, s3_client, s3_errors
+    from qatpipe.storage import parse_s3_uri, s3_client, s3_errors
 
     bucket, _ = parse_s3_uri(uri)
     client = client or s3_client()

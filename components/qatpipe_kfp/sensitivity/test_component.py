@@ -25,7 +25,8 @@ def test_interface():
 
 def _result(model_path, fp32_onnx, val_images):
     """A SensitivityResult as measure gives it: the qat model's layers barely matter, the ptq model's conv1 does."""
-    from qatpipe.quantization.sensitivity import FP32_WEIGHT, LayerSensitivity, SensitivityResult
+    from qatpipe.quantization.qdq_graph import FP32_WEIGHT
+    from qatpipe.quantization.sensitivity import LayerSensitivity, SensitivityResult
 
     ptq = Path(model_path).parent.name == "ptq"
     drops = [("conv1", 0.09 if ptq else 0.004), ("block_1a_conv_1", 0.02 if ptq else 0.001), ("output_cov", 0.0)]

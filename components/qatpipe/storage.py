@@ -1,4 +1,5 @@
-"""S3 (MinIO or AWS) access: sync a prefix into a local cache, upload a folder.
+"""S3 (MinIO or AWS) access: sync a prefix into a local cache, upload a folder, fetch one object. On the ground floor:
+data sets, pretrained weights (models/pretrained.py), resume state and spec sources all read S3 through it.
 
 Credentials come only from the environment / boto's default chain; they are never
 arguments and never logged.

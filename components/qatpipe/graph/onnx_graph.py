@@ -1,4 +1,6 @@
-"""Small helpers for editing ONNX graphs in place (the Q/DQ passes of export/qdq.py and engines/cpu_qdq.py)."""
+"""Small helpers for editing ONNX graphs in place (the Q/DQ passes of quantization/, export/qdq.py, export/dla.py and
+graph/cpu_qdq.py).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""ONNX Runtime CPU forms of a TensorRT Q/DQ model (`engine.cpu_form`).
+"""ONNX Runtime CPU forms of a TensorRT Q/DQ model (`engine.cpu_form`): TensorRT's int8 numbers emulated where
+ONNX Runtime runs (engines/onnxruntime_backend.py builds them; quantization/sensitivity.py scores in the exact one).
 
 TensorRT wants symmetric int8 activations (zero point 0) and folds BatchNormalization into the convolution
 when it builds the engine. ONNX Runtime's CPU provider turns DQ -> Conv -> Q into an integer QLinearConv only
@@ -27,16 +28,10 @@ nothing sits between Conv and Q except a ReLU whose Q has the lowest value as ze
 
 from __future__ import annotations
 
-
-
 import numpy as np
 
-from qatpipe.export.onnx_graph import (RANGE_KEEPING_OPS, absorb_batch_norm, batch_norm_factor,
+from qatpipe.graph.onnx_graph import (RANGE_KEEPING_OPS, absorb_batch_norm, batch_norm_factor,
                                       drop_unused_initializers, graph_maps, sort_topologically)
-
-
-
-
 
 
 def _is_qdq_conv(conv, producers, inits) -> bool:
@@ -126,10 +121,6 @@ def quantize_conv_biases(model) -> int:
     sort_topologically(graph)
     drop_unused_initializers(graph)
     return quantized
-
-
-
-
 
 
 def activations_to_uint8(model, zero_point_0_after_relu: bool = False) -> int:
