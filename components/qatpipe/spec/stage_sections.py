@@ -291,7 +291,7 @@ class EngineSpec(Section):
                                "the build fails on them)")
     cpu_form: Literal["auto", "exact", "fast"] = Field(
         "auto", description="ONNX Runtime CPU engine of a Q/DQ model: fast (BN folded, ReLU absorbed: integer "
-        "kernels; engines/cpu_qdq.py) or exact (TensorRT's numbers, mostly float kernels); auto: fast where the "
+        "kernels; graph/cpu_qdq.py) or exact (TensorRT's numbers, mostly float kernels); auto: fast where the "
         "CPU's int8 dot products cannot saturate (VNNI, AMX; not an x86 CPU), else exact; validate scores a fast "
         "engine's exact form too, as map50_tensorrt_emulated")
     bench: EngineBenchSpec = Field(default_factory=EngineBenchSpec)
