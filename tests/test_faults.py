@@ -105,15 +105,16 @@ def test_a_failed_block_leaves_no_lock_nor_a_folder_it_made_and_empty(tmp_path):
 
 def test_horovod_processes_share_their_launchers_lock(tmp_path, monkeypatch):
     """`--gpus N` re-runs the command as N processes under the launcher, which holds the folder."""
-    from qatpipe.cli import _holding, build_parser
+    from qatpipe.cli import build_parser
+    from qatpipe.cli.common import holding
 
     args = build_parser().parse_args(["train", "-e", "tiny", "-r", str(tmp_path)])
     with _holder(tmp_path):
         monkeypatch.setenv("HOROVOD_SIZE", "2")
-        with _holding(args):
+        with holding(args):
             pass
         monkeypatch.delenv("HOROVOD_SIZE")
-        with pytest.raises(QatpipeError, match="in use"), _holding(args):
+        with pytest.raises(QatpipeError, match="in use"), holding(args):
             pass
 
 
