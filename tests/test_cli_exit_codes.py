@@ -44,6 +44,10 @@ BAD_INPUTS = {
     "compare-no-store": (["compare"], "no MLflow store: pass --tracking-uri or set MLFLOW_TRACKING_URI", []),
     "evaluate": (["evaluate", "-e", "default", "-m", "missing.keras"], "-m missing.keras: model file not found",
                  [".qatpipe-cache", "evaluate"]),
+    "evaluate-kind": (["evaluate", "-e", "default", "-m", "store/notes.txt"], "-m store/notes.txt: not a model",
+                      [".qatpipe-cache", "store/evaluate"]),
+    "pretrain-data": (["pretrain", "-e", "tiny", "-r", "out", "--set", "pretrain.data=[nowhere]"],
+                      "nowhere: pretrain.data[0]: data set folder not found", ["out"]),
     "export": (["export", "-e", "default", "-m", "missing.keras", "-o", "out/m.onnx"],
                "-m missing.keras: model file not found", [".qatpipe-cache", "out"]),
     "export-kind": (["export", "-e", "default", "-m", "model.onnx", "-o", "out/m.onnx"],
@@ -84,6 +88,7 @@ def workdir(tmp_path_factory) -> Path:
     folder, an ONNX-named file, a file named .keras that is no zip, a data set."""
     folder = tmp_path_factory.mktemp("cli")
     (folder / "store").mkdir()
+    (folder / "store" / "notes.txt").write_text("not a model")
     (folder / "built").mkdir()
     (folder / "built" / "engine.json").write_text(json.dumps({  # engine.json as a build writes it, no engine
         "backend": "onnxruntime", "engine_file": "model.onnx", "source_onnx": "m.onnx", "source_sha256": "0",

@@ -11,7 +11,7 @@ import contextlib
 import logging
 from pathlib import Path
 
-from qatpipe.errors import QatpipeError
+from qatpipe.errors import DataError, QatpipeError
 
 log = logging.getLogger("qatpipe")
 
@@ -88,14 +88,18 @@ def with_data(args):
     that runs a stage resolves it the same way, whether or not it reads images (export's FP16 guard and DLA
     calibration read training images), so `-e default` means the same data set to all of them."""
     from qatpipe.data.prepare import with_default_dataset
-    from qatpipe.errors import DataError
 
     spec = load_spec(args)
-    for split in ("train", "val"):  # a named local folder that is not there: before any stage loads TensorFlow
-        where = getattr(spec.dataset, split)
-        if where is not None and "://" not in where and not Path(where).is_dir():
-            raise DataError(where, f"dataset.{split}: dataset folder not found")
+    check_folders([(f"dataset.{split}", getattr(spec.dataset, split)) for split in ("train", "val")])
     return with_default_dataset(spec)
+
+
+def check_folders(entries: list[tuple[str, str | None]], noun: str = "dataset folder") -> None:
+    """(spec key, path or URI): a local folder named there that is not there fails before any stage loads
+    TensorFlow (an s3:// one is the stage's to fetch and check)."""
+    for key, where in entries:
+        if where is not None and "://" not in where and not Path(where).is_dir():
+            raise DataError(where, f"{key}: {noun} not found")
 
 
 def check_model(path: Path | None, kind: str, flag: str = "-m") -> None:
@@ -104,8 +108,13 @@ def check_model(path: Path | None, kind: str, flag: str = "-m") -> None:
     if path is None:
         return
     try:
-        if kind == "any":
+        if kind == "any":  # evaluate's: by what the path is
+            from qatpipe.models.io import KERAS_SUFFIXES
+
             kind = "engine" if path.is_dir() else "onnx" if path.suffix.lower() == ".onnx" else "keras"
+            if path.exists() and kind == "keras" and path.suffix.lower() not in KERAS_SUFFIXES:
+                raise QatpipeError(f"{path}: not a model (a {', '.join(KERAS_SUFFIXES)} or .onnx file, or an engine "
+                                   f"folder)")
         if kind == "keras":
             from qatpipe.models.io import check_keras_file
 

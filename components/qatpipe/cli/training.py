@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from qatpipe.cli.common import add_overrides, add_spec_args, at_least, check_model, load_spec, log, with_data
+from qatpipe.cli.common import (add_overrides, add_spec_args, at_least, check_folders, check_model, load_spec,
+                                log, with_data)
 from qatpipe.errors import QatpipeError
 
 
@@ -26,7 +27,7 @@ def add_commands(sub) -> None:
     pretrain.add_argument("--use-amp", action="store_true",
                           help="mixed precision (pretrain.use_amp): float16 on a GPU, bfloat16 on a CPU with "
                                "AMX/AVX512-BF16")
-    pretrain.set_defaults(func=cmd_pretrain, writes=lambda a: a.results_dir)
+    pretrain.set_defaults(func=cmd_pretrain, check=check_pretrain, writes=lambda a: a.results_dir)
 
     evaluate = sub.add_parser("evaluate", help="mAP of a model (.keras in TensorFlow, .onnx in ONNX Runtime)")
     add_spec_args(evaluate)
@@ -90,6 +91,13 @@ def cmd_train(args) -> int:
                     stage_name=args.stage_name or "train")
     log.info("training done: %s", json.dumps({k: summary[k] for k in ("model", "images_per_second", "wall_seconds")}))
     return 0
+
+
+def check_pretrain(args) -> None:
+    """The folders it crops (pretrain.data's, else dataset.train's), as the stage names them."""
+    spec = load_spec(args)
+    entries = [(f"pretrain.data[{index}]", where) for index, where in enumerate(spec.pretrain.data)]
+    check_folders(entries or [("dataset.train", spec.dataset.train)], "data set folder")
 
 
 def cmd_pretrain(args) -> int:
