@@ -79,17 +79,42 @@ def test_a_killed_runs_lock_does_not_block(tmp_path):
         pass
 
 
+def test_a_failed_block_leaves_no_lock_nor_a_folder_it_made_and_empty(tmp_path):
+    """The lock file lives while a run holds the folder; a failed run also takes away the folders it made, when
+    empty, and nothing else: not a folder that was there, nor anything written."""
+    from qatpipe.fileio import LOCK_FILE, folder_lock
+
+    def fail(folder: Path, write: str | None = None) -> None:
+        with pytest.raises(RuntimeError), folder_lock(folder):
+            if write:
+                (folder / write).write_text("a result")
+            raise RuntimeError("the stage failed")
+
+    fail(tmp_path / "new" / "run")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "there").mkdir()
+    fail(tmp_path / "there" / "run")
+    assert [p.name for p in tmp_path.joinpath("there").iterdir()] == []  # the folder that was there stays
+    fail(tmp_path / "wrote", "partial.txt")
+    assert [p.name for p in (tmp_path / "wrote").iterdir()] == ["partial.txt"]
+    with folder_lock(tmp_path / "done") as folder:
+        assert (folder / LOCK_FILE).read_text().startswith(f"{os.getpid()} ")
+        (folder / "result.txt").write_text("done")
+    assert [p.name for p in (tmp_path / "done").iterdir()] == ["result.txt"]
+
+
 def test_horovod_processes_share_their_launchers_lock(tmp_path, monkeypatch):
     """`--gpus N` re-runs the command as N processes under the launcher, which holds the folder."""
-    from qatpipe.cli import _holding, build_parser
+    from qatpipe.cli import build_parser
+    from qatpipe.cli.common import holding
 
     args = build_parser().parse_args(["train", "-e", "tiny", "-r", str(tmp_path)])
     with _holder(tmp_path):
         monkeypatch.setenv("HOROVOD_SIZE", "2")
-        with _holding(args):
+        with holding(args):
             pass
         monkeypatch.delenv("HOROVOD_SIZE")
-        with pytest.raises(QatpipeError, match="in use"), _holding(args):
+        with pytest.raises(QatpipeError, match="in use"), holding(args):
             pass
 
 

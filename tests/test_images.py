@@ -503,7 +503,7 @@ def test_dockerignore_keeps_what_the_dockerfiles_use():
                          and relative(p).startswith(("components/", "pipelines/", "images/")))
         else:
             files.add(item)
-    assert "components/qatpipe/cli.py" in files and "pipelines/qatpipe_pipelines/qat_pipeline.py" in files
+    assert "components/qatpipe/cli/__init__.py" in files and "pipelines/qatpipe_pipelines/qat_pipeline.py" in files
     left_out = sorted(f for f in files if ignored(f) and "__pycache__" not in f and ".egg-info" not in f)
     assert not left_out, f".dockerignore leaves out files the images need: {left_out[:10]}"
 

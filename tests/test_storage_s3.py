@@ -32,6 +32,7 @@ from qatpipe.storage import (
     upload_dir,
 )
 from qatpipe.errors import StorageError
+from qatpipe.fileio import LOCK_FILE
 
 BUCKET = "bucket"
 PREFIX = "datasets/train"
@@ -332,6 +333,7 @@ def test_upload_dir_round_trip(s3_env, raw, tmp_path):
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_bytes(data)
     (src / MANIFEST_NAME).write_text("{}")  # bookkeeping is never published
+    (src / LOCK_FILE).write_text("123 (qatpipe data synth)")  # nor a results folder's lock
 
     assert upload_dir(src, "s3://results/run-1/") == 4
     keys = sorted(o["Key"] for o in raw.list_objects_v2(Bucket="results")["Contents"])

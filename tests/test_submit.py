@@ -9,6 +9,7 @@ the typed run parameters; and the URL we print.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -16,7 +17,8 @@ import pytest
 
 from qatpipe.cli import main
 from qatpipe.errors import QatpipeError
-from qatpipe_pipelines.submit import parse_arguments, submit
+from qatpipe_pipelines.submit import (check_compile_options, check_spec, compile_pipeline, parse_arguments,
+                                      submit)
 
 
 class _RecordingKfpApi(BaseHTTPRequestHandler):
@@ -115,3 +117,26 @@ def test_pipeline_arguments_are_checked():
         parse_arguments(["spec_overrides=train.epochs=3"])
     with pytest.raises(QatpipeError, match=r"gpus='two': expected int"):
         parse_arguments(["gpus=two"])
+
+
+def test_the_host_and_compile_options_are_checked_before_anything_runs(tmp_path):
+    """Values Kubernetes or urllib would refuse later (or a pod spec would carry): one line naming the flag."""
+    with pytest.raises(QatpipeError, match=r"^--host 'not-a-url': not an http\(s\) URL"):
+        submit("not-a-url", {})
+    for pvc in ("Bad_PVC!", "-cache", "x" * 254):
+        with pytest.raises(QatpipeError, match="--cache-pvc .*: not a PersistentVolumeClaim name"):
+            compile_pipeline(tmp_path / "p.yaml", cache_pvc=pvc)
+    for size in ("lots", "0", "-1Gi", "100m"):
+        with pytest.raises(QatpipeError, match=f"--shm-size '{size}': not a Kubernetes memory quantity"):
+            compile_pipeline(tmp_path / "p.yaml", shm_size=size)
+    assert not (tmp_path / "p.yaml").exists()
+    check_compile_options("dataset-cache.v2", "512Mi")  # good ones pass
+
+
+def test_the_spec_is_checked_here_where_it_can_be_read(caplog):
+    with pytest.raises(QatpipeError, match="train.bogus"):
+        check_spec({"spec_overrides": ["train.bogus=1"]})  # the default spec, with a bad key
+    check_spec({"spec_uri": "tiny", "spec_overrides": ["train.epochs=2"]})
+    with caplog.at_level(logging.INFO):
+        check_spec({"spec_uri": "/specs/in-the-image.yaml"})  # not here: the cluster's resolve-spec checks it
+    assert "spec_uri /specs/in-the-image.yaml is not on this machine" in caplog.text

@@ -142,6 +142,12 @@ def test_unreachable_server_fails_clearly_and_keeps_results(closed_port_uri, tmp
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing written is lost
 
 
+def test_a_store_mlflow_cannot_open_is_one_error_naming_it(tmp_path):
+    """A plain folder is MLflow's retired file store, which it refuses to open: a TrackingError, not its own."""
+    with pytest.raises(TrackingError, match=f"^MLflow at {tmp_path}: cannot open the store: .*file"):
+        MlflowTracker(str(tmp_path))
+
+
 def test_redact_uri():
     assert redact_uri("https://user:pw@mlflow.example.com/path") == "https://***@mlflow.example.com/path"
     assert redact_uri("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"

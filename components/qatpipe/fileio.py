@@ -26,26 +26,73 @@ class FolderInUse(QatpipeError):
 @contextlib.contextmanager
 def folder_lock(folder: str | Path) -> Iterator[Path]:
     """Hold `folder` exclusively for the block: a second qatpipe process writing there fails at once, naming the
-    folder and the holder's pid. An flock on FOLDER/.qatpipe.lock: it dies with its process, so a killed run
-    leaves no stale lock (the file stays; it is the lock's name, not the lock)."""
+    folder and the holder's pid. An flock on FOLDER/.qatpipe.lock, which dies with its process, so a killed run
+    leaves no stale lock. The file goes when the block ends; when the block fails, so do the folders this call
+    made, if they are still empty (nothing already written is ever removed)."""
     folder = Path(folder)
+    made = _missing_folders(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _locked_file(folder / LOCK_FILE)
+    except FolderInUse:
+        raise
     except OSError as exc:
+        _remove_empty(made)
         raise QatpipeError(f"{folder}: cannot create the results folder's lock: {exc.strerror}") from None
+    failed = True
     try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} ({' '.join(sys.argv[:3])})\n".encode(), 0)
+        yield folder
+        failed = False
+    finally:
+        with contextlib.suppress(OSError):  # removed while still held: see _locked_file
+            (folder / LOCK_FILE).unlink()
+        os.close(fd)  # releases the flock
+        if failed:
+            _remove_empty(made)
+
+
+def _locked_file(path: Path) -> int:
+    """An open descriptor of `path` holding its flock. A holder removes the file as it lets go, so a lock taken
+    on a file no longer at `path` is given up and taken again on the new one."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "unknown"
-            raise FolderInUse(f"{folder}: in use by another qatpipe run (pid {holder}); wait for it to finish "
+            os.close(fd)
+            raise FolderInUse(f"{path.parent}: in use by another qatpipe run (pid {holder}); wait for it to finish "
                               f"or write to another folder") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} ({' '.join(sys.argv[:3])})\n".encode(), 0)
-        yield folder
-    finally:
-        os.close(fd)  # releases the flock
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            held, named = os.fstat(fd), os.stat(path)
+            if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """`folder` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    for path in (folder, *folder.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for path in folders:  # deepest first; stops at the first that is not empty
+        try:
+            path.rmdir()
+        except OSError:
+            return
 
 
 def write_error(path: str | Path, exc: OSError) -> QatpipeError:

@@ -25,15 +25,22 @@ def available_providers(preferred: tuple[str, ...] = MODEL_PROVIDERS) -> list[st
     return [provider for provider in preferred if provider in available]
 
 
-def load_onnx_proto(path: str | Path):
-    """The ONNX graph in `path`, with the errors of OnnxModel for a missing, wrong-kind or corrupt file."""
-    import onnx
-
+def check_onnx_file(path: str | Path) -> Path:
+    """`path`, when it is there and named as an ONNX model; else a ModelFileError saying what is wrong. Cheap (it
+    reads nothing), so a command checks its inputs with it before any work."""
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"{path}: model file not found")
     if path.suffix.lower() != ".onnx":
         raise ModelFileError(f"{path}: not an ONNX model file (expected .onnx; export a Keras model first)")
+    return path
+
+
+def load_onnx_proto(path: str | Path):
+    """The ONNX graph in `path`, with the errors of OnnxModel for a missing, wrong-kind or corrupt file."""
+    import onnx
+
+    path = check_onnx_file(path)
     try:
         return onnx.load(path, load_external_data=False)
     except Exception as exc:  # protobuf DecodeError and friends

@@ -29,7 +29,7 @@ from botocore.exceptions import (
 )
 
 from qatpipe.errors import StorageError
-from qatpipe.fileio import temp_path, write_json
+from qatpipe.fileio import LOCK_FILE, temp_path, write_json
 
 log = logging.getLogger(__name__)
 
@@ -284,8 +284,9 @@ def upload_dir(local_dir: str | Path, uri: str, *, client=None) -> int:
     if not src.is_dir():
         raise StorageError(f"cannot upload {src} to {uri}: not a folder")
     client = client or s3_client()
+    # not the sync manifest, half-written `.part` files, nor a results folder's lock
     files = sorted(p for p in src.rglob("*")
-                   if p.is_file() and p.name != MANIFEST_NAME and not p.name.endswith(".part"))
+                   if p.is_file() and p.name not in (MANIFEST_NAME, LOCK_FILE) and not p.name.endswith(".part"))
     with s3_errors(uri, client):
         for path in files:
             rel = path.relative_to(src).as_posix()

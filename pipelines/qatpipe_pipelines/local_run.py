@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.json"
 STAGE_LOG_FILE = "stage_log.jsonl"
+DEFAULT_OUTPUT = Path("results/pipeline")  # `qatpipe run --local`'s and `make main`'s
+MLFLOW_STORE = "mlflow.db"  # the SQLite MLflow store in the output folder, unless $MLFLOW_TRACKING_URI names one
 
 
 class PipelineFailed(QatpipeError):
@@ -47,7 +49,7 @@ def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str) -
     spec_uri = _absolute_if_local(spec_uri)
     spec = load_spec_uri(spec_uri, overrides)  # a bad spec fails here, before any subprocess starts
 
-    local_store = f"sqlite:///{out / 'mlflow.db'}"
+    local_store = f"sqlite:///{out / MLFLOW_STORE}"
     tracking_uri = os.environ.get(TRACKING_URI_ENV) or local_store
     tracker = MlflowTracker(tracking_uri)
     tracker.check()

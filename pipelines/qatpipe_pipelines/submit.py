@@ -8,8 +8,10 @@ arguments, so it stays out of shell history and logs.
 import contextlib
 import logging
 import os
+import re
 import sys
 import tempfile
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +23,41 @@ log = logging.getLogger(__name__)
 
 TOKEN_ENV = "KFP_TOKEN"
 DEFAULT_EXPERIMENT = "qatpipe"
+# a PersistentVolumeClaim's name: a DNS-1123 subdomain (lower-case alphanumerics, '-' and '.', at most 253)
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def check_compile_options(cache_pvc: str | None = None, shm_size: str | None = None) -> None:
+    """The values `compile_pipeline` writes into pod specs, checked as Kubernetes will check them, so a bad one
+    fails here and not when the run's pods are created."""
+    if cache_pvc is not None and (len(cache_pvc) > 253 or not _DNS_SUBDOMAIN.match(cache_pvc)):
+        raise QatpipeError(f"--cache-pvc {cache_pvc!r}: not a PersistentVolumeClaim name (a DNS-1123 subdomain: "
+                           f"lower-case letters, digits, '-' and '.', starting and ending with a letter or digit, "
+                           f"at most 253 characters)")
+    if shm_size is not None:
+        from kubernetes.utils import parse_quantity
+
+        try:
+            size = parse_quantity(shm_size)
+        except (ValueError, TypeError):
+            size = None
+        if size is None or size < 1:
+            raise QatpipeError(f"--shm-size {shm_size!r}: not a Kubernetes memory quantity of at least one byte, "
+                               f"e.g. 8Gi or 512Mi")
+
+
+def check_host(host: str) -> str:
+    """The KFP endpoint without a trailing '/'; a QatpipeError unless it is an http(s) URL with a host."""
+    parts = urllib.parse.urlsplit(host)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise QatpipeError(f"--host {host!r}: not an http(s) URL; give the KFP API endpoint, e.g. "
+                           f"https://kubeflow.example.com/pipeline")
+    return host.rstrip("/")
 
 
 def compile_pipeline(output: str | Path, cache_pvc: str | None = None, mpijob: bool = False,
                      shm_size: str | None = None) -> Path:
+    check_compile_options(cache_pvc, shm_size)
     from kfp import compiler
 
     from qatpipe_pipelines.qat_pipeline import SHM_SIZE, build_pipeline
@@ -41,9 +74,7 @@ def parse_arguments(items: list[str]) -> dict[str, Any]:
     """['gpus=2', 'spec_overrides=[train.epochs=3]'] -> {'gpus': 2, 'spec_overrides': ['train.epochs=3']}.
 
     Values are YAML; each is checked against the pipeline parameter's type here, not by the backend later."""
-    from qatpipe_pipelines.qat_pipeline import build_pipeline
-
-    types = {name: spec.type for name, spec in build_pipeline().component_spec.inputs.items()}
+    types = {name: spec.type for name, spec in _pipeline_inputs().items()}
     arguments: dict[str, Any] = {}
     for item in items:
         name, sep, raw = item.partition("=")
@@ -66,6 +97,34 @@ def parse_arguments(items: list[str]) -> dict[str, Any]:
                                f"pipeline argument {name}={raw!r}: expected {expected.__name__} ({kind})")
         arguments[name] = value
     return arguments
+
+
+def check_spec(arguments: dict[str, Any]) -> None:
+    """The run's spec (spec_uri, spec_overrides) resolved here as the pipeline's resolve-spec task will, so a bad
+    key or value fails before anything is sent. One this machine cannot read (a path inside the image, an s3://
+    object without credentials here) is left to the cluster, which checks it first thing."""
+    from qatpipe.storage import is_s3_uri
+    from qatpipe.errors import StorageError
+    from qatpipe.spec_sources import load_spec_uri, spec_path
+
+    inputs = _pipeline_inputs()
+    uri = arguments.get("spec_uri", inputs["spec_uri"].default)
+    overrides = list(arguments.get("spec_overrides", inputs["spec_overrides"].default))
+    if not is_s3_uri(uri) and not spec_path(uri).is_file():
+        log.info("spec_uri %s is not on this machine (a path inside the image?): the run's resolve-spec task "
+                 "checks it", uri)
+        return
+    try:
+        load_spec_uri(uri, overrides)
+    except StorageError as exc:
+        log.warning("spec_uri %s: not readable from here (%s); the run's resolve-spec task checks it", uri, exc)
+
+
+def _pipeline_inputs() -> dict:
+    """The pipeline's parameters: name -> kfp InputSpec (type, default)."""
+    from qatpipe_pipelines.qat_pipeline import build_pipeline
+
+    return build_pipeline().component_spec.inputs
 
 
 def kfp_token() -> str | None:
@@ -91,9 +150,9 @@ def submit(host: str, arguments: dict[str, Any], experiment: str = DEFAULT_EXPER
     Kubeflow profile the run (and its pods) belongs to; `service_account`: the one its pods run as (standalone
     KFP: pipeline-runner; Kubeflow profiles: default-editor), which must be able to read the credentials Secret
     and, for MPIJobs, create them (manifests/)."""
+    host = check_host(host)
     import kfp
 
-    host = host.rstrip("/")
     arguments = {"kfp_ui_url": host, **arguments}  # MLflow runs and model versions link to the run's page
     token = kfp_token()
     _check_reachable(host, token)

@@ -15,10 +15,9 @@ from qatpipe.errors import ModelFileError
 KERAS_SUFFIXES = (".keras", ".h5", ".hdf5")
 
 
-def load_keras_model(path: str | Path, arch=None):
-    """A tf_keras model saved by a qatpipe stage (`.keras`, or TAO-style `.hdf5`), checked against `arch`."""
-    import tf_keras as keras
-
+def check_keras_file(path: str | Path) -> Path:
+    """`path`, when it is there and looks like a Keras model file; else a ModelFileError saying what is wrong.
+    Cheap (TensorFlow is not loaded), so a command checks its inputs with it before any work."""
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"{path}: model file not found")
@@ -26,6 +25,14 @@ def load_keras_model(path: str | Path, arch=None):
         raise ModelFileError(f"{path}: not a Keras model file (expected one of {', '.join(KERAS_SUFFIXES)})")
     if path.suffix.lower() == ".keras" and not zipfile.is_zipfile(path):
         raise ModelFileError(f"{path}: corrupt model file (a .keras file is a zip archive)")
+    return path
+
+
+def load_keras_model(path: str | Path, arch=None):
+    """A tf_keras model saved by a qatpipe stage (`.keras`, or TAO-style `.hdf5`), checked against `arch`."""
+    import tf_keras as keras
+
+    path = check_keras_file(path)
     if unregistered := unregistered_classes(path):  # else Keras fails with "'str' object is not callable"
         raise ModelFileError(f"{path}: holds layers not registered with tf_keras in this process: "
                              f"{', '.join(unregistered)} (qatpipe's QAT layers register when "

@@ -76,7 +76,11 @@ class MlflowTracker:
         self.tracking_uri = tracking_uri
         self.attempts = max(1, attempts)
         self.backoff_s = backoff_s
-        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        try:
+            self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        except Exception as exc:  # a URI MLflow cannot open as a store (a plain folder: its retired file store)
+            raise TrackingError(f"MLflow at {redact_uri(tracking_uri)}: cannot open the store: "
+                                f"{_one_line(exc)}") from None
 
     @classmethod
     def from_env(cls, **kwargs) -> "MlflowTracker | None":
