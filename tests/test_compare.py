@@ -13,8 +13,10 @@ from qatpipe.errors import QatpipeError
 from qatpipe.fileio import write_json
 from qatpipe.metrics.coco import GroundTruth, evaluate_detections, write_coco_files
 from qatpipe.models.base import Detections
-from qatpipe.stages.compare import (comparisons_from_metrics, compare_variants, differences_figure, pair_metrics,
-                                    plot_differences, report, split_pair, verdict)
+from qatpipe.metrics.comparison_charts import differences_figure, plot_differences
+from qatpipe.metrics.comparison_report import report
+from qatpipe.metrics.comparisons import comparisons_from_metrics, pair_metrics, split_pair, verdict
+from qatpipe.stages.compare import compare_variants
 from qatpipe.tracking.records import StageRecord
 
 CLASSES = ["car", "pedestrian", "cyclist"]
@@ -285,7 +287,7 @@ def test_tradeoff_labels_of_close_points_do_not_overlap(spread):
     the saved figure lays them out, where one fixed offset printed them over each other."""
     import matplotlib.pyplot as plt
 
-    from qatpipe.stages.compare import label_extent, tradeoff_figure
+    from qatpipe.metrics.comparison_charts import label_extent, tradeoff_figure
 
     points = ({"fp32": (2.0, 0.62, "fp32"), "ptq": (1.25, 0.61 - spread, "int8"), "qat": (1.2, 0.62 - spread, "int8")}
               if spread is not None else dict.fromkeys(("unpruned", "fp32", "ptq", "qat"), (1.0, 0.5, "int8")))
