@@ -20,12 +20,14 @@ VARIANT_COLUMNS: dict[str, tuple[str, str]] = {
     "latency_ms_p99": ("p99 latency (ms)", "{:.2f}"),
     "throughput": ("throughput (img/s)", "{:.1f}"),
     "speedup_vs_fp32": ("speed-up vs FP32", "{:.2f}x"),
+    "cpu_int8": ("CPU int8", "{}"),  # an int8 engine on the CPU: its form, the CPU's int8 support, what that means
     "size_mb": ("size (MB)", "{:.2f}"),
     "params": ("params", "{:,.0f}"),
     "gflops": ("GFLOPs", "{:.3f}"),
 }
 # shown only when some variant has them
-OPTIONAL_COLUMNS = ("engine", "layers", "quantized_by", "map50_tensorrt_emulated", "map50_dla_emulated")
+OPTIONAL_COLUMNS = ("engine", "layers", "quantized_by", "map50_tensorrt_emulated", "map50_dla_emulated",
+                    "cpu_int8")
 
 
 def report(summary: dict[str, Any], markdown: bool = False) -> str:

@@ -63,6 +63,7 @@ def variant_row(evaluation_dir: str | Path) -> dict[str, Any]:
         "latency_ms_p99": single.get("latency_ms_p99"),
         "throughput": largest.get("throughput"),
         "throughput_batch": largest.get("batch_size"),
+        "cpu_int8": bench.get("cpu_int8", {}).get("note"),  # an int8 engine on the CPU: what its speed-up means
         "size_mb": metrics.get("model_size_mb"),
     }
 
@@ -203,7 +204,8 @@ def compare_variants(evaluations: dict[str, str | Path], output_dir: str | Path,
     metrics.update(pair_metrics(summary.get("comparisons", {})))
     metrics.update({f"{TENSORRT_PREFIX}{key}": value
                     for key, value in pair_metrics(summary.get("comparisons_tensorrt_emulated", {})).items()})
-    engines = {f"{name}.engine": row["engine"] for name, row in variants.items() if row.get("engine")}
+    engines = {f"{name}.{key}": row[key] for name, row in variants.items() for key in ("engine", "cpu_int8")
+               if row.get(key)}
     StageRecord(
         stage="compare", params={"variants": ",".join(variants), "bootstrap_resamples": resamples,
                                  "bootstrap_seed": seed, **engines},
