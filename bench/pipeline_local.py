@@ -28,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    from qatpipe.stages.compare import format_table
+    from qatpipe.metrics.comparison_report import format_table
     from qatpipe_pipelines.local_run import run_local
 
     work = args.work or Path(tempfile.mkdtemp(prefix="qatpipe-bench-pipeline-"))

@@ -8,11 +8,13 @@ import io
 
 import numpy as np
 import pytest
+from bootstrap_reference import reference_weighted_ap
 from conftest import random_evaluation
 from pycocotools.coco import COCO
-from pycocotools.cocoeval import COCOeval
+from pycocotools.cocoeval import COCOeval, Params
 
-from qatpipe.metrics.bootstrap import image_weights, match_detections, paired_bootstrap, weighted_maps
+from qatpipe.metrics.bootstrap import (ClassMatches, MatchedDetections, image_weights, match_detections,
+                                       paired_bootstrap, weighted_ap, weighted_maps)
 from qatpipe.metrics.coco import GroundTruth, coco_ground_truth, coco_results, evaluate_detections
 from qatpipe.models.base import Detections
 
@@ -124,3 +126,43 @@ def test_variants_on_different_images_are_refused():
     matched = [match_detections(coco_ground_truth(t, CLASSES), coco_results(d)) for t, d in (first, second)]
     with pytest.raises(ValueError, match="not evaluated on the same images"):
         paired_bootstrap({"a": matched[0], "b": matched[1]}, [("a", "b")])
+
+
+def _random_matches(rng, images: int, classes: int, thresholds: int = 10) -> MatchedDetections:
+    """Matches as no detector makes them, to reach every branch: per class any number of detections (none, all
+    false positives, false positives past the last true positive), each true positive, false positive or
+    ignored at each IoU threshold independently, a class without ground truth, images without objects."""
+    params = Params(iouType="bbox")
+    found = []
+    for k in range(classes):
+        count = int(rng.choice([0, 1, 3, 40, 400]))
+        kind = rng.choice(3, size=(thresholds, count), p=rng.dirichlet(np.ones(3)))  # 0 tp, 1 fp, 2 ignored
+        found.append(ClassMatches(rng.integers(0, images, count), kind == 0, kind == 1))
+    gt_counts = rng.integers(0, 3, (images, classes)) * (rng.random((images, 1)) < 0.8)
+    gt_counts[:, rng.integers(0, classes)] = 0
+    return MatchedDetections(found, gt_counts, params.iouThrs[:thresholds], params.recThrs)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_weighted_ap_is_the_reference_bit_for_bit(seed):
+    """The checkpoint form of COCO's accumulate gives the former implementation's numbers exactly (the
+    reference, tests/bootstrap_reference.py) under integer image weights: resamplings, zero and large weights."""
+    rng = np.random.default_rng(seed)
+    matched = _random_matches(rng, images=60, classes=5)
+    weights = np.concatenate([image_weights(60, 50, seed), np.ones((1, 60)), np.zeros((1, 60)),
+                              rng.integers(0, 1000, (3, 60))])
+    new, old = weighted_ap(matched, weights), reference_weighted_ap(matched, weights)
+    assert np.isnan(old).any() and (old[~np.isnan(old)] > 0).any()  # classes without objects, and real APs
+    assert np.array_equal(new, old, equal_nan=True)
+    fractional = rng.random((4, 60)) * 3  # not multiplicities: the sums are summed in another order
+    assert np.allclose(weighted_ap(matched, fractional), reference_weighted_ap(matched, fractional), rtol=0,
+                       atol=1e-12, equal_nan=True)
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_the_bootstrap_over_detector_matches_is_the_reference(seed):
+    """The same on pycocotools' matching of detector-like output (ties in score, wrong classes)."""
+    truth, detections = random_evaluation(seed, images=80, classes=4, max_detections=30)
+    matched = match_detections(coco_ground_truth(truth, CLASSES + ["truck"]), coco_results(detections))
+    weights = image_weights(len(truth), resamples=300, seed=seed)
+    assert np.array_equal(weighted_ap(matched, weights), reference_weighted_ap(matched, weights), equal_nan=True)

@@ -13,22 +13,25 @@ from qatpipe.errors import QatpipeError
 from qatpipe.fileio import write_json
 from qatpipe.metrics.coco import GroundTruth, evaluate_detections, write_coco_files
 from qatpipe.models.base import Detections
-from qatpipe.stages.compare import (comparisons_from_metrics, compare_variants, differences_figure, pair_metrics,
-                                    plot_differences, report, split_pair, verdict)
+from qatpipe.metrics.comparison_charts import differences_figure, plot_differences
+from qatpipe.metrics.comparison_report import report
+from qatpipe.metrics.comparisons import comparisons_from_metrics, pair_metrics, split_pair, verdict
+from qatpipe.stages.compare import compare_variants
 from qatpipe.tracking.records import StageRecord
 
 CLASSES = ["car", "pedestrian", "cyclist"]
 
 
-def _evaluation(folder, truth, detections, latency_ms: float | None = None):
+def _evaluation(folder, truth, detections, latency_ms: float | None = None, cpu_int8: dict | None = None):
     """An evaluation folder as evaluate (and validate, with a benchmark) writes it."""
     folder.mkdir()
     metrics = evaluate_detections(truth, detections, CLASSES)
     write_json(folder / "metrics.json", {**metrics.to_dict(), "model_size_mb": 1.0})
     write_coco_files(truth, detections, CLASSES, folder / "ground_truth.json", folder / "detections.json")
     if latency_ms is not None:
-        write_json(folder / "bench.json", {"batches": [{"batch_size": 1, "latency_ms_p50": latency_ms,
-                                                        "latency_ms_p99": 2 * latency_ms, "throughput": 100.0}]})
+        bench = {"batches": [{"batch_size": 1, "latency_ms_p50": latency_ms, "latency_ms_p99": 2 * latency_ms,
+                              "throughput": 400.0 / latency_ms}]}
+        write_json(folder / "bench.json", {**bench, **({"cpu_int8": cpu_int8} if cpu_int8 else {})})
     return folder, metrics
 
 
@@ -285,7 +288,7 @@ def test_tradeoff_labels_of_close_points_do_not_overlap(spread):
     the saved figure lays them out, where one fixed offset printed them over each other."""
     import matplotlib.pyplot as plt
 
-    from qatpipe.stages.compare import label_extent, tradeoff_figure
+    from qatpipe.metrics.comparison_charts import label_extent, tradeoff_figure
 
     points = ({"fp32": (2.0, 0.62, "fp32"), "ptq": (1.25, 0.61 - spread, "int8"), "qat": (1.2, 0.62 - spread, "int8")}
               if spread is not None else dict.fromkeys(("unpruned", "fp32", "ptq", "qat"), (1.0, 0.5, "int8")))
@@ -384,3 +387,35 @@ def test_the_ptq_row_says_what_quantized_it(tmp_path):
     (ptq / VALIDATION_FILE).unlink()
     compare_variants({"fp32": fp32, "ptq": ptq}, tmp_path / "plain", resamples=20)
     assert "INT8 by" not in (tmp_path / "plain" / "comparison.md").read_text()
+
+
+@pytest.mark.parametrize("flags", [frozenset({"avx2", "avx512_vnni", "amx_int8"}), frozenset({"avx2", "fma"})],
+                         ids=["vnni", "no-vnni"])
+def test_cpu_int8_speed_ups_name_the_cpus_int8_support(tmp_path, flags):
+    """Each int8 CPU engine's row names how the CPU that benchmarked it ran int8 (bench.json's `cpu_int8`, the
+    engines' own decision) in a column beside its speed-up, and says so where the speed is not TensorRT's; the
+    stage's record (the MLflow comparison's tags) carries the same words. The flags are passed in, as two kinds
+    of CPU report them."""
+    from qatpipe.engines.onnxruntime_backend import cpu_int8, cpu_form_for, int8_kernels_exact
+
+    form = "fast" if int8_kernels_exact(flags, "x86_64") else "exact"  # what engine.cpu_form auto builds there
+    assert cpu_form_for("auto") == ("fast" if int8_kernels_exact() else "exact")  # ... as it does here
+    support = cpu_int8(form, flags, "x86_64")
+    truth, detections = random_evaluation(3, images=20, max_detections=6)
+    folders = {"fp32": _evaluation(tmp_path / "fp32", truth, detections, latency_ms=4.0)[0],
+               "qat": _evaluation(tmp_path / "qat", truth, detections, latency_ms=2.0, cpu_int8=support)[0]}
+    summary = compare_variants(folders, tmp_path / "out", resamples=20)
+    assert summary["variants"]["qat"]["cpu_int8"] == support["note"] and summary["variants"]["fp32"]["cpu_int8"] is None
+    table = (tmp_path / "out" / "comparison.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| variant"))
+    assert "| speed-up vs FP32 | CPU int8 |" in header  # beside the speed-up
+    assert f"| 2.00x | {support['note']} |" in table
+    assert "| 1.00x | n/a |" in table  # the FP32 engine: no int8
+    not_tensorrt = "speeds are not TensorRT's" in table
+    assert not_tensorrt == (not int8_kernels_exact(flags, "x86_64"))
+    assert ("no VNNI/AMX" in table) == not_tensorrt
+    assert StageRecord.read(tmp_path / "out").params["qat.cpu_int8"] == support["note"]
+    # `qatpipe compare` prints the rows MLflow gives back the same way
+    assert f"{support['note']}" in report({"variants": {"qat": {"map50": 0.5, "cpu_int8": support["note"]}}})
+    plain = compare_variants({"fp32": folders["fp32"]}, tmp_path / "plain", resamples=20)
+    assert "CPU int8" not in report(plain)  # no int8 CPU engine: no column

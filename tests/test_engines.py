@@ -115,6 +115,29 @@ def test_int8_kernels_are_exact_only_with_an_int32_dot_product():
     assert int8_kernels_exact(frozenset(), "aarch64")
 
 
+def test_cpu_int8_says_when_a_cpu_engines_speed_is_not_tensorrts():
+    """The variant table's `CPU int8` note, for both kinds of CPU (the flags passed in, as /proc/cpuinfo gives
+    them): only the fast form on int8 dot products that sum in int32 runs the integer kernels TensorRT's speed
+    comes from; the exact form, or the fast form's saturating int16 sums, are not TensorRT's speed."""
+    from qatpipe.engines.onnxruntime_backend import cpu_int8, int8_kernels_exact
+
+    vnni, plain = frozenset({"avx2", "avx512bw", "avx512_vnni", "amx_int8"}), frozenset({"avx2", "avx512bw", "fma"})
+    assert cpu_int8("fast", vnni, "x86_64") == {
+        "form": "fast", "dot_products": ["amx_int8", "avx512_vnni"], "like_tensorrt": True,
+        "note": "fast form on int8 dot products (amx_int8, avx512_vnni)"}
+    assert cpu_int8("exact", plain, "x86_64") == {
+        "form": "exact", "dot_products": [], "like_tensorrt": False,
+        "note": "exact form (no VNNI/AMX) - speeds are not TensorRT's"}
+    assert cpu_int8("fast", plain, "x86_64")["note"] == "fast form (no VNNI/AMX: int16 sums saturate) - speeds are " \
+                                                        "not TensorRT's"
+    forced = cpu_int8("exact", vnni, "x86_64")  # engine.cpu_form: exact on a VNNI CPU
+    assert not forced["like_tensorrt"] and forced["note"] == ("exact form (few integer kernels; amx_int8, "
+                                                              "avx512_vnni unused) - speeds are not TensorRT's")
+    assert cpu_int8("fast", frozenset(), "aarch64")["like_tensorrt"]  # sdot/udot sum in int32
+    for flags in (vnni, plain):  # the decision is the engines' own, the one engine.cpu_form auto builds by
+        assert cpu_int8("fast", flags, "x86_64")["like_tensorrt"] == int8_kernels_exact(flags, "x86_64")
+
+
 def test_default_cpu_engine_is_fast_only_where_the_integer_kernels_are_exact(engines):
     """engine.cpu_form auto: the fast form where VNNI or AMX sums int8 products in int32, else the exact form
     (on this session's AMD EPYC without AVX512 the fast form's detections were 5 points off the model's)."""
@@ -203,6 +226,7 @@ def test_engine_reproduces_the_evaluate_numbers(engines, variant, tmp_path):
 
 def test_latency_harness_and_bench_report_schema(engines, tmp_path):
     from qatpipe.engines.latency import measure_latency
+    from qatpipe.engines.onnxruntime_backend import cpu_int8
     from qatpipe.stages.bench_engine import bench_engine
 
     result = measure_latency(lambda batch: time.sleep(0.002), np.zeros((4, 2)), warmup=2, iterations=20)
@@ -216,8 +240,10 @@ def test_latency_harness_and_bench_report_schema(engines, tmp_path):
     report = bench_engine(spec, built["qat"][1], tmp_path / "bench.json")
     assert json.loads((tmp_path / "bench.json").read_text()) == report
     assert set(report) == {"engine", "label", "backend", "precision", "device", "runtime_version", "model_size_mb",
-                           "engine_size_mb", "peak_memory_mb", "batches"}
+                           "engine_size_mb", "peak_memory_mb", "batches", "cpu_int8"}
     assert report["label"] == "onnxruntime cpu int8"
+    form = json.loads((built["qat"][1] / "engine.json").read_text())["cpu_form"]
+    assert report["cpu_int8"] == cpu_int8(form)  # this CPU's int8 support, where the speed was measured
     assert [row["batch_size"] for row in report["batches"]] == [1, 2]
     assert set(report["batches"][0]) == {"batch_size", "iterations", "latency_ms_p50", "latency_ms_p95",
                                          "latency_ms_p99", "latency_ms_mean", "throughput"}

@@ -45,11 +45,16 @@ def test_parent_and_stage_runs(mlflow_server, tmp_path, monkeypatch):
     assert open(downloaded, "rb").read() == b"weights"
     assert client.get_run(parent).data.params["dataset.classes"] == "['a']"
 
+    note = "exact form (no VNNI/AMX) - speeds are not TensorRT's"
     tracker.log_variants(parent, {"fp32": {"engine": "onnxruntime cpu fp32", "map50": 0.9, "map": 0.6,
-                                           "latency_ms_p50": None}})
-    # the engine label as a tag (qatpipe.engine.fp32), read back with the figures
-    assert tracker.read_variants(parent) == {"fp32": {"engine": "onnxruntime cpu fp32", "map50": 0.9, "map": 0.6}}
+                                           "latency_ms_p50": None, "cpu_int8": None},
+                                  "qat": {"engine": "onnxruntime cpu int8", "map50": 0.9, "cpu_int8": note}})
+    # the engine label and the CPU's int8 note as tags (qatpipe.engine.fp32), read back with the figures
+    assert tracker.read_variants(parent) == {"fp32": {"engine": "onnxruntime cpu fp32", "map50": 0.9, "map": 0.6},
+                                             "qat": {"engine": "onnxruntime cpu int8", "map50": 0.9,
+                                                     "cpu_int8": note}}
     assert client.get_run(parent).data.tags["qatpipe.engine.fp32"] == "onnxruntime cpu fp32"
+    assert client.get_run(parent).data.tags["qatpipe.cpu_int8.qat"] == note
     compared = tmp_path / "compare"
     StageRecord(stage="compare").write(compared)
     tracker.log_comparison(parent, {"fp32": {"map50": 0.9}}, compared,

@@ -41,13 +41,14 @@ class OnnxRuntimeRunner(EngineRunner):
 # convolutions add pairs of products in saturating int16 (vpmaddubsw): measured here on an AMD EPYC without
 # AVX512, a QLinearConv over large activations and weights was off by up to 20 int8 steps.
 EXACT_INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+X86_MACHINES = ("x86_64", "amd64", "i686", "x86")
 
 
 def int8_kernels_exact(flags: frozenset[str] | None = None, machine: str | None = None) -> bool:
     """Whether this CPU's integer kernels compute a Q/DQ model's int8 sums without saturating."""
     from qatpipe.devices import cpu_flags
 
-    if (machine or platform.machine()).lower() not in ("x86_64", "amd64", "i686", "x86"):
+    if (machine or platform.machine()).lower() not in X86_MACHINES:
         return True  # ARM's int8 dot products (sdot/udot) accumulate in int32
     return bool((cpu_flags() if flags is None else flags) & EXACT_INT8_DOT_FLAGS)
 
@@ -65,6 +66,32 @@ def cpu_form_for(setting: str) -> str:
         log.warning("engine.cpu_form fast on a CPU without VNNI or AMX: its integer kernels saturate, so this "
                     "engine's detections can differ from the model's (auto builds the exact form here)")
     return setting
+
+
+def cpu_int8(form: str, flags: frozenset[str] | None = None, machine: str | None = None) -> dict:
+    """How this CPU runs an int8 engine of CPU form `form` (engine.json's cpu_form), for the variant table next
+    to the engine's speed-up (bench-engine records it in bench.json): {"form", "dot_products": the CPU's int8
+    dot products that sum in int32 (int8_kernels_exact's), "like_tensorrt": whether its speed is that of
+    integer kernels summing as TensorRT's do (the fast form on such a CPU), "note": that in words}. The exact
+    form fuses few convolutions into integer kernels, and without VNNI/AMX the fast form's sums saturate in
+    int16: neither speed is TensorRT's."""
+    from qatpipe.devices import cpu_flags
+
+    machine = (machine or platform.machine()).lower()
+    flags = cpu_flags() if flags is None else flags
+    exact_kernels = int8_kernels_exact(flags, machine)
+    # ARM: int8_kernels_exact counts on its sdot/udot
+    dot_products = sorted(flags & EXACT_INT8_DOT_FLAGS) if machine in X86_MACHINES else [f"{machine} sdot/udot"]
+    like_tensorrt = form == "fast" and exact_kernels
+    support = ", ".join(dot_products) if exact_kernels else "no VNNI/AMX"
+    if like_tensorrt:
+        note = f"fast form on int8 dot products ({support})"
+    elif form == "fast":
+        note = f"fast form ({support}: int16 sums saturate) - speeds are not TensorRT's"
+    else:  # the exact form: few convolutions run as integer kernels, whatever the CPU has
+        note = f"{form} form ({f'few integer kernels; {support} unused' if exact_kernels else support}) - speeds " \
+               f"are not TensorRT's"
+    return {"form": form, "dot_products": dot_products, "like_tensorrt": like_tensorrt, "note": note}
 
 
 class OnnxRuntimeBackend(EngineBackend):

@@ -98,17 +98,38 @@ def _accumulation_order(image, scores, matched, ignored, thresholds: int) -> Cla
 
 def weighted_ap(matched: MatchedDetections, weights: np.ndarray) -> np.ndarray:
     """AP per image weighting, IoU threshold and class: (B, T, K), NaN for a class without ground truth.
-    `weights` (B, N): how many times each image counts (all ones: the plain evaluation)."""
+    `weights` (B, N): how many times each image counts (all ones: the plain evaluation).
+
+    COCO's accumulate on every detection, read only where it can change the answer: recall moves only at a true
+    positive, and precision only falls between true positives, so the monotone precision that each recall
+    threshold reads is the one at a true positive (or past the end: 0). The checkpoints are the detections that
+    some IoU threshold does not count as a false positive (true positives, ignored ones); a weak detector has
+    few among many detections. The false positives' weight up to a checkpoint is all detections' weight there
+    less the checkpoints'; all detections' weight is the weights times a sparse (images x checkpoints) count of
+    the detections since the checkpoint before, summed up: one product per class, not a running sum over every
+    detection per IoU threshold. For integer weights (image multiplicities) every sum is an exact integer, so
+    the numbers are COCO's accumulate's bit for bit."""
+    from scipy.sparse import csr_array  # scipy comes with mlflow and scikit-image (quantization/ptq.py uses it)
+
     weights = np.asarray(weights, float)
     recall_thresholds = matched.recall_thresholds
     points, ious = len(recall_thresholds), len(matched.iou_thresholds)
     objects = weights @ matched.gt_counts  # (B, K)
     ap = np.full((len(weights), ious, len(matched.classes)), np.nan)
     for k, found in enumerate(matched.classes):
-        chunk = max(1, _CHUNK_ELEMENTS // max(1, ious * len(found.image)))
+        checkpoints = np.nonzero(~found.fp.all(axis=0))[0]  # (P,) some threshold's true positive or ignored
+        tp_at, counted_at = found.tp[:, checkpoints], ~found.fp[:, checkpoints]  # (T, P)
+        # (N, P): detections of each image after the checkpoint before and up to this one (false positives past
+        # the last checkpoint change no AP; match_detections leaves none)
+        image = found.image[:checkpoints[-1] + 1 if len(checkpoints) else 0]
+        since = csr_array((np.ones(len(image)), (image, np.searchsorted(checkpoints, np.arange(len(image))))),
+                          shape=(weights.shape[1], len(checkpoints)))
+        chunk = max(1, _CHUNK_ELEMENTS // max(1, ious * len(checkpoints)))
         for start in range(0, len(weights), chunk):
-            w = weights[start:start + chunk, found.image][:, None, :]  # (b, 1, D)
-            tp, fp = np.cumsum(w * found.tp, axis=2), np.cumsum(w * found.fp, axis=2)
+            every = np.cumsum(weights[start:start + chunk] @ since, axis=1)[:, None, :]  # (b, 1, P)
+            w = weights[start:start + chunk, found.image[checkpoints]][:, None, :]  # (b, 1, P)
+            tp = np.cumsum(w * tp_at, axis=2)
+            fp = every - np.cumsum(w * counted_at, axis=2)
             n = objects[start:start + chunk, k][:, None, None]
             with np.errstate(divide="ignore", invalid="ignore"):  # rows without ground truth: NaN, dropped
                 recall = tp / n
@@ -117,7 +138,7 @@ def weighted_ap(matched: MatchedDetections, weights: np.ndarray) -> np.ndarray:
             precision = np.maximum.accumulate(precision[..., ::-1], axis=2)[..., ::-1]
             precision = np.concatenate([precision, np.zeros(precision.shape[:2] + (1,))], axis=2)
             # COCO takes, per recall threshold r, the first detection with recall >= r
-            # (np.searchsorted(recall, thresholds, side='left')): the number of detections with recall < r
+            # (np.searchsorted(recall, thresholds, side='left')): the number of checkpoints with recall < r
             below = np.searchsorted(recall_thresholds, recall, side="right")  # thresholds <= each recall
             rows = np.arange(below.shape[0] * below.shape[1]).reshape(below.shape[:2] + (1,))
             counts = np.bincount((below + rows * (points + 1)).ravel(), minlength=rows.size * (points + 1))

@@ -18,10 +18,11 @@ BENCH_FILE = "bench.json"
 
 def bench_engine(spec: ExperimentSpec, engine_dir: str | Path, output: str | Path | None = None) -> dict:
     """p50/p95/p99 latency and throughput at each `engine.bench.batch_sizes`, model and engine size, peak
-    memory; written to `output` (default ENGINE_DIR/bench.json, and then its figures join the engine's tracking
-    record)."""
+    memory, and for an int8 engine on the CPU how this CPU runs it (`cpu_int8`, onnxruntime_backend.cpu_int8);
+    written to `output` (default ENGINE_DIR/bench.json, and then its figures join the engine's tracking record)."""
     from qatpipe.engines import load_engine
     from qatpipe.engines.latency import measure_latency, peak_rss_mb
+    from qatpipe.engines.onnxruntime_backend import cpu_int8
 
     engine_dir = Path(engine_dir)
     runner = load_engine(engine_dir)
@@ -44,6 +45,9 @@ def bench_engine(spec: ExperimentSpec, engine_dir: str | Path, output: str | Pat
         "engine_size_mb": round((engine_dir / metadata.engine_file).stat().st_size / 2**20, 3),
         "peak_memory_mb": peak_rss_mb(), "batches": results,
     }
+    on_cpu = getattr(runner, "providers", [None])[0] == "CPUExecutionProvider"
+    if metadata.cpu_form and on_cpu:  # an int8 engine on this CPU: how its kernels sum says what its speed means
+        report["cpu_int8"] = cpu_int8(metadata.cpu_form)
     write_json(Path(output) if output else engine_dir / BENCH_FILE, report)
     if output is None and (engine_dir / RECORD_FILE).is_file():
         record = StageRecord.read(engine_dir)

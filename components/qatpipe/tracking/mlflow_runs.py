@@ -37,6 +37,10 @@ VARIANT_PREFIX = "variant."  # parent-run metrics: variant.<name>.<metric>
 COMPARISON_PREFIX = "comparison."  # parent-run metrics: comparison.<a-b>.<metric>, differences between variants
 TENSORRT_COMPARISON_PREFIX = "comparison_tensorrt."  # the same differences in TensorRT's numbers
 ENGINE_TAG_PREFIX = "qatpipe.engine."  # parent-run tags: qatpipe.engine.<name> = "onnxruntime cpu int8"
+# parent-run tags: qatpipe.cpu_int8.<name> = "exact form (no VNNI/AMX) - speeds are not TensorRT's"
+CPU_INT8_TAG_PREFIX = "qatpipe.cpu_int8."
+# the variant rows' words, as tags: row key -> tag prefix
+VARIANT_TAGS = {"engine": ENGINE_TAG_PREFIX, "cpu_int8": CPU_INT8_TAG_PREFIX}
 # `qatpipe run --local` names its output folder here; the parent run is tagged with it, so a re-run of the
 # folder finds an earlier run that was left RUNNING
 RUN_FOLDER_ENV = "QATPIPE_RUN_FOLDER"
@@ -365,12 +369,14 @@ class MlflowTracker:
     # ------------------------------------------------------------------ variants and registry
 
     def log_variants(self, run_id: str, variants: dict[str, dict[str, Any]]) -> None:
-        """FP32/PTQ/QAT figures on the parent run, as `variant.<name>.<metric>`, for side-by-side views."""
+        """FP32/PTQ/QAT figures on the parent run, as `variant.<name>.<metric>`, for side-by-side views; each
+        variant's engine and, for an int8 engine on the CPU, what its speed-up means (`cpu_int8`) as tags."""
         flat = {f"{VARIANT_PREFIX}{name}.{key}": value for name, row in variants.items()
                 for key, value in row.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
         self.log_metrics(run_id, flat)
-        engines = {f"{ENGINE_TAG_PREFIX}{name}": row["engine"] for name, row in variants.items() if row.get("engine")}
-        self.set_tags(run_id, {"qatpipe.variants": ",".join(variants), **engines})
+        words = {f"{prefix}{name}": row[key] for name, row in variants.items() for key, prefix in VARIANT_TAGS.items()
+                 if row.get(key)}
+        self.set_tags(run_id, {"qatpipe.variants": ",".join(variants), **words})
 
     def log_comparison(self, run_id: str, variants: dict[str, dict[str, Any]], folder: str | Path,
                        pruning: dict[str, Any] | None = None, comparisons: dict[str, float] | None = None,
@@ -403,8 +409,9 @@ class MlflowTracker:
                 name, metric = key[len(VARIANT_PREFIX):].split(".", 1)
                 variants.setdefault(name, {})[metric] = value
         for key, value in run.data.tags.items():
-            if key.startswith(ENGINE_TAG_PREFIX):
-                variants.setdefault(key[len(ENGINE_TAG_PREFIX):], {})["engine"] = value
+            for field, prefix in VARIANT_TAGS.items():
+                if key.startswith(prefix):
+                    variants.setdefault(key[len(prefix):], {})[field] = value
         return variants
 
     def read_comparisons(self, run_id: str) -> dict[str, float]:
