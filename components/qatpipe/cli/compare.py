@@ -70,7 +70,9 @@ def _store_uri(value: str, source: str) -> str:
 
 
 def cmd_compare(args) -> int:
-    from qatpipe.stages.compare import comparisons_from_metrics, plot_variants, report
+    from qatpipe.metrics.comparison_charts import plot_variants
+    from qatpipe.metrics.comparison_report import report
+    from qatpipe.metrics.comparisons import comparisons_from_metrics
     from qatpipe.tracking.mlflow_runs import MlflowTracker
     from qatpipe.tracking.registry import loading_snippet, pipeline_models
 

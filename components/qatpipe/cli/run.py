@@ -31,7 +31,7 @@ def check_run(args) -> None:
 
 
 def cmd_run(args) -> int:
-    from qatpipe.stages.compare import report
+    from qatpipe.metrics.comparison_report import report
     from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
 
     summary = run_local(args.output, args.spec, args.overrides, run_name=args.run_name or "")

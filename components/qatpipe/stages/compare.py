@@ -18,7 +18,6 @@ from qatpipe.metrics.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, match_det
 from qatpipe.metrics.comparison_charts import plot_differences, plot_tradeoff, plot_variants
 from qatpipe.metrics.comparison_report import report
 from qatpipe.metrics.comparisons import pair_metrics
-from qatpipe.metrics.comparisons import comparisons_from_metrics  # noqa: F401  qatpipe.cli imports it from here
 from qatpipe.stages.bench_engine import BENCH_FILE  # copied beside the evaluation by the validate stage
 from qatpipe.stages.evaluate import DETECTIONS_FILE, GROUND_TRUTH_FILE, METRICS_FILE
 from qatpipe.stages.validate import EMULATED_FOLDER, REPORT_FILE as VALIDATION_FILE
