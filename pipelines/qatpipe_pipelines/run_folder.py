@@ -103,8 +103,8 @@ class RunFolder:
         found = {}
         for name in names:
             model = newest.get(MODEL_STAGES[name]) if name in MODEL_STAGES else None
-            variant = Variant(name, model / MODEL_FILE if model else None,
-                              newest.get(variant_stage("build_engine", name)), newest.get(variant_stage("validate", name)))
+            engine, validation = (newest.get(variant_stage(kind, name)) for kind in ("build_engine", "validate"))
+            variant = Variant(name, model / MODEL_FILE if model else None, engine, validation)
             if variant.onnx or variant.engine or variant.validation:
                 found[name] = variant
         return found
