@@ -69,7 +69,7 @@ def _evaluation_folders(run: Path) -> dict[str, Path]:
     """The unpruned model's and the retrained FP32 model's evaluation folders of a `qatpipe run --local` folder."""
     from runs import evaluation_folders  # bench/runs.py, beside this script
 
-    found = evaluation_folders(run / "kfp")
+    found = evaluation_folders(run)
     missing = {"unpruned", "fp32"} - set(found)
     if missing:
         raise SystemExit(f"{run}: no evaluation of the {', '.join(sorted(missing))} model found")

@@ -27,8 +27,8 @@ import os
 import time
 from pathlib import Path
 
-from recipe import PAIRS, _num, collect  # bench/recipe.py, beside this script
-from runs import ci_text  # bench/runs.py
+from recipe import PAIRS, collect  # bench/recipe.py, beside this script
+from runs import ci_text, num_text  # bench/runs.py
 
 from qatpipe.models.backbones import BACKBONES
 
@@ -51,22 +51,12 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None) -> 
 def _finished_run(backbone: str, work: Path) -> dict:
     """What the follow-up experiments read from a finished run: the FP32 model's evaluation folder and ONNX,
     and the retrain specs by qat.enabled (False: the FP32 retrain's, True: the QAT retrain's)."""
-    from runs import evaluation_folders
+    from qatpipe_pipelines.run_folder import RunFolder
 
-    from qatpipe.export.bundle import REPORT_SUFFIX, ExportBundle
-    from qatpipe.spec import load_spec
-
-    kfp_root = work / backbone / "kfp"
-    return {
-        "fp32_eval": evaluation_folders(kfp_root)["fp32"],
-        "fp32_onnx": ExportBundle.of_report(next(p for p in kfp_root.rglob(f"*{REPORT_SUFFIX}")
-                                                 if "QAT" not in p.read_text())).onnx,
-        # the retrains of the pruned model, by their tracking records (a run in the fine-tuning order, qat.start
-        # fp32, also has finetune_fp32, whose spec would collide with the FP32 retrain's)
-        "specs": {load_spec(p).qat.enabled: p for p in kfp_root.rglob("spec.yaml")
-                  if p.parent.parent.name.startswith("retrain")
-                  and json.loads(p.with_name("tracking.json").read_text())["stage"] in ("retrain_fp32", "retrain_qat")},
-    }
+    run = RunFolder(work / backbone)
+    return {"fp32_eval": run.stage("evaluate_fp32"), "fp32_onnx": run.variant("fp32").onnx,
+            # the retrains of the pruned model (not finetune_fp32, which a run in the fine-tuning order also has)
+            "specs": {False: run.stage("retrain_fp32") / "spec.yaml", True: run.stage("retrain_qat") / "spec.yaml"}}
 
 
 def _scored_against_fp32(spec, onnx: Path, folder: Path, fp32_eval: Path, variant: str) -> tuple[float, dict]:
@@ -156,15 +146,15 @@ def export_qat(backbone: str, work: Path) -> dict:
     earlier check refused), then scored as the pipeline scores a variant: its CPU engine (evaluate) and
     TensorRT's numbers (validate's exact form), paired against the run's FP32 and PTQ evaluations and their
     TensorRT numbers."""
-    from runs import stage_folders
-
     from qatpipe.spec import load_spec
     from qatpipe.stages.compare import uncertainty
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.export import export
     from qatpipe.stages.validate import EMULATED_FOLDER, exact_form_map50
 
-    kfp_root = work / backbone / "kfp"
+    from qatpipe_pipelines.run_folder import RunFolder
+
+    run = RunFolder(work / backbone)
     spec_path = _finished_run(backbone, work)["specs"][True]
     spec = load_spec(spec_path)
     folder = work / f"{backbone}_qat_export"
@@ -173,9 +163,8 @@ def export_qat(backbone: str, work: Path) -> dict:
     engine = evaluate(spec, folder / "model.onnx", folder / "evaluation")["map50"]
     tensorrt = exact_form_map50(spec, folder / "model.onnx", folder / "exact", "qat")
     # PTQ's engine as its validation scored it (the pipeline scores an INT8 model once, there)
-    [fp32], [ptq] = stage_folders(kfp_root, "evaluate_fp32"), stage_folders(kfp_root, "validate_ptq")
-    [ptq_trt] = [f / EMULATED_FOLDER for f in stage_folders(kfp_root, "validate_ptq")]
-    [fp32_trt] = [f / EMULATED_FOLDER for f in stage_folders(kfp_root, "validate_fp32")]
+    fp32, ptq = run.stage("evaluate_fp32"), run.stage("validate_ptq")
+    ptq_trt, fp32_trt = ptq / EMULATED_FOLDER, run.stage("validate_fp32") / EMULATED_FOLDER
     engine_run = uncertainty({"fp32": fp32, "ptq": ptq, "qat": folder / "evaluation"})
     numbers_run = uncertainty({"fp32": fp32_trt, "ptq": ptq_trt, "qat": folder / "exact"})
     engines, numbers = engine_run["pairs"], numbers_run["pairs"]
@@ -210,8 +199,9 @@ def print_report(rows: list[dict]) -> None:
     print("\nbackbone         variant  params     GFLOPs  mAP@0.5  95% CI            latency p50 (ms)  engine")
     for row in rows:
         for name, v in row["variants"].items():
-            print(f"{row['backbone']:<16} {name:<8} {v.get('params') or 0:<10} {_num(v.get('gflops'), '{:.3f}'):<7} "
-                  f"{v['map50']:.4f}   {ci_text(v['map50_ci95']):<17} {_num(v.get('latency_ms_p50'), '{:.3f}'):<17} "
+            print(f"{row['backbone']:<16} {name:<8} {v.get('params') or 0:<10} "
+                  f"{num_text(v.get('gflops'), '{:.3f}'):<7} {v['map50']:.4f}   {ci_text(v['map50_ci95']):<17} "
+                  f"{num_text(v.get('latency_ms_p50'), '{:.3f}'):<17} "
                   f"{v.get('engine') or 'n/a'}")
     print("\nbackbone         pair       mAP@0.5 diff (points)  95% CI (points)")
     for row in rows:
@@ -222,9 +212,9 @@ def print_report(rows: list[dict]) -> None:
                       f"[{100 * c['ci95'][0]:+.2f}, {100 * c['ci95'][1]:+.2f}]")
     print("\nbackbone         pruning FLOPs ratio  unpruned mAP@0.5  best epoch  train img/s  wall (s)")
     for row in rows:
-        print(f"{row['backbone']:<16} {_num(row['pruning'].get('flops_ratio'), '{:.3f}'):<20} "
-              f"{_num(row['unpruned_map50']):<17} {row['best_epoch'] or 'n/a'}/{row['epochs'] or '?':<8} "
-              f"{_num(row['train_images_per_second'], '{:.1f}'):<12} {_num(row['wall_seconds'], '{:.0f}')}")
+        print(f"{row['backbone']:<16} {num_text(row['pruning'].get('flops_ratio'), '{:.3f}'):<20} "
+              f"{num_text(row['unpruned_map50']):<17} {row['best_epoch'] or 'n/a'}/{row['epochs'] or '?':<8} "
+              f"{num_text(row['train_images_per_second'], '{:.1f}'):<12} {num_text(row['wall_seconds'], '{:.0f}')}")
 
 
 def main() -> None:

@@ -27,8 +27,7 @@ import os
 from pathlib import Path
 
 from pretrained import map50_ci, run_pipeline, train_and_evaluate  # bench/pretrained.py, beside this script
-from recipe import _num  # bench/recipe.py
-from runs import ci_text  # bench/runs.py
+from runs import ci_text, num_text  # bench/runs.py
 
 KINDS = ("shapes", "glyphs", "photos", "traffic")
 ARCHS = ("detectnet_v2", "ssd")
@@ -139,8 +138,8 @@ def report(rows: list[dict]) -> None:
             fp32 = name == "fp32" and small["map50"] is not None
             print(f"{row['kind']:<9} {row['arch']:<13} {name:<12} {v['map50']:.4f}   "
                   f"{ci_text(v.get('map50_ci95')):<17} "
-                  f"{_num(v.get('throughput'), '{:.1f}'):<9} "
-                  + (f"{small['map50']:.4f} ({_num(small['agnostic'])}, {small['objects']})" if fp32 else ""))
+                  f"{num_text(v.get('throughput'), '{:.1f}'):<9} "
+                  + (f"{small['map50']:.4f} ({num_text(small['agnostic'])}, {small['objects']})" if fp32 else ""))
     for kind in dict.fromkeys(row["kind"] for row in rows):
         runs = {row["arch"]: Path(row["evaluation"]) for row in rows if row["kind"] == kind}
         if len(runs) == 2:
@@ -160,9 +159,9 @@ def report(rows: list[dict]) -> None:
             continue
         wall = row.get("run_wall_seconds") or row.get("wall_seconds")
         walls[row["kind"], row["arch"]] = wall
-        cells = [_num(stages.get(name), "{:.0f}") for name in TRAINING_STAGES]
+        cells = [num_text(stages.get(name), "{:.0f}") for name in TRAINING_STAGES]
         rest = sum(s or 0 for name, s in stages.items() if name not in TRAINING_STAGES)
-        print(f"{row['kind']:<9} {row['arch']:<13} {' / '.join(cells)} / {rest:.0f}   wall {_num(wall, '{:.0f}')}")
+        print(f"{row['kind']:<9} {row['arch']:<13} {' / '.join(cells)} / {rest:.0f}   wall {num_text(wall, '{:.0f}')}")
     for (kind, arch), wall in walls.items():  # each arch's wall over DetectNet_v2's (the issue's 1.5x)
         base = walls.get((kind, ARCHS[0]))
         if arch != ARCHS[0] and base and wall:

@@ -22,7 +22,7 @@ log = logging.getLogger("bench")
 
 
 def bench_run(run: Path, work: Path, method: str) -> dict:
-    from runs import stage_folder
+    from qatpipe_pipelines.run_folder import RunFolder
 
     from qatpipe.export.bundle import ExportBundle
     from qatpipe.spec import load_spec
@@ -30,7 +30,7 @@ def bench_run(run: Path, work: Path, method: str) -> dict:
     from qatpipe.stages.export import export
     from qatpipe.stages.validate import DLA_EMULATED_FOLDER, dla_emulated_map50, exact_form_map50
 
-    spec_path = stage_folder(run, "retrain_qat") / "spec.yaml"  # its model.keras beside it
+    spec_path = RunFolder(run).stage("retrain_qat") / "spec.yaml"  # its model.keras beside it
     spec = load_spec(spec_path)
     spec.export.target, spec.export.fp16_onnx, spec.export.dla_calibration_method = "dla", False, method
     folder = work / run.name / method

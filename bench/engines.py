@@ -28,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from runs import median_round, speedup_range, stage_folder, time_in_rounds  # bench/runs.py, beside this script
+from runs import median_round, speedup_range, time_in_rounds  # bench/runs.py, beside this script
+
+from qatpipe_pipelines.run_folder import RunFolder
 
 log = logging.getLogger("bench")
 
@@ -66,7 +68,7 @@ def main() -> None:
     from qatpipe.stages.build_engine import build_engine
 
     sources = _onnx_models(args.run)
-    spec = load_spec_uri(args.spec or str(stage_folder(args.run, "train") / "spec.yaml"), [])
+    spec = load_spec_uri(args.spec or str(RunFolder(args.run).stage("train") / "spec.yaml"), [])
     size = spec.dataset.image_size
     rng = np.random.default_rng(0)
     results: dict[str, dict] = {}
@@ -198,20 +200,11 @@ def _openvino(sources: dict[str, Path], size, batch_size: int, min_seconds: floa
 
 
 def _onnx_models(run_dir: Path) -> dict[str, Path]:
-    """The FP32, PTQ, QAT and (where the run has one) ptq-partial ONNX of the newest pipeline run in `run_dir`
-    (kfp.local names task folders by task id, so the exports are told apart by their reports)."""
-    from qatpipe.export.bundle import REPORT_SUFFIX, ExportBundle
-
-    runs = sorted((run_dir / "kfp").glob("*/ptq/int8_onnx/model.onnx"), key=lambda p: p.stat().st_mtime)
-    if not runs:
-        raise SystemExit(f"{run_dir}: no pipeline run with a PTQ model found")
-    run = runs[-1].parents[2]
-    found = {"ptq": runs[-1]}
-    if (partial := run / "ptq-partial" / "onnx_model" / "model.onnx").is_file():
-        found["ptq-partial"] = partial
-    for report in run.glob(f"export*/onnx_model/*{REPORT_SUFFIX}"):
-        kind = "qat" if "QAT" in json.loads(report.read_text())["quantization"] else "fp32"
-        found[kind] = ExportBundle.of_report(report).onnx
+    """The FP32, PTQ, QAT and (where the run has one) ptq-partial ONNX of the run in `run_dir`, each its stage's
+    newest."""
+    found = {name: variant.onnx for name, variant in RunFolder(run_dir).variants().items() if variant.onnx}
+    if "ptq" not in found:
+        raise SystemExit(f"{run_dir}: no finished PTQ model")
     return found
 
 

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from runs import ci_text, stage_folder  # bench/runs.py, beside this script
+from runs import ci_text, read_json  # bench/runs.py, beside this script
+
+from qatpipe_pipelines.run_folder import RunFolder
 
 log = logging.getLogger("bench")
 
@@ -36,8 +38,8 @@ def finetune(run: Path, folder: Path, overrides: list[str]) -> None:
     from qatpipe.stages.retrain import retrain
     from qatpipe.stages.retrain_plan import plan_retrain
 
-    fp32_retrain = stage_folder(run, "retrain_fp32") / "model.keras"
-    spec_file = stage_folder(run, "finetune_fp32") / "spec.yaml"  # QAT's sections as the QAT retrain had them
+    fp32_retrain = RunFolder(run).stage("retrain_fp32") / "model.keras"
+    spec_file = RunFolder(run).stage("finetune_fp32") / "spec.yaml"  # QAT's sections as the QAT retrain had them
     base = parse_spec(apply_overrides(yaml.safe_load(spec_file.read_text()), overrides), str(spec_file))
     for variant in ("fp32", "qat"):
         out = folder / variant
@@ -57,7 +59,8 @@ def describe(run: Path, work: Path, recipes: dict[str, list[str]]) -> dict:
     from qatpipe.stages.compare import uncertainty
 
     # the run's QAT model as its validation scored it (the pipeline scores an INT8 model once, there)
-    evaluations = {f"{RUN}/fp32": stage_folder(run, "evaluate_fp32"), f"{RUN}/qat": stage_folder(run, "validate_qat")}
+    folder = RunFolder(run)
+    evaluations = {f"{RUN}/fp32": folder.stage("evaluate_fp32"), f"{RUN}/qat": folder.stage("validate_qat")}
     for name in recipes:
         evaluations.update({f"{name}/{v}": work / name / v / "evaluation" for v in ("fp32", "qat")})
     names = [RUN, *recipes]
@@ -66,8 +69,8 @@ def describe(run: Path, work: Path, recipes: dict[str, list[str]]) -> dict:
     scored = uncertainty(evaluations, pairs=pairs)
     rows = {}
     for name in names:
-        trained = {v: _json((stage_folder(run, "finetune_fp32" if v == "fp32" else "retrain_qat") if name == RUN
-                             else work / name / v / "retrain") / "train_summary.json") for v in ("fp32", "qat")}
+        trained = {v: read_json((folder.stage("finetune_fp32" if v == "fp32" else "retrain_qat") if name == RUN
+                                 else work / name / v / "retrain") / "train_summary.json") for v in ("fp32", "qat")}
         rows[name] = {
             "overrides": recipes.get(name, []),
             "epochs": trained["fp32"].get("epochs"),
@@ -78,10 +81,6 @@ def describe(run: Path, work: Path, recipes: dict[str, list[str]]) -> dict:
             "seconds": {v: summary.get("wall_seconds") for v, summary in trained.items()},  # the training's own
         }
     return {"run": str(run), "val_images": scored["images"], "recipes": rows}
-
-
-def _json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _pair(pair: dict | None) -> str:

@@ -27,18 +27,17 @@ TARGET_POINTS = 0.2
 
 def _run_parts(run: Path) -> tuple[Path, dict[str, Path]]:
     """(the FP32 retrain's spec, {variant: its exported model.onnx}) of a finished run."""
-    from qatpipe.export.bundle import REPORT_SUFFIX, ExportBundle
+    from qatpipe_pipelines.run_folder import RunFolder
 
-    kfp_root = run / "kfp"
-    spec = next(p for p in kfp_root.rglob("spec.yaml") if p.parent.parent.name.startswith("retrain"))
+    folder = RunFolder(run)
+    variants = folder.variants()
     onnx = {}
-    for report in kfp_root.rglob(f"*{REPORT_SUFFIX}"):
-        variant = "qat" if "QAT" in json.loads(report.read_text())["quantization"] else "fp32"
-        if not report.with_name("tracking.json").is_file():  # written once the export's checks pass
-            log.warning("%s: the export of %s was refused by its checks; not benchmarked", run.name, variant)
-            continue
-        onnx.setdefault(variant, ExportBundle.of_report(report).onnx)
-    return spec, onnx
+    for variant in ("fp32", "qat"):
+        if variant in variants and variants[variant].onnx:
+            onnx[variant] = variants[variant].onnx
+        else:  # an export's record is written once its checks pass
+            log.warning("%s: no finished export of %s (refused by its checks?); not benchmarked", run.name, variant)
+    return folder.stage("retrain_fp32") / "spec.yaml", onnx
 
 
 def bench_run(run: Path, work: Path) -> list[dict]:

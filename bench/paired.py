@@ -8,8 +8,9 @@ EVAL_A and EVAL_B are evaluation folders (`qatpipe evaluate -o DIR`, or an evalu
 with its 95% CI from the paired bootstrap over the val images (1,000 resamples, seed 0), the one `compare` uses.
 
 With `--runs`, two finished `qatpipe run --local` folders of the same val set (e.g. a recipe against `make
-main`'s results/pipeline): the same for each model both runs' evaluate tasks scored (unpruned, fp32, ptq,
-ptq-partial, qat), B's minus A's. The spread between training runs is not in these CIs.
+main`'s results/pipeline): the same for each model both runs scored (unpruned and fp32 by their evaluate tasks;
+ptq, ptq-partial and qat by their validate tasks, as the pipeline scores an INT8 model), B's minus A's. The
+spread between training runs is not in these CIs.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import argparse
 import json
 from pathlib import Path
 
-from runs import stage_folders  # bench/runs.py, beside this script
+from qatpipe_pipelines.run_folder import RunFolder, variant_stage
 
-EVALUATED = ("unpruned", "fp32", "ptq", "ptq-partial", "qat")  # the models a run's evaluate tasks score
+# the models a run scores, by the stage that scores them (runs before the INT8 evaluate tasks went: those too)
+SCORED = {"unpruned": ("evaluate",), "fp32": ("evaluate",), "ptq": ("validate", "evaluate"),
+          "ptq-partial": ("validate", "evaluate"), "qat": ("validate", "evaluate")}
 
 
 def paired_difference(first: Path, second: Path, names: tuple[str, str] = ("a", "b")) -> dict:
@@ -42,13 +45,16 @@ def paired_difference(first: Path, second: Path, names: tuple[str, str] = ("a", 
 
 
 def run_differences(first: Path, second: Path) -> dict:
-    """model -> paired_difference(first run's evaluation, second's) for each model both runs evaluated."""
+    """model -> paired_difference(first run's evaluation, second's) for each model both runs scored, by the
+    same kind of stage."""
+    runs = RunFolder(first), RunFolder(second)
     rows = {}
-    for model in EVALUATED:
-        stage = "evaluate_" + model.replace("-", "_")
-        a, b = stage_folders(first / "kfp", stage), stage_folders(second / "kfp", stage)
-        if a and b:
-            rows[model] = paired_difference(a[-1], b[-1], ("a", "b"))
+    for model, kinds in SCORED.items():
+        for stage in (variant_stage(kind, model) for kind in kinds):
+            a, b = (run.find(stage) for run in runs)
+            if a and b:
+                rows[model] = paired_difference(a, b, ("a", "b"))
+                break
     if not rows:
         raise SystemExit(f"{first} and {second}: no model that both evaluated")
     return rows

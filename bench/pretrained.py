@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 
 from paired import paired_difference  # bench/paired.py, beside this script
-from recipe import _classes, _num, collect  # bench/recipe.py
-from runs import ci_text, evaluation_folders, stage_folder  # bench/runs.py, beside this script
+from recipe import collect  # bench/recipe.py
+from runs import ci_text, evaluation_folders, num_text, synthetic_classes  # bench/runs.py, beside this script
 
 log = logging.getLogger("bench")
 
@@ -120,14 +120,15 @@ def train_and_evaluate(name: str, work: Path, sets: list[str]) -> dict:
 
 def run_pipeline(name: str, work: Path, sets: list[str]) -> dict:
     from qatpipe_pipelines.local_run import run_local
+    from qatpipe_pipelines.run_folder import RunFolder
 
     started = time.perf_counter()
     if not (work / name / "summary.json").is_file():
         run_local(work / name, "full", sets)
     row = collect(name, work, sets, time.perf_counter() - started)
-    train = json.loads((stage_folder(work / name, "train") / "train_summary.json").read_text())
+    train = json.loads((RunFolder(work / name).stage("train") / "train_summary.json").read_text())
     row["train_seconds"] = train.get("wall_seconds")
-    row["evaluation"] = str(evaluation_folders(work / name / "kfp")["fp32"])
+    row["evaluation"] = str(evaluation_folders(work / name)["fp32"])
     row["model"] = json.loads((Path(row["evaluation"]) / "metrics.json").read_text())["model"]
     return row
 
@@ -139,7 +140,7 @@ def score_on(model: str, val: Path, kind: str, out: Path) -> Path:
 
     if not (out / "metrics.json").is_file():
         spec = load_spec(bundled_spec_path("full"), [f"dataset.synthetic.kind={kind}",
-                                                        f"dataset.classes={_classes(kind)}",
+                                                        f"dataset.classes={synthetic_classes(kind)}",
                                                         f"dataset.train={val}", f"dataset.val={val}"])
         evaluate(spec, Path(model), out, stage_name="evaluate_fp32", variant="fp32")
     return out
@@ -176,7 +177,7 @@ def main() -> None:
     rows = []
     for backbone in args.backbones:
         pretrained = pretrain_backbone(backbone, work, data) if wanted else None
-        base = [f"dataset.synthetic.kind={args.kind}", f"dataset.classes={_classes(args.kind)}",
+        base = [f"dataset.synthetic.kind={args.kind}", f"dataset.classes={synthetic_classes(args.kind)}",
                 f"model.backbone.name={backbone}", *args.sets]
         result = {"backbone": backbone, "pretrain": pretrained, "runs": {}}
         runs = {"scratch": base}
@@ -233,9 +234,10 @@ def report(rows: list[dict]) -> None:
         for key in ("pretrain", "pretrain_own"):
             if row.get(key):  # None where --skip left the shapes+photos start out
                 p = row[key]
-                print(f"\n{row['backbone']} {key}: top-1 {_num(p.get('top1'), '{:.3f}')} on {p.get('val_crops')} "
-                      f"held-back crops, {p.get('num_classes')} classes (chance {_num(p.get('chance'), '{:.3f}')}), "
-                      f"{_num(p.get('wall_seconds'), '{:.0f}')} s")
+                print(f"\n{row['backbone']} {key}: top-1 {num_text(p.get('top1'), '{:.3f}')} on {p.get('val_crops')} "
+                      f"held-back crops, {p.get('num_classes')} classes "
+                      f"(chance {num_text(p.get('chance'), '{:.3f}')}), "
+                      f"{num_text(p.get('wall_seconds'), '{:.0f}')} s")
         print("run              variant  mAP@0.5  95% CI")
         for name, run in row["runs"].items():
             for variant, v in run["variants"].items():
@@ -243,8 +245,8 @@ def report(rows: list[dict]) -> None:
         print("run              FP32 - scratch (points, paired 95% CI)   unpruned mAP@0.5  train s  wall s")
         for name, run in row["runs"].items():
             diff = _diff(run["fp32_vs_scratch"]["map50"]) if "fp32_vs_scratch" in run else "-"
-            print(f"{name:<16} {diff:<40} {_num(run['unpruned_map50'])}            "
-                  f"{_num(run.get('train_seconds'), '{:.0f}')}    {_num(run['wall_seconds'], '{:.0f}')}")
+            print(f"{name:<16} {diff:<40} {num_text(run['unpruned_map50'])}            "
+                  f"{num_text(run.get('train_seconds'), '{:.0f}')}    {num_text(run['wall_seconds'], '{:.0f}')}")
         if "seen_fonts" in row:
             print("on the glyphs val split (fonts seen in training): FP32 mAP@0.5, and - scratch (paired)")
             for name, value in row["seen_fonts"].items():

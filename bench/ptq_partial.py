@@ -21,7 +21,9 @@ import shutil
 import time
 from pathlib import Path
 
-from runs import ci_text, stage_folder  # bench/runs.py, beside this script
+from runs import ci_text  # bench/runs.py, beside this script
+
+from qatpipe_pipelines.run_folder import RunFolder, variant_stage
 
 log = logging.getLogger("bench")
 RUN_VARIANTS = ("fp32", "ptq", "ptq-partial")  # the run's validations this one is paired with
@@ -37,10 +39,10 @@ def partial_again(run: Path, sets: list[str], out: Path) -> dict:
     from qatpipe.stages.sensitivity import sensitivity
     from qatpipe.stages.validate import validate
 
-    dataset = stage_folder(run, "prepare_data")
+    dataset = RunFolder(run).stage("prepare_data")
     spec = spec_with_prepared_dataset(load_spec(bundled_spec_path("full"), sets), dataset)
-    fp32_onnx = stage_folder(run, "export_fp32") / "model.onnx"
-    ptq_onnx = stage_folder(run, "ptq") / "model.onnx"
+    fp32_onnx = RunFolder(run).stage("export_fp32") / "model.onnx"
+    ptq_onnx = RunFolder(run).stage("ptq") / "model.onnx"
     if out.exists():
         shutil.rmtree(out)
     seconds = {}
@@ -52,7 +54,7 @@ def partial_again(run: Path, sets: list[str], out: Path) -> dict:
     seconds["ptq_partial"] = round(time.perf_counter() - started, 1)
     engine = build_engine(spec, out / "onnx_model" / "model.onnx", out / "engine", backend="onnxruntime")
     started = time.perf_counter()
-    verdict = validate(spec, out / "engine", stage_folder(run, "evaluate_fp32") / "metrics.json", out / "validation",
+    verdict = validate(spec, out / "engine", RunFolder(run).stage("evaluate_fp32") / "metrics.json", out / "validation",
                        variant="ptq-partial", onnx_model=out / "onnx_model" / "model.onnx")
     seconds["validate"] = round(time.perf_counter() - started, 1)
     layers = engine["layer_precision"]
@@ -72,7 +74,7 @@ def main() -> None:
     run = args.run.resolve()
     out = run.parent / f"{run.name}_ptq_partial"
     found = partial_again(run, args.overrides, out)
-    evaluations = {name: stage_folder(run, f"validate_{name.replace('-', '_')}") for name in RUN_VARIANTS}
+    evaluations = {name: RunFolder(run).stage(variant_stage("validate", name)) for name in RUN_VARIANTS}
     evaluations["ptq-partial (now)"] = out / "validation"
     pairs = [("ptq-partial (now)", name) for name in RUN_VARIANTS] + [("ptq", "fp32"), ("ptq-partial", "fp32")]
     scored = uncertainty(evaluations, pairs=pairs)

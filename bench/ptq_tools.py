@@ -34,24 +34,23 @@ RUN_VARIANTS = {"run_ptq": "ptq", "run_qat": "qat"}  # the run's own validations
 
 def _ptq_task(run: Path) -> tuple[Path, Path]:
     """(the FP32 ONNX the run's PTQ task calibrated, the spec.yaml of the FP32 retrain that made it)."""
-    from runs import stage_folder
-
     from qatpipe.export.bundle import ExportBundle
+    from qatpipe_pipelines.run_folder import RunFolder
 
-    fp32_onnx = Path(json.loads(ExportBundle(stage_folder(run, "ptq") / "model.onnx").ptq_report.read_text())["source"])
-    return fp32_onnx, stage_folder(run, "finetune_fp32", "retrain_fp32") / "spec.yaml"
+    folder = RunFolder(run)
+    fp32_onnx = Path(json.loads(ExportBundle(folder.variant("ptq").onnx).ptq_report.read_text())["source"])
+    return fp32_onnx, folder.stage("finetune_fp32", "retrain_fp32") / "spec.yaml"
 
 
 def _run_validation(run: Path, variant: str) -> Path | None:
     """The folder of the run's own validation of `variant` as TensorRT scores it, or None."""
-    from runs import stage_folders
-
     from qatpipe.stages.compare import tensorrt_emulated_folders
+    from qatpipe_pipelines.run_folder import RunFolder, variant_stage
 
-    found = stage_folders(run / "kfp", f"validate_{variant}")
-    if not found:
+    found = RunFolder(run).find(variant_stage("validate", variant))
+    if found is None:
         return None
-    return (tensorrt_emulated_folders({variant: found[0]}) or {variant: found[0]})[variant]
+    return (tensorrt_emulated_folders({variant: found}) or {variant: found})[variant]
 
 
 def bench_run(run: Path, work: Path, images: int, settings=SETTINGS, others: dict | None = None) -> list[dict]:

@@ -34,11 +34,11 @@ import json
 import logging
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from recipe import _json  # bench/recipe.py, beside this script
-from runs import ci_text, engine_folders, median_round, speedup_range, stage_folder, time_in_rounds
+from runs import ci_text, median_round, read_json, speedup_range, time_in_rounds  # bench/runs.py, beside this
+
+from qatpipe_pipelines.run_folder import RunFolder, variant_stage
 
 log = logging.getLogger("bench")
 
@@ -79,7 +79,7 @@ def run_backbone(backbone: str, work: Path, overrides: list[str], distill_weight
         extra[FP32_LONGER] = {"enabled": False}
     for variant, settings in extra.items():
         started = time.perf_counter()
-        if retrained_qat(backbone, work, EXTRA_QAT[variant], settings, sets):
+        if retrained_qat(backbone, work, EXTRA_QAT[variant], settings):
             seconds[variant] = round(time.perf_counter() - started, 1)
     return describe(backbone, work, sets, wall, seconds)
 
@@ -90,13 +90,13 @@ def extra_seconds(row: dict) -> dict[str, float]:
         {"qat+distill": row["distill_seconds"]} if row.get("distill_seconds") else {}))
 
 
-def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict, sets: list[str]) -> bool:
-    """The run's QAT retrain again with the qat `settings` changed, same spec, from where its qat.start (or the
-    one `settings` sets) begins QAT (the model it starts from is also distillation's teacher); exported, built
-    into an engine as the pipeline builds them (exact CPU form here) and evaluated into
+def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict) -> bool:
+    """The run's QAT retrain again with the qat `settings` changed, under the spec the run resolved, from where its
+    qat.start (or the one `settings` sets) begins QAT (the model it starts from is also distillation's teacher);
+    exported, built into an engine as the pipeline builds them (exact CPU form here) and evaluated into
     WORK/<backbone>_<folder_name>. False where it had been (its engine is built where an older run of this
     script did not)."""
-    from qatpipe.spec import bundled_spec_path, load_spec
+    from qatpipe.data.prepare import spec_with_prepared_dataset
     from qatpipe.stages.build_engine import build_engine
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.export import export
@@ -104,25 +104,21 @@ def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict, s
     from qatpipe.stages.retrain_plan import FINETUNE_FP32, plan_retrain
 
     folder = work / f"{backbone}_{folder_name}"
-    run = work / backbone
-    # the run's spec (the bundled one with its overrides: the retrains' own spec.yaml files hold the epochs and
-    # schedule their order applied) on the run's prepared data set, read from its FP32 retrain's
-    spec = load_spec(bundled_spec_path("full"), sets)
-    spec.dataset = load_spec(stage_folder(run, "retrain_fp32") / "spec.yaml").dataset
+    run = RunFolder(work / backbone)
+    spec = spec_with_prepared_dataset(run.spec(), run.stage("prepare_data"))
     done = (folder / "evaluation" / "metrics.json").is_file()
     if not done:
         spec.qat.enabled = True
         for key, value in settings.items():
             setattr(spec.qat, key, value)
-        # from where qat.start begins QAT (stages/retrain_plan.py), for as long as that order trains it; the FP32
-        # control (qat.enabled False) is planned as qat.start baseline's QAT and recorded as the FP32 baseline's stage
-        order = spec if spec.qat.enabled else spec.model_copy(
-            update={"qat": spec.qat.model_copy(update={"start": "baseline"})})
-        plan = plan_retrain(order, True, *(stage_folder(run, stage) / "model.keras"
+        qat = spec.qat.enabled
+        # QAT from where qat.start begins it, as long as that order trains it (stages/retrain_plan.py); the FP32
+        # control (qat.enabled False) trains as qat.start baseline's QAT does, recorded as the FP32 baseline
+        order = spec if qat else spec.model_copy(update={"qat": spec.qat.model_copy(update={"start": "baseline"})})
+        plan = plan_retrain(order, True, *(run.stage(stage) / "model.keras"
                                            for stage in ("prune", "retrain_fp32", "finetune_fp32")))
-        if not spec.qat.enabled:
-            plan = replace(plan, stage_name=FINETUNE_FP32)
-        summary = retrain(plan.applied(spec), plan.source, folder / "retrain", stage_name=plan.stage_name)
+        summary = retrain(plan.applied(spec), plan.source, folder / "retrain",
+                          stage_name=plan.stage_name if qat else FINETUNE_FP32)
         export(spec, summary["model"], folder / "model.onnx")
     if not (folder / "engine" / "engine.json").is_file():
         build_engine(spec, folder / "model.onnx", folder / "engine", backend="onnxruntime")
@@ -134,13 +130,13 @@ def retrained_qat(backbone: str, work: Path, folder_name: str, settings: dict, s
 def describe(backbone: str, work: Path, sets: list[str], wall: float | None, seconds: dict[str, float]) -> dict:
     from qatpipe.stages.compare import uncertainty
 
-    run = work / backbone
-    summary = _json(run / "summary.json")
+    run = RunFolder(work / backbone)
+    summary = run.summary()
     # the pipeline's variants as compare scores them: their validate tasks' engines (TensorRT's numbers: the
     # exact CPU form here), not the evaluate tasks' ONNX Runtime runs of the ONNX as it is, where PTQ's
     # BN-folded convolutions run in ONNX Runtime's own int8 kernels (on this CPU without VNNI they gave MobileNetV2
     # 0.8459 against 0.8201). QAT-style exports (the extra retrains') do not fuse: their evaluations are exact.
-    evaluations = {name: stage_folder(run, f"validate_{name.replace('-', '_')}") for name in VARIANTS[:4]}
+    evaluations = {name: run.stage(variant_stage("validate", name)) for name in VARIANTS[:4]}
     extra = {name: work / f"{backbone}_{folder}" for name, folder in EXTRA_QAT.items()
              if (work / f"{backbone}_{folder}" / "evaluation" / "metrics.json").is_file()}
     evaluations.update({name: folder / "evaluation" for name, folder in extra.items()})
@@ -149,10 +145,10 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None, sec
         (v, "qat") for v in extra if v != FP32_LONGER] + [  # what each change gained over the pipeline's QAT
         (v, FP32_LONGER) for v in evaluations if FP32_LONGER in extra and (v == "qat" or v in QAT_GRAPH)]
     scored = uncertainty(evaluations, pairs=pairs)
-    partial = _json(stage_folder(run, "ptq_partial") / "ptq_partial.json")
-    engines = engine_folders(run)
+    partial = read_json(run.stage("ptq_partial") / "ptq_partial.json")
+    engines = {name: variant.engine for name, variant in run.variants().items() if variant.engine}
     engines.update({name: folder / "engine" for name, folder in extra.items() if (folder / "engine").is_dir()})
-    speeds = engine_speeds(engines, sets)
+    speeds = engine_speeds(engines, run.spec().dataset.image_size)
     variants = {}
     for name in evaluations:
         row = summary.get("variants", {}).get("qat" if name in QAT_GRAPH else "fp32" if name == FP32_LONGER else name,
@@ -163,9 +159,9 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None, sec
     if "qat-auto" in extra:
         from qatpipe.stages.retrain import AUTO_FILE, AUTO_FOLDER
 
-        variants["qat-auto"]["excluded_layers_auto"] = _json(
+        variants["qat-auto"]["excluded_layers_auto"] = read_json(
             extra["qat-auto"] / "retrain" / AUTO_FOLDER / AUTO_FILE)
-        layers = _json(extra["qat-auto"] / "engine" / "engine.json").get("layer_precision")  # as validate reads
+        layers = read_json(extra["qat-auto"] / "engine" / "engine.json").get("layer_precision")  # as validate reads
         variants["qat-auto"]["layers"] = f"{layers['int8']} / {layers['fp16']} / {layers['fp32']}" if layers else None
     return {"backbone": backbone, "overrides": sets, "variants": variants,
             "pairs": {key: pair["map50"] for key, pair in scored["pairs"].items()},
@@ -175,19 +171,16 @@ def describe(backbone: str, work: Path, sets: list[str], wall: float | None, sec
             "wall_seconds": wall, "extra_qat_seconds": seconds}
 
 
-def engine_speeds(engines: dict[str, Path], sets: list[str], batch_size: int = 8, rounds: int = 5
-                  ) -> dict[str, dict]:
+def engine_speeds(engines: dict[str, Path], size, batch_size: int = 8, rounds: int = 5) -> dict[str, dict]:
     """The engines (variant -> folder: the run's, as its validate tasks scored them, and this script's extra
-    QAT retrains') timed here at `batch_size`, every engine once a round for `rounds` rounds, in this one
-    process: variant -> img/s (the rounds' median), its speed-up over FP32 and that speed-up's range over the
-    rounds. The pipeline's own build-engine figures come from tasks run minutes to hours apart, each under
+    QAT retrains') timed here on random images of `size` (dataset.image_size) at `batch_size`, every engine
+    once a round for `rounds` rounds, in this one process: variant -> img/s (the rounds' median), its speed-up
+    over FP32 and that speed-up's range over the rounds. The pipeline's own build-engine figures come from tasks run minutes to hours apart, each under
     whatever else the machine ran."""
     import numpy as np
 
     from qatpipe.engines import load_engine
-    from qatpipe.spec import bundled_spec_path, load_spec
 
-    size = load_spec(bundled_spec_path("full"), sets).dataset.image_size
     runners = {variant: load_engine(folder).run for variant, folder in engines.items()}
     batch = np.random.default_rng(0).uniform(size=(batch_size, size.height, size.width, 3)).astype(np.float32)
     timed = {name: per[batch_size] for name, per in
@@ -266,7 +259,7 @@ def main() -> None:
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # each run's local SQLite store
     args.work.mkdir(parents=True, exist_ok=True)
     out = args.work / "bench_qat_value.json"
-    before = {row["backbone"]: row for row in _json(out).get("rows", [])}
+    before = {row["backbone"]: row for row in read_json(out).get("rows", [])}
     rows = [row for name, row in before.items() if name not in args.backbones]
     for backbone in args.backbones:
         rows.append(run_backbone(backbone, args.work, args.overrides, args.distill_weight, args.qat_auto,

@@ -17,33 +17,17 @@ import os
 import time
 from pathlib import Path
 
-from runs import ci_text, evaluation_folders  # bench/runs.py, beside this script
+from runs import ci_text, evaluation_folders, num_text, read_json, synthetic_classes  # bench/runs.py, beside this
 
 log = logging.getLogger("bench")
 
 PAIRS = ("qat-fp32", "ptq-fp32", "qat-ptq")
 
 
-def _classes(kind: str) -> str:
-    from qatpipe.data.synth import KINDS
-
-    return "[" + ", ".join(KINDS[kind].classes) + "]"
-
-
-def _json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _find(root: Path, name: str, task: str) -> Path | None:
-    """The newest file `name` under the kfp.local output folder of the pipeline task `task`."""
-    hits = sorted((p for p in root.rglob(name) if task in p.parts), key=lambda p: p.stat().st_mtime, reverse=True)
-    return hits[0] if hits else None
-
-
 def run_kind(kind: str, work: Path, overrides: list[str]) -> dict:
     from qatpipe_pipelines.local_run import run_local
 
-    sets = [f"dataset.synthetic.kind={kind}", f"dataset.classes={_classes(kind)}", *overrides]
+    sets = [f"dataset.synthetic.kind={kind}", f"dataset.classes={synthetic_classes(kind)}", *overrides]
     started = time.perf_counter()
     run_local(work / kind, "full", sets)
     return collect(kind, work, sets, time.perf_counter() - started)
@@ -51,11 +35,15 @@ def run_kind(kind: str, work: Path, overrides: list[str]) -> dict:
 
 def collect(kind: str, work: Path, sets: list[str], wall: float | None) -> dict:
     """One data set's figures from its finished run folder."""
-    summary = _json(work / kind / "summary.json")
-    kfp_root = work / kind / "kfp"
-    train_summary = _json(_find(kfp_root, "train_summary.json", "train") or Path("-"))
+    from qatpipe.stages.evaluate import METRICS_FILE
+    from qatpipe.stages.train import SUMMARY_FILE as TRAIN_SUMMARY
+    from qatpipe_pipelines.run_folder import RunFolder
 
-    evaluations = {model: _json(folder / "metrics.json") for model, folder in evaluation_folders(kfp_root).items()}
+    run = RunFolder(work / kind)
+    summary = run.summary()
+    train = run.find("train")
+    train_summary = read_json(train / TRAIN_SUMMARY) if train else {}
+    evaluations = {model: read_json(folder / METRICS_FILE) for model, folder in evaluation_folders(run.path).items()}
     fp32_metrics = evaluations.get("fp32", {})
     return {
         "kind": kind, "overrides": sets, "wall_seconds": None if wall is None else round(wall, 1),
@@ -94,15 +82,12 @@ def print_report(rows: list[dict]) -> None:
           "precision; wall (s)")
     for row in rows:
         d = row["diagnostics"]
-        cells = [_num(d.get("class_agnostic_map50")), _num(d.get("class_accuracy"), "{:.3f}"),
-                 _num(row["unpruned_map50"]), f"{row['best_epoch'] or 'n/a'}/{row['epochs'] or '?'}",
-                 _num(row["train_images_per_second"], "{:.1f}"), row["train_precision"] or "n/a",
-                 _num(row["wall_seconds"], "{:.0f}")]
+        cells = [num_text(d.get("class_agnostic_map50")), num_text(d.get("class_accuracy"), "{:.3f}"),
+                 num_text(row["unpruned_map50"]), f"{row['best_epoch'] or 'n/a'}/{row['epochs'] or '?'}",
+                 num_text(row["train_images_per_second"], "{:.1f}"), row["train_precision"] or "n/a",
+                 num_text(row["wall_seconds"], "{:.0f}")]
         print(f"{row['kind']:<9} " + "  ".join(f"{cell:<12}" for cell in cells))
 
-
-def _num(value, fmt: str = "{:.4f}") -> str:
-    return "n/a" if value is None else fmt.format(value)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,52 +1,37 @@
-"""What the bench scripts read from a finished `qatpipe run --local` folder."""
+"""What the bench scripts share: what they read from a finished `qatpipe run --local` folder (through
+qatpipe_pipelines.run_folder, the reader the local run's summary uses), timing in rounds, and figures as printed."""
 
 import json
 from pathlib import Path
 
+from qatpipe_pipelines.run_folder import RunFolder
 
-def evaluation_folders(kfp_root: Path) -> dict[str, Path]:
-    """The evaluation folders of the unpruned model ("unpruned") and of the retrained FP32 model ("fp32") under
-    a run's kfp/ folder, whichever are there. kfp.local names task folders by task id, so an evaluation is told
-    apart by the task that made the model it scored: train, or the export whose report says no QAT."""
-    from qatpipe.export.bundle import ExportBundle
-
-    found = {}
-    for metrics_path in kfp_root.rglob("metrics.json"):
-        model = json.loads(metrics_path.read_text()).get("model")
-        if not model:
-            continue
-        task = Path(model).parent.parent
-        if task.name == "train":
-            found["unpruned"] = metrics_path.parent
-        elif task.name.startswith("export") and "QAT" not in ExportBundle(Path(model)).report.read_text():
-            found["fp32"] = metrics_path.parent
-    return found
+EVALUATED = ("unpruned", "fp32")  # the models a run's evaluate tasks score (the INT8 variants: validate's)
 
 
-def stage_folders(kfp_root: Path, *stages: str) -> list[Path]:
-    """The task folders under a run's kfp/ whose tracking record is one of `stages`' (evaluate_fp32,
-    retrain_qat, ...), in path order."""
-    return [p.parent for p in sorted(kfp_root.rglob("tracking.json")) if json.loads(p.read_text())["stage"] in stages]
+def evaluation_folders(run: Path) -> dict[str, Path]:
+    """model -> the evaluation folder of the unpruned model ("unpruned") and of the FP32 baseline ("fp32") of a
+    `qatpipe run --local` folder, whichever it has (their evaluate stages' records)."""
+    folder = RunFolder(run)
+    found = {model: folder.find(f"evaluate_{model}") for model in EVALUATED}
+    return {model: path for model, path in found.items() if path}
 
 
-def stage_folder(run: Path, *stages: str) -> Path:
-    """The first task folder of a `qatpipe run --local` folder whose record is one of `stages`'; exits naming the
-    run when there is none."""
-    found = stage_folders(run / "kfp", *stages)
-    if not found:
-        raise SystemExit(f"{run}: no finished {' or '.join(stages)}")
-    return found[0]
+def read_json(path: Path) -> dict:
+    """A JSON file's object, or {} where there is no such file (a part of a run that has not run)."""
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def engine_folders(run: Path) -> dict[str, Path]:
-    """variant -> the engine folder the run's validate task of that variant scored (where the run folder holds
-    several pipeline runs, the newest one's)."""
-    verdicts = sorted((run / "kfp").glob("*/validate*/results/validation.json"), key=lambda p: p.stat().st_mtime)
-    return {verdict["variant"]: Path(verdict["engine"]) for verdict in map(_read, verdicts)}
+def num_text(value, fmt: str = "{:.4f}") -> str:
+    """A figure as printed: "n/a" where there is none."""
+    return "n/a" if value is None else fmt.format(value)
 
 
-def _read(path: Path) -> dict:
-    return json.loads(path.read_text())
+def synthetic_classes(kind: str) -> str:
+    """The --set value of dataset.classes for the generated data set `kind` (dataset.synthetic.kind)."""
+    from qatpipe.data.synth import KINDS
+
+    return "[" + ", ".join(KINDS[kind].classes) + "]"
 
 
 def time_in_rounds(runners: dict, batches: dict, rounds: int, iterations: int, min_seconds: float,

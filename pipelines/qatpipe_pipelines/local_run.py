@@ -16,10 +16,10 @@ from pathlib import Path
 
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import folder_lock, write_json
+from qatpipe_pipelines.run_folder import PIPELINE_ROOT, SUMMARY_FILE, RunFolder
 
 log = logging.getLogger(__name__)
 
-SUMMARY_FILE = "summary.json"
 STAGE_LOG_FILE = "stage_log.jsonl"
 DEFAULT_OUTPUT = Path("results/pipeline")  # `qatpipe run --local`'s and `make main`'s
 MLFLOW_STORE = "mlflow.db"  # the SQLite MLflow store in the output folder, unless $MLFLOW_TRACKING_URI names one
@@ -61,7 +61,7 @@ def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str) -
 
     stage_log = out / STAGE_LOG_FILE
     stage_log.unlink(missing_ok=True)
-    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(out / "kfp"),
+    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(out / PIPELINE_ROOT),
                    enable_caching=True, cache_root=str(out / "kfp-cache"), raise_on_error=True)
     qat_pipeline = build_pipeline(network_retries=0, placement=False, code_version=code_version())
     started = time.time()
@@ -84,7 +84,7 @@ def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str) -
                 raise PipelineFailed(_failure_message(stage_log, exc, out, spec_uri, overrides)) from None
             raise
 
-    summary = _collect_summary(out / "kfp", started)
+    summary = _collect_summary(out, started)
     summary["stages"] = _stage_outcomes(stage_log)
     summary["wall_seconds"] = round(time.time() - started, 1)
     write_json(out / SUMMARY_FILE, summary)
@@ -113,13 +113,15 @@ def _absolute_if_local(spec_uri: str) -> str:
     return str(path.resolve()) if path.exists() else spec_uri
 
 
-def _collect_summary(pipeline_root: Path, started: float) -> dict:
-    """The compare stage's summary.json from this run (kfp.local names run folders by time)."""
-    candidates = sorted(pipeline_root.glob("*/compare/summary/summary.json"), key=lambda p: p.stat().st_mtime)
-    fresh = [p for p in candidates if p.stat().st_mtime >= started - 1]
-    if not fresh:
-        raise QatpipeError(f"{pipeline_root}: the pipeline finished but wrote no compare/summary.json")
-    return json.loads(fresh[-1].read_text())
+def _collect_summary(out: Path, started: float) -> dict:
+    """The compare stage's summary.json from this run: its newest compare output, written since `started`."""
+    from qatpipe.stages.compare import SUMMARY_FILE as COMPARE_SUMMARY
+
+    compare = RunFolder(out).find("compare")
+    path = compare / COMPARE_SUMMARY if compare else None
+    if path is None or not path.is_file() or path.stat().st_mtime < started - 1:
+        raise QatpipeError(f"{out / PIPELINE_ROOT}: the pipeline finished but wrote no compare/summary.json")
+    return json.loads(path.read_text())
 
 
 def code_version() -> str:
