@@ -24,7 +24,7 @@ from qatpipe.tracking.records import StageRecord
 log = logging.getLogger(__name__)
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
-INJECTED_RUN_ENV = "MLFLOW_RUN_ID"  # set by the KFP backend's MLflow integration
+INJECTED_RUN_ENV = "MLFLOW_RUN_ID"  # the task's run, set by KFP's MLflow plugin (tracking/kfp_plugin.py)
 PARENT_TAG = "mlflow.parentRunId"
 STAGE_TAG = "qatpipe.stage"
 KIND_TAG = "qatpipe.kind"  # "pipeline" on parent runs, "stage" on the nested runs qatpipe makes itself
