@@ -86,7 +86,8 @@ def stage(name: str, record=None):
     if record is not None:
         from qatpipe.tracking.stage_logging import log_at_stage_end
 
-        log_at_stage_end(name, getattr(record, "path", record))
+        if log_at_stage_end(name, getattr(record, "path", record)):
+            log.info("stage %s: record logged to MLflow in %.1f s", name, time.perf_counter() - started - seconds)
     log.info("stage %s: done in %.1f s", name, seconds)
     _record(name, "done", seconds)
 
