@@ -19,7 +19,7 @@ from conftest import SMALL_IMAGES
 from qatpipe_kfp.compare.component import compare
 from qatpipe_kfp.fingerprint_data.component import fingerprint_data
 from qatpipe_kfp.finish_tracking.component import finish_tracking
-from qatpipe_kfp.log_stage.component import log_stage
+from qatpipe_kfp.log_stages.component import log_stages_component
 from qatpipe_kfp.prepare_data.component import prepare_data
 from qatpipe_kfp.resolve_spec.component import resolve_spec
 from qatpipe_kfp.start_tracking.component import start_tracking
@@ -54,7 +54,8 @@ def test_light_components_run_from_their_shipped_source(tmp_path, monkeypatch, e
                                     kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER).outputs["Output"]
             fingerprint = fingerprint_data(data_spec=specs.outputs["data_spec"])
             data = prepare_data(data_spec=specs.outputs["data_spec"], data_fingerprint=fingerprint.output)
-            log_stage(parent_run_id=parent, stage_output=data.outputs["dataset"])
+            # prepare-data finds no pipeline run at its end (no KFP run id, no local run's folder): log-stages logs it
+            log_stages_component({"prepare-data": "dataset"})(parent_run_id=parent, prepare_data=data.outputs["dataset"])
             evaluation = dsl.importer(artifact_uri=str(evaluation_dir), artifact_class=dsl.Artifact).output
             pruned = dsl.importer(artifact_uri=str(evaluation_dir.parent / "pruned"), artifact_class=dsl.Model)
             compare(parent_run_id=parent, fp32=evaluation, ptq=evaluation, ptq_partial=evaluation, qat=evaluation,
@@ -71,6 +72,7 @@ def test_light_components_run_from_their_shipped_source(tmp_path, monkeypatch, e
     assert run.data.metrics["pruning.flops_ratio"] == 0.4
     (child,) = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
     assert child.info.run_name == "prepare_data" and child.data.metrics["train.images"] == 6
+    assert re.fullmatch("[0-9a-f]{16}", child.data.tags["qatpipe.record"])  # the record's digest
     # the synthetic data set's splits are the pipeline run's dataset inputs
     assert {i.dataset.name for i in client.get_run(run.info.run_id).inputs.dataset_inputs} == {
         "synthetic/train", "synthetic/val"}
@@ -147,7 +149,10 @@ def test_every_component_folder_has_metadata_matching_its_function():
     for folder in folders:
         assert {"README.md", "metadata.yaml", "test_component.py"} <= {p.name for p in folder.iterdir()}, folder.name
         metadata = yaml.safe_load((folder / "metadata.yaml").read_text())
-        function = getattr(importlib.import_module(f"qatpipe_kfp.{folder.name}.component"), folder.name).python_func
+        module = importlib.import_module(f"qatpipe_kfp.{folder.name}.component")
+        # log-stages is made when the pipeline is built, its inputs from the stage table's rows
+        made = getattr(module, folder.name, None) or getattr(module, f"{folder.name}_component")({"prune": "pruned"})
+        function = made.python_func
         assert metadata["name"] == folder.name
         assert metadata["description"] == inspect.getdoc(function).splitlines()[0], folder.name
         assert metadata["stability"] in ("alpha", "beta", "stable") and "qatpipe" in metadata["tags"]

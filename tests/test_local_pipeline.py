@@ -129,7 +129,7 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     val_map50 = client.get_metric_history(children["train"].info.run_id, "val_map50")  # validated every epoch
     assert sorted(m.step for m in val_map50) == list(range(1, 21))
     # ... and logged live, epoch by epoch while it trained (the local run's tasks find the pipeline run through
-    # its output folder), not all at once by the log task after it
+    # its output folder), not all at once by the record at the stage's end
     assert children["train"].data.tags[LIVE_TAG] == "true"
     stamps = [m.timestamp for m in sorted(val_map50, key=lambda m: m.step)]
     assert len(set(stamps)) == 20 and stamps == sorted(stamps)

@@ -228,7 +228,7 @@ def test_training_curves_are_live_and_a_resumed_training_continues_them(mlflow_s
 
 
 def test_with_an_injected_run_every_stage_run_is_its_child(mlflow_server, evaluated_qat, tmp_path, monkeypatch):
-    """KFP's MLflow integration injects MLFLOW_RUN_ID (the task's nested run); MLflow's fluent API can take an
+    """KFP's MLflow plugin injects MLFLOW_RUN_ID (the task's nested run); MLflow's fluent API can take an
     environment MLFLOW_RUN_ID for a nested run's parent (mlflow issue 15713). Every run qatpipe makes,
     the models' runs included, stays a child of the pipeline run."""
     from qatpipe.tracking.records import StageRecord

@@ -17,12 +17,12 @@ REPO_YAML = Path(__file__).resolve().parents[1] / "pipelines" / "qat_pipeline.ya
 # tasks by display name, from the stage table (qatpipe_pipelines/stage_table.py)
 VARIANTS = ("fp32", "ptq", "ptq-partial", "qat")
 ONNX_TASKS = {"fp32": "export-fp32", "ptq": "ptq", "ptq-partial": "ptq-partial", "qat": "export-qat"}
-STAGES = stage_names(logged=True)  # each followed by its log task
+STAGES = stage_names(logged=True)  # each logs its tracking record, and log-stages takes it
 # the ONNX evaluations run ONNX Runtime's CPU build: no GPU for them
 GPU_TASKS = stage_names(runs=("training", "gpu"))
 TRAINING_TASKS = stage_names(runs=("training",))
-LIGHT_TASKS = {"resolve-spec", "start-tracking", "finish-tracking", "gpu-placement",
-               *stage_names(runs=("light",))}  # + log-*
+LIGHT_TASKS = {"resolve-spec", "start-tracking", "finish-tracking", "gpu-placement", "log-stages",
+               *stage_names(runs=("light",))}
 CACHED_TASKS = {row.name for row in STAGE_ROWS if not row.per_run} | {"gpu-placement"}  # a function of parameters
 
 
@@ -63,9 +63,11 @@ def test_dag_shape(compiled):
     assert set(root) == {"finish-tracking", "exit-handler-1"}
     assert root["finish-tracking"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
     handler = spec["components"][root["exit-handler-1"]["componentRef"]["name"]]["dag"]["tasks"]
-    logged = {f"log-{stage}" for stage in STAGES}
+    # one bookkeeping task for every stage's tracking record: 31 tasks in the UI graph (58 with a log task each and
+    # an ONNX evaluation of each INT8 variant)
     assert {task["taskInfo"]["name"] for task in handler.values()} == (
-        {row.name for row in STAGE_ROWS} | logged | {"resolve-spec", "start-tracking", "gpu-placement"})
+        {row.name for row in STAGE_ROWS} | {"log-stages", "resolve-spec", "start-tracking", "gpu-placement"})
+    assert len(handler) + len(root) == len(STAGE_ROWS) + 6 == 31
     tasks = _all_tasks(spec)
 
     def upstream(name):
@@ -141,8 +143,11 @@ def test_dag_shape(compiled):
     assert producer("register", "ptq_partial_validation") == ("validate-ptq-partial", "results")
     assert tasks["validate-ptq-partial"]["inputs"]["parameters"]["variant"]["runtimeValue"]["constant"] == (
         "ptq-partial")
-    for stage in STAGES:
-        assert upstream(f"log-{stage}") == {stage, "start-tracking"}, stage
+    # log-stages reads every logged stage's record output (the row's `logs`), as the input named after the stage
+    assert upstream("log-stages") == STAGES | {"start-tracking"}
+    for row in STAGE_ROWS:
+        if row.logs:
+            assert producer("log-stages", row.name.replace("-", "_")) == (row.name, row.logs), row.name
     # every stage receives only its spec view; the QAT retrain gets the view with the qat section
     assert tasks["train"]["inputs"]["parameters"]["train_spec"]["taskOutputParameter"] == {
         "producerTask": "resolve-spec", "outputParameterKey": "train_spec"}
@@ -247,7 +252,7 @@ def test_secrets_come_from_a_kubernetes_secret(compiled):
 def test_retries_and_caching(compiled):
     _, spec, _ = compiled
     tasks = _all_tasks(spec)
-    for name in ("resolve-spec", "start-tracking", "fingerprint-data", "prepare-data", "compare", "log-train"):
+    for name in ("resolve-spec", "start-tracking", "fingerprint-data", "prepare-data", "compare", "log-stages"):
         assert tasks[name]["retryPolicy"]["maxRetryCount"] == 3, name
     for name in TRAINING_TASKS:  # pre-emption: retried, resuming from the cache volume's checkpoints
         assert tasks[name]["retryPolicy"] == {"maxRetryCount": 2, "backoffDuration": "60s", "backoffFactor": 2.0,
@@ -315,13 +320,15 @@ def test_mpijob_option_runs_training_as_mpijobs_from_tasks_without_gpus(tmp_path
     assert executors[executor]["container"]["resources"]["accelerator"]["resourceType"] == "nvidia.com/gpu"
 
 
-def test_training_tasks_know_the_kfp_run_without_a_cache_busting_input(compiled):
-    """Live training curves: train and retrain read the KFP run id from their pod's labels (both label names
-    KFP backends use), so no per-run value enters their inputs and cached training stays cached."""
+def test_logging_stages_know_the_kfp_run_without_a_cache_busting_input(compiled):
+    """A stage logs its record when it ends (and train / retrain their live curves): each reads the KFP run id
+    from its pod's labels (both label names KFP backends use), so no per-run value enters their inputs and a
+    cached stage stays cached."""
     _, spec, platform = compiled
     tasks = _all_tasks(spec)
     k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
-    for name in TRAINING_TASKS:
+    assert TRAINING_TASKS < STAGES
+    for name in STAGES:
         executor = spec["components"][tasks[name]["componentRef"]["name"]]["executorLabel"]
         assert {item["name"]: item["fieldPath"] for item in k8s[executor]["fieldPathAsEnv"]} == {
             "QATPIPE_KFP_RUN_ID": "metadata.labels['pipeline/runid']",
@@ -345,7 +352,7 @@ def test_every_task_has_cpu_and_memory_requests_and_limits(compiled):
         executor = spec["components"][task["componentRef"]["name"]].get("executorLabel")
         if executor is None:
             continue
-        kind = ("training" if name in TRAINING_TASKS else "light" if name in LIGHT_TASKS or name.startswith("log-")
+        kind = ("training" if name in TRAINING_TASKS else "light" if name in LIGHT_TASKS
                 else "gpu_stage" if name in GPU_TASKS else "cpu_stage")
         resources = executors[executor]["container"]["resources"]
         for what, keys in (("cpu", ("resourceCpuRequest", "resourceCpuLimit")),
@@ -399,3 +406,13 @@ def test_engines_are_cached_per_gpu_model(compiled):
         gpu_type = tasks[f"build-engine-{variant}"]["inputs"]["parameters"]["gpu_type"]
         assert gpu_type == {"componentInputParameter": "pipelinechannel--gpu_type"}, variant
 
+
+
+def test_each_logged_stage_logs_the_output_its_row_names():
+    """The stage table's `logs` output is what log-stages reads; the component hands the same output to
+    runtime.stage(record=...), which logs it when the stage ends."""
+    import inspect
+
+    for row in STAGE_ROWS:
+        passed = re.findall(r"with stage\(.*record=(\w+)\):", inspect.getsource(row.component.python_func))
+        assert passed == ([row.logs] if row.logs else []), row.name

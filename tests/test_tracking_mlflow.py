@@ -68,7 +68,8 @@ def test_parent_and_stage_runs(mlflow_server, tmp_path, monkeypatch):
 
 
 def test_joins_the_run_the_kfp_backend_injects(mlflow_server, monkeypatch):
-    """KFP's MLflow integration makes a root run per pipeline run and injects each task's nested run."""
+    """KFP's MLflow plugin makes a root run per pipeline run and injects each task's nested run (the whole
+    hand-off: test_kfp_mlflow_plugin.py)."""
     tracker = MlflowTracker(mlflow_server)
     experiment = tracker.experiment_id("test-injected")
     root = tracker.client.create_run(experiment, run_name="kfp-pipeline-run").info.run_id

@@ -53,8 +53,13 @@ def setup_logging() -> None:
 
 
 @contextlib.contextmanager
-def stage(name: str):
-    """Run one stage: log its start and end; on failure say which stage, why, and how to resume."""
+def stage(name: str, record=None):
+    """Run one stage: log its start and end; on failure say which stage, why, and how to resume.
+
+    record: the output (an artifact, or its folder) that holds the stage's tracking.json, the one the stage
+    table's `logs` names: at the end it is logged to this pipeline run's MLflow tree, and a failure is logged
+    as a FAILED run with its reason (tracking/stage_logging.py; never failing the stage, and nothing without
+    MLFLOW_TRACKING_URI). A stage served from KFP's cache is logged by log-stages instead."""
     setup_logging()
     started = time.perf_counter()
     log.info("stage %s: started", name)
@@ -72,8 +77,17 @@ def stage(name: str):
         log.error("stage %s failed: %s. Fix the cause and re-run the pipeline: finished stages are reused "
                   "(KFP caching).", name, reason)
         _record(name, "failed", time.perf_counter() - started, reason)
+        if record is not None:
+            from qatpipe.tracking.stage_logging import log_failure
+
+            log_failure(name, reason)
         raise
     seconds = time.perf_counter() - started
+    if record is not None:
+        from qatpipe.tracking.stage_logging import log_at_stage_end
+
+        if log_at_stage_end(name, getattr(record, "path", record)):
+            log.info("stage %s: record logged to MLflow in %.1f s", name, time.perf_counter() - started - seconds)
     log.info("stage %s: done in %.1f s", name, seconds)
     _record(name, "done", seconds)
 

@@ -72,7 +72,7 @@ def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str) -
         # kfp.local warns, per task, that the image parameter is not a Python image: locally it runs no image
         warnings.filterwarnings("ignore", message="You may be attemping to run a task that uses custom",
                                 category=RuntimeWarning)
-        # ... and that display names (log-train, evaluate-fp32) are a KFP UI matter
+        # ... and that display names (log-stages, evaluate-fp32) are a KFP UI matter
         warnings.filterwarnings("ignore", message=r".*settings \['display_name'\] have no effect",
                                 category=UserWarning)
         try:

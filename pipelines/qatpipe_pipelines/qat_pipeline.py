@@ -13,8 +13,10 @@ fingerprint data → prepare data → train (unpruned) → evaluate (unpruned) a
 → compare (the variants' table, their differences, pruning block, gate) → register (each variant an MLflow model;
   the QAT one a registry version: alias champion when it passed the gate, rejected when not).
 
-The stages are the rows of stage_table.py: a task per row, each followed by the log task of its tracking
-record. Adding a stage is its component folder and its row there.
+The stages are the rows of stage_table.py: a task per row. A stage logs its own tracking record to MLflow
+when it ends (finding the pipeline's run without a task input, so its cache key holds no per-run id); one
+log-stages task at the end, never cached, takes every logged stage's record output and logs those this run
+does not hold yet: the stages served from KFP's cache. Adding a stage is its component folder and its row there.
 """
 
 # no `from __future__ import annotations`: KFP reads the pipeline signature's annotations as types
@@ -29,7 +31,7 @@ from kfp.dsl import pipeline_task
 
 from qatpipe_kfp.finish_tracking.component import finish_tracking
 from qatpipe_kfp.gpu_placement.component import gpu_placement
-from qatpipe_kfp.log_stage.component import log_stage
+from qatpipe_kfp.log_stages.component import log_stages_component
 from qatpipe_kfp.resolve_spec.component import resolve_spec
 from qatpipe_kfp.runtime import CREDENTIAL_KEYS
 from qatpipe_kfp.settings import ENGINE_IMAGE, TRAINING_IMAGE
@@ -112,17 +114,25 @@ class _TaskSettings:
             kubernetes.add_toleration_json(task, toleration_json=self.tolerations)
         return task
 
-    def logged(self, stage_output, parent_run_id, display_name: str) -> dsl.PipelineTask:
-        """A log-stage task: the stage's tracking record becomes a nested MLflow run of this pipeline run."""
-        task = log_stage(parent_run_id=parent_run_id, stage_output=stage_output).set_display_name(display_name)
-        return self.cpu(task, network=True, per_run=True, size="light")
+    @staticmethod
+    def finds_mlflow_run(task: dsl.PipelineTask) -> dsl.PipelineTask:
+        """The KFP run id from the pod's labels, not from a task input (that would defeat the cache): a stage
+        that logs its record at its end (and a training its live curves) finds the MLflow run by it."""
+        for env, label in zip(KFP_RUN_ID_ENVS, ("pipeline/runid", "pipelines.kubeflow.org/run_id")):
+            kubernetes.use_field_path_as_env(task, env, f"metadata.labels['{label}']")
+        return task
+
+    def log_stages(self, rows, tasks: dict) -> dsl.PipelineTask:
+        """The log-stages task: the records of the logged rows this run did not log at their end (cached ones)."""
+        logged = [row for row in rows if row.logs]
+        task = log_stages_component({row.name: row.logs for row in logged})(
+            parent_run_id=tasks["start-tracking"].outputs["Output"],
+            **{row.name.replace("-", "_"): tasks[row.name].outputs[row.logs] for row in logged})
+        return self.cpu(task.set_display_name("log-stages"), network=True, per_run=True, size="light")
 
     def training(self, task: dsl.PipelineTask, mpijob: bool) -> dsl.PipelineTask:
         """train / retrain: on a GPU node with a memory-backed /dev/shm, or (mpijob) a task that only follows
-        its MPIJob and holds no GPU. Either reads the KFP run id from its pod's labels, not from a task input
-        (that would defeat the cache), to find the MLflow run and log its curves there while it trains."""
-        for env, label in zip(KFP_RUN_ID_ENVS, ("pipeline/runid", "pipelines.kubeflow.org/run_id")):
-            kubernetes.use_field_path_as_env(task, env, f"metadata.labels['{label}']")
+        its MPIJob and holds no GPU."""
         # a pre-empted or evicted pod is retried and resumes from its last checkpoint, which lives on the cache
         # volume (stages/scale_out.py), not in the task's outputs
         task.set_retry(num_retries=TRAINING_RETRIES, backoff_duration="60s", backoff_factor=2.0)
@@ -142,7 +152,7 @@ def _input(value, tasks: dict[str, dsl.PipelineTask], params: dict):
 
 def _stage_task(row: Stage, run: _TaskSettings, tasks: dict, params: dict, scale_out: dict,
                 mpijob: bool) -> dsl.PipelineTask:
-    """The task of one stage_table row, placed as its row says, with the log task of its tracking record."""
+    """The task of one stage_table row, placed as its row says; one that logs a record finds the MLflow run."""
     inputs = {name: _input(value, tasks, params) for name, value in row.inputs.items()}
     if row.spec_input:
         view = row.view or row.spec_input.removesuffix("_spec")
@@ -160,7 +170,7 @@ def _stage_task(row: Stage, run: _TaskSettings, tasks: dict, params: dict, scale
         run.cpu(task, network=row.network, per_run=row.per_run, reads_data=row.reads_data, engine=row.engine,
                 size="light" if row.runs == "light" else "cpu_stage")
     if row.logs:
-        run.logged(task.outputs[row.logs], tasks["start-tracking"].outputs["Output"], f"log-{row.name}")
+        run.finds_mlflow_run(task)
     return task
 
 
@@ -330,6 +340,7 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             params = {"gpu_type": gpu_type, "kfp_ui_url": kfp_ui_url}
             for row in STAGES:
                 tasks[row.name] = _stage_task(row, run, tasks, params, scale_out, mpijob)
+            run.log_stages(STAGES, tasks)
 
     return qat_pipeline
 

@@ -1,6 +1,7 @@
 """The pipeline's stages, one row each: its component, what feeds each input, where it runs, what it logs.
 
-qat_pipeline.py makes a task per row, in this order, and a log task for each row that logs; the compile and
+qat_pipeline.py makes a task per row, in this order, and one log-stages task at the end whose inputs are the
+`logs` outputs of the rows that log (it logs the records of those served from KFP's cache); the compile and
 local-run tests take the stage names and kinds from here. Adding a stage is its component folder under
 components/qatpipe_kfp/ and its row here (and, when it reads a spec view no stage has yet, that view's row in
 qatpipe.spec.STAGE_SECTIONS, which resolve-spec's outputs follow); then `make compile` rewrites the YAML.
@@ -47,7 +48,7 @@ class Param:
 class Stage:
     """One task of the DAG. `inputs` maps the component's inputs to a From, a Param or a constant; its spec
     input (the one named `<view>_spec`) is fed resolve-spec's output of `view` (default: that input's prefix)."""
-    name: str  # the task's display name; its tracking record is logged by log-<name>
+    name: str  # the task's display name (and KFP's MLflow plugin's run name of the task)
     component: Any
     inputs: dict[str, Any] = field(default_factory=dict)
     runs: Literal["training", "gpu", "cpu", "light"] = "cpu"  # training: + the scale-out inputs, Horovod/MPIJob
@@ -56,7 +57,9 @@ class Stage:
     reads_data: bool = False  # mounts the dataset cache PVC
     network: bool = False  # talks to S3 / MLflow: retried
     per_run: bool = False  # its result belongs to this run: never served from the cache
-    logs: str | None = None  # the output that holds its tracking record
+    # the output that holds its tracking record: the component passes it to runtime.stage(name, record=...), which
+    # logs it when the stage ends; log-stages gets it as its input <name> (ptq-partial -> ptq_partial)
+    logs: str | None = None
     after: tuple[str, ...] = ()  # tasks it waits for without reading them
 
     @property

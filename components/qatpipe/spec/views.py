@@ -61,4 +61,7 @@ def stage_view(spec: ExperimentSpec, stage: str) -> str:
     sections += tuple(section for view, extra, _, needed in SETTING_SECTIONS if view == stage and needed(spec)
                       for section in extra if section not in sections)
     full = spec.to_dict()
-    return yaml.safe_dump({key: full[key] for key in sections}, sort_keys=False)
+    view = {key: full[key] for key in sections}
+    if "model" not in view:  # the arch alone: the view then checks its image size against that arch's stride,
+        view["model"] = {"arch": full["model"]["arch"]}  # not the default arch's
+    return yaml.safe_dump(view, sort_keys=False)

@@ -2,11 +2,13 @@
 val mAP per epoch, as stepped metrics (step = epochs done, as training_log.csv's history is logged), from rank 0.
 
 The training process finds the pipeline's MLflow run through $QATPIPE_MLFLOW_PARENT_RUN, which the KFP
-training task sets (`parent_run_from_kfp`) from the KFP run id in its pod's labels, or in the local run from its
-output folder: neither becomes a task input, so training stays cacheable. The stage run is opened live
-(MlflowTracker.live_stage_run); the log task that follows adds the model's record and closes it. A resumed
+task sets (`parent_run_from_kfp`) from KFP's MLflow plugin ($KFP_MLFLOW_CONFIG), the KFP run id in its pod's
+labels, or in the local run from its output folder: none becomes a task input, so stages stay cacheable (every
+stage finds it so to log its record at its end, tracking/stage_logging.py). The stage run is opened live
+(MlflowTracker.live_stage_run; under the plugin its injected task run, $MLFLOW_RUN_ID); the stage's end adds the
+model's record and closes it. A resumed
 training continues the same run and steps. Tracking trouble never stops training: after one failed call the
-curves stop, with a warning, and the log task logs the whole history from training_log.csv at the end.
+curves stop, with a warning, and the stage's record brings the whole history from training_log.csv at the end.
 """
 
 from __future__ import annotations
@@ -29,22 +31,29 @@ def kfp_run_id() -> str:
 
 
 def parent_run_from_kfp() -> str:
-    """Set $QATPIPE_MLFLOW_PARENT_RUN for this process and its children from the pod's KFP run id, or under
-    `qatpipe run --local` from its output folder (the one pipeline run of that folder still RUNNING: the run
-    holds the folder's lock), when tracking is on; returns it ("" when there is none)."""
+    """Set $QATPIPE_MLFLOW_PARENT_RUN for this process and its children from KFP's MLflow plugin's parent run,
+    the pod's KFP run id, or under `qatpipe run --local` from its output folder (the one pipeline run of that
+    folder still RUNNING: the run holds the folder's lock), when tracking is on; returns it ("" when there is
+    none)."""
+    from qatpipe.tracking import kfp_plugin
     from qatpipe.tracking.mlflow_runs import KFP_RUN_TAG, RUN_FOLDER_ENV, MlflowTracker
 
     if os.environ.get(PARENT_RUN_ENV):
         return os.environ[PARENT_RUN_ENV]
     run_id, folder = kfp_run_id(), os.environ.get(RUN_FOLDER_ENV, "").strip()
     tracker = MlflowTracker.from_env(attempts=1)
-    if not (run_id or folder) or tracker is None:
+    if not (run_id or folder or kfp_plugin.present()) or tracker is None:
         return ""
     try:
+        plugin_parent = kfp_plugin.parent_run(tracker.client) if kfp_plugin.present() else ""
+        if plugin_parent:
+            os.environ[PARENT_RUN_ENV] = plugin_parent
+            return plugin_parent
         runs = tracker.pipeline_runs_tagged(KFP_RUN_TAG, run_id) if run_id else \
             tracker.running_pipeline_runs_of(folder)
-    except Exception as exc:  # live curves are a convenience: the log task still logs the history
-        log.warning("MLflow: no live training curves (finding the pipeline run failed: %s)", exc)
+    except Exception as exc:  # live curves are a convenience: log-stages still logs the record
+        log.warning("MLflow: finding the pipeline run failed (%s): no live curves, the record is logged by "
+                    "log-stages", exc)
         return ""
     if not runs:
         return ""
@@ -81,7 +90,7 @@ def live_curves(stage: str, steps_per_epoch: int, images_per_step: int):
                       "images_per_second": steps_per_epoch * images_per_step / max(seconds, 1e-9)}
             try:
                 if self.run_id is None:
-                    self.run_id = tracker.live_stage_run(parent, stage)
+                    self.run_id = _plugin_task_run(tracker, parent) or tracker.live_stage_run(parent, stage)
                     # a resumed training may redo an epoch an earlier attempt logged before it was stopped:
                     # one point per step, the first
                     self.logged_steps = {m.step for m in tracker.client.get_metric_history(self.run_id, "loss")}
@@ -95,6 +104,17 @@ def live_curves(stage: str, steps_per_epoch: int, images_per_step: int):
                             "ends", stage, exc)
 
     return LiveCurves()
+
+
+def _plugin_task_run(tracker, parent: str) -> str:
+    """This task's run made by KFP's MLflow plugin ($MLFLOW_RUN_ID under the parent), "" without one (an MPIJob's
+    processes do not get it: they log to a live run of their own)."""
+    from qatpipe.tracking import kfp_plugin
+
+    injected = kfp_plugin.injected_run()
+    if injected and tracker.client.get_run(injected).data.tags.get("mlflow.parentRunId") == parent:
+        return injected
+    return ""
 
 
 __all__ = ["KFP_RUN_ID_ENVS", "PARENT_RUN_ENV", "kfp_run_id", "live_curves", "parent_run_from_kfp"]

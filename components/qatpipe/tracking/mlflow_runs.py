@@ -1,8 +1,8 @@
 """MLflow runs for a pipeline: one parent run per pipeline run, a nested run per stage (tracking/registry.py
 puts the models and the registry on top of these).
 
-Processes and pods find the parent through its run id (a pipeline value). When the KFP backend's MLflow
-integration injects `MLFLOW_RUN_ID`, that run is joined as the parent instead of creating one.
+Processes and pods find the parent through its run id (a pipeline value). Under KFP's MLflow plugin
+(tracking/kfp_plugin.py) the plugin's parent run is joined instead of creating one, and left to KFP to close.
 Every call is retried; when the server stays unreachable a TrackingError names the URI (credentials
 removed) and what was being logged. Stage results are already on disk by then (tracking/records.py).
 """
@@ -24,15 +24,16 @@ from qatpipe.tracking.records import StageRecord
 log = logging.getLogger(__name__)
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
-INJECTED_RUN_ENV = "MLFLOW_RUN_ID"  # set by the KFP backend's MLflow integration
+INJECTED_RUN_ENV = "MLFLOW_RUN_ID"  # the task's run, set by KFP's MLflow plugin (tracking/kfp_plugin.py)
 PARENT_TAG = "mlflow.parentRunId"
 STAGE_TAG = "qatpipe.stage"
-KIND_TAG = "qatpipe.kind"  # "pipeline" on parent runs
+KIND_TAG = "qatpipe.kind"  # "pipeline" on parent runs, "stage" on the nested runs qatpipe makes itself
 KFP_RUN_TAG = "qatpipe.kfp_run_id"
 KFP_RUN_URL_TAG = "qatpipe.kfp_run_url"  # the run's page in the KFP UI, when known
 UI_URL_ENV = "QATPIPE_MLFLOW_UI_URL"  # the MLflow UI as a browser reaches it, when not the tracking URI
 JOINED_TAG = "qatpipe.joined"  # the parent run belongs to the KFP backend: it opens and closes it
 LIVE_TAG = "qatpipe.live"  # a stage run the training stage opened to log its curves while it trains
+RECORD_TAG = "qatpipe.record"  # the digest of the tracking.json a stage run holds (log-stages skips those logged)
 VARIANT_PREFIX = "variant."  # parent-run metrics: variant.<name>.<metric>
 COMPARISON_PREFIX = "comparison."  # parent-run metrics: comparison.<a-b>.<metric>, differences between variants
 TENSORRT_COMPARISON_PREFIX = "comparison_tensorrt."  # the same differences in TensorRT's numbers
@@ -146,18 +147,20 @@ class MlflowTracker:
                            tags: dict[str, str] | None = None, artifact_location: str | None = None) -> str:
         """The parent run's id.
 
-        - $MLFLOW_RUN_ID set (the KFP backend's MLflow integration): it names this task's nested run, so the
-          pipeline run is its parent; that run is joined, and the backend keeps opening and closing it.
+        - KFP's MLflow plugin present ($KFP_MLFLOW_CONFIG's parentRunId, or $MLFLOW_RUN_ID, this task's run, whose
+          parent it is): the plugin's parent run is joined (tagged, given the params); KFP opens and closes it.
         - a run tagged with this KFP run id exists (a retried start-tracking task): that run, not a second one.
         - else a new run in `experiment`.
         """
         tags = {KIND_TAG: "pipeline", **source_tags("qatpipe pipeline"), **(tags or {})}
         if os.environ.get(RUN_FOLDER_ENV):
             tags[RUN_FOLDER_TAG] = os.environ[RUN_FOLDER_ENV]
-        injected = os.environ.get(INJECTED_RUN_ENV, "").strip()
-        if injected:
-            task_run = self.call(f"reading the injected run {injected}", lambda: self.client.get_run(injected))
-            run_id = task_run.data.tags.get(PARENT_TAG, injected)
+        from qatpipe.tracking import kfp_plugin
+
+        plugin_parent = self.call("reading KFP's MLflow plugin's run", lambda: kfp_plugin.parent_run(self.client)) \
+            if kfp_plugin.present() else ""
+        if plugin_parent:
+            run_id = plugin_parent
             self.set_tags(run_id, {**tags, JOINED_TAG: "true"})
             log.info("joining the KFP backend's MLflow run %s", run_id)
         else:
@@ -184,7 +187,8 @@ class MlflowTracker:
         parent = self.call("reading the pipeline run", lambda: self.client.get_run(parent_run_id))
         run = self.call(f"creating the {stage} run", lambda: self.client.create_run(
             parent.info.experiment_id, run_name=stage,
-            tags={**source_tags(f"qatpipe {stage}"), PARENT_TAG: parent_run_id, STAGE_TAG: stage, **(tags or {})}))
+            tags={**source_tags(f"qatpipe {stage}"), PARENT_TAG: parent_run_id, STAGE_TAG: stage, KIND_TAG: "stage",
+                  **(tags or {})}))
         return run.info.run_id
 
     def stage_runs(self, parent_run_id: str, stage: str) -> list:
@@ -206,26 +210,29 @@ class MlflowTracker:
                 return run.info.run_id
         return self.start_stage_run(parent_run_id, stage, {LIVE_TAG: "true"})
 
-    def log_stage(self, parent_run_id: str, record: StageRecord, folder: str | Path) -> str:
-        """Log a stage's record (params, metrics, history, artifacts under `folder`) as a nested run.
+    def log_stage(self, parent_run_id: str, record: StageRecord, folder: str | Path, digest: str = "") -> str:
+        """Log a stage's record (params, metrics, history, artifacts under `folder`) as a nested run, tagged with
+        the record's `digest` (RECORD_TAG) when given.
 
-        Idempotent per (parent, stage): a retried task finds the finished run and stops, or replaces the
-        half-logged one. A run the stage opened live (live_stage_run) is completed instead: its curves are
-        there already, so only the history's metrics it lacks are added."""
+        Idempotent per (parent, stage): a retried task finds the finished run of that record and stops, or
+        replaces the half-logged one (or a failed attempt's, or another record's). A run the stage opened live
+        (live_stage_run) is completed instead: its curves are there already, so only the history's metrics it
+        lacks are added."""
         live_run = None
         for earlier in self.stage_runs(parent_run_id, record.stage):
-            if earlier.info.status == "FINISHED":
+            if earlier.info.status == "FINISHED" and earlier.data.tags.get(RECORD_TAG, digest) == digest:
                 log.info("stage %s is already logged (run %s)", record.stage, earlier.info.run_id)
                 return earlier.info.run_id
             if earlier.data.tags.get(LIVE_TAG) == "true" and live_run is None:
                 live_run = earlier.info.run_id
                 continue
             self.call("removing a half-logged run", lambda: self.client.delete_run(earlier.info.run_id))
-        run_id = live_run or self.start_stage_run(parent_run_id, record.stage, record.tags)
+        digested = {RECORD_TAG: digest} if digest else {}
+        run_id = live_run or self.start_stage_run(parent_run_id, record.stage, {**record.tags, **digested})
         try:
             history = record.history
             if live_run:
-                self.set_tags(run_id, record.tags)
+                self.set_tags(run_id, {**record.tags, **digested})
                 history = self._points_not_logged(run_id, history or {})
             self.log_params(run_id, record.params)
             self.log_metrics(run_id, record.metrics, history)
@@ -236,6 +243,21 @@ class MlflowTracker:
             raise
         self.finish(run_id, "FINISHED")
         log.info("logged stage %s to MLflow run %s", record.stage, run_id)
+        return run_id
+
+    def log_into_run(self, run, record: StageRecord, folder: str | Path, digest: str = "") -> str:
+        """Log a stage's record into an existing run (KFP's MLflow plugin's run of the stage's task), whatever
+        its status, and leave that to its owner: tags (STAGE_TAG, the digest), params it does not have yet (the
+        plugin logs a cached task's input parameters there, and params cannot change), metrics, artifacts."""
+        run_id = run.info.run_id
+        self.set_tags(run_id, {STAGE_TAG: record.stage, **record.tags})
+        self.log_params(run_id, {key: value for key, value in record.params.items() if key not in run.data.params})
+        self.log_metrics(run_id, record.metrics, self._points_not_logged(run_id, record.history or {}))
+        for relative in record.artifacts:
+            self.log_artifact(run_id, Path(folder) / relative)
+        if digest:  # last: the run holds the whole record once it carries the digest
+            self.set_tags(run_id, {RECORD_TAG: digest})
+        log.info("logged stage %s to KFP's MLflow run %s", record.stage, run_id)
         return run_id
 
     def _points_not_logged(self, run_id: str, history: dict[str, list[list[float]]]) -> dict:
@@ -293,8 +315,9 @@ class MlflowTracker:
         self.call(f"closing run {run_id}", lambda: self.client.set_terminated(run_id, status))
 
     def finish_pipeline_run(self, kfp_run_id: str, status: str, pipeline_state: str) -> str | None:
-        """Close the parent run tagged with `kfp_run_id` (unless the KFP backend owns it), and live training runs
-        left RUNNING under it (a training that failed for good); returns the parent's id."""
+        """Close the parent run tagged with `kfp_run_id` (unless KFP's MLflow plugin owns it), and the stage runs
+        left RUNNING under it (a training that failed for good; under the plugin only qatpipe's own live runs:
+        the plugin's launcher closes its task runs); returns the parent's id."""
         runs = self.call("finding the pipeline run", lambda: self.pipeline_runs_tagged(KFP_RUN_TAG, kfp_run_id)) \
             if kfp_run_id else []
         if not runs:
@@ -304,9 +327,10 @@ class MlflowTracker:
         for run in runs:  # normally one
             run_id = run.info.run_id
             self.set_tags(run_id, {PIPELINE_STATE_TAG: pipeline_state})
-            self._finish_running_children(run, status)  # a training that never reached its log task
-            if run.data.tags.get(JOINED_TAG) == "true":
-                log.info("the KFP backend owns MLflow run %s; leaving it open", run_id)
+            joined = run.data.tags.get(JOINED_TAG) == "true"
+            self._finish_running_children(run, status, only_live=joined)  # a training that never ended
+            if joined:
+                log.info("KFP's MLflow plugin owns MLflow run %s; leaving it open", run_id)
                 continue
             self.finish(run_id, status)
             closed = run_id
@@ -334,10 +358,11 @@ class MlflowTracker:
                                  f"tags.`{KIND_TAG}` = 'pipeline' and attributes.status = 'RUNNING'")
         return [run for run in running if run.data.tags.get(RUN_FOLDER_TAG) == run_folder]
 
-    def _finish_running_children(self, run, status: str) -> None:
+    def _finish_running_children(self, run, status: str, only_live: bool = False) -> None:
         for child in self.find_runs([run.info.experiment_id], f"tags.`{PARENT_TAG}` = '{run.info.run_id}' and "
                                     "attributes.status = 'RUNNING'"):
-            self.finish(child.info.run_id, status)
+            if not only_live or child.data.tags.get(LIVE_TAG) == "true":
+                self.finish(child.info.run_id, status)
 
     def pipeline_runs_tagged(self, tag: str, value: str) -> list:
         """Pipeline (parent) runs with tag=value in any active experiment (the exit handler does not know the

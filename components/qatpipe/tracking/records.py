@@ -1,8 +1,9 @@
 """What a stage hands to experiment tracking: a `tracking.json` written next to its results.
 
-Stages never talk to MLflow themselves. They write a StageRecord into their output folder; a separate
-pipeline task logs it (tracking/mlflow_runs.py). So a stage's cache key never includes a per-run MLflow id
-(KFP caching keeps working), and the stage's results are on disk before any network call can fail.
+Stage functions never talk to MLflow. They write a StageRecord into their output folder; the component's
+runtime logs it when the stage ends, and log-stages at the pipeline's end when the stage was served from the
+cache (tracking/stage_logging.py). So a stage's cache key never includes a per-run MLflow id (KFP caching keeps
+working), and the stage's results are on disk before any network call can fail.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def build_engine(engine_spec: str, variant: str, onnx_model: Input[Model], engin
     from qatpipe.stages.build_engine import build_engine as build_stage
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics
 
-    with stage(f"build-engine-{variant}"):
+    with stage(f"build-engine-{variant}", record=engine):
         check_gpu_type(gpu_type)
         spec = load_stage_spec(engine_spec)
         source = Path(onnx_model.path) / onnx_model.metadata.get("file", "model.onnx")

@@ -34,7 +34,7 @@ def evaluate(evaluate_spec: str, variant: str, dataset: Input[Dataset], model: I
     from qatpipe.tracking.records import REPORT_MARKDOWN
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics, write_text
 
-    with stage(f"evaluate-{variant}"):
+    with stage(f"evaluate-{variant}", record=results):
         spec = spec_with_prepared_dataset(load_stage_spec(evaluate_spec), dataset.path)
         model_file = Path(model.path) / model.metadata.get("file", "model.keras")
         result = evaluate_stage(spec, model_file, results.path, stage_name=f"evaluate_{variant.replace('-', '_')}",

@@ -41,7 +41,7 @@ def export(export_spec: str, variant: str, dataset: Input[Dataset], model: Input
     from qatpipe.stages.export import export as export_stage
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics, write_text
 
-    with stage(f"export-{variant}"):
+    with stage(f"export-{variant}", record=onnx_model):
         spec = spec_with_prepared_dataset(load_stage_spec(export_spec), dataset.path)
         source = Path(model.path) / model.metadata.get("file", "model.keras")
         report = export_stage(spec, source, Path(onnx_model.path) / "model.onnx", stage_name=f"export_{variant}")

@@ -27,7 +27,7 @@ def prepare_data(data_spec: str, dataset: Output[Dataset], report: Output[Markdo
     from qatpipe.tracking.records import REPORT_MARKDOWN
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_text
 
-    with stage("prepare-data"):
+    with stage("prepare-data", record=dataset):
         manifest = prepare_stage(load_stage_spec(data_spec), dataset.path)
         counts = manifest["counts"]
         dataset.metadata.update({"source": manifest["source"], "train_images": counts["train"]["images"],

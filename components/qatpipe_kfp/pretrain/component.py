@@ -32,7 +32,7 @@ def pretrain(pretrain_spec: str, dataset: Input[Dataset], weights: Output[Model]
     from qatpipe.tracking.records import StageRecord
     from qatpipe_kfp.runtime import load_stage_spec, log, stage, write_metrics
 
-    with stage(STAGE):
+    with stage(STAGE, record=weights):
         spec = load_stage_spec(pretrain_spec)
         if spec.model.pretrained != PIPELINE_PRETRAINED:
             reason = f"model.pretrained is {spec.model.pretrained or 'not set'}, not {PIPELINE_PRETRAINED}"

@@ -27,7 +27,7 @@ def prune(prune_spec: str, model: Input[Model], pruned: Output[Model], metrics: 
     from qatpipe.tracking.records import REPORT_MARKDOWN
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics, write_text
 
-    with stage("prune"):
+    with stage("prune", record=pruned):
         spec = load_stage_spec(prune_spec)
         model_file = Path(model.path) / model.metadata.get("file", "model.keras")
         result = prune_stage(model_file, pruned.path, spec.prune, get_architecture(spec))

@@ -39,7 +39,7 @@ def ptq(ptq_spec: str, dataset: Input[Dataset], fp32_onnx: Input[Model], int8_on
     from qatpipe.stages.ptq import ptq as ptq_stage
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics, write_text
 
-    with stage("ptq"):
+    with stage("ptq", record=int8_onnx):
         spec = spec_with_prepared_dataset(load_stage_spec(ptq_spec), dataset.path)
         source = Path(fp32_onnx.path) / fp32_onnx.metadata.get("file", "model.onnx")
         report = ptq_stage(spec, source, Path(int8_onnx.path) / "model.onnx")

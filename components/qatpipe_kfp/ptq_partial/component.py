@@ -45,7 +45,7 @@ def ptq_partial(ptq_partial_spec: str, dataset: Input[Dataset], fp32_onnx: Input
     from qatpipe.tracking.records import StageRecord
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics, write_text
 
-    with stage("ptq-partial"):
+    with stage("ptq-partial", record=onnx_model):
         spec = spec_with_prepared_dataset(load_stage_spec(ptq_partial_spec), dataset.path)
         fp32 = Path(fp32_onnx.path) / fp32_onnx.metadata.get("file", "model.onnx")
         ptq = Path(ptq_onnx.path) / ptq_onnx.metadata.get("file", "model.onnx")

@@ -69,7 +69,7 @@ def retrain(retrain_spec: str, qat: bool, dataset: Input[Dataset], pruned: Input
                                      training_work_root, write_metrics)
 
     variant = "qat" if qat else "fp32"
-    with stage("finetune-fp32" if start is not None and not qat else f"retrain-{variant}"):
+    with stage("finetune-fp32" if start is not None and not qat else f"retrain-{variant}", record=model):
         spec = spec_with_prepared_dataset(load_stage_spec(retrain_spec), dataset.path)
         parent_run_from_kfp()  # live training curves in MLflow (tracking/live.py)
         spec.qat.enabled = qat

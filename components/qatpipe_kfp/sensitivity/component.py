@@ -44,7 +44,7 @@ def sensitivity(sensitivity_spec: str, dataset: Input[Dataset], fp32_onnx: Input
     from qatpipe.tracking.records import StageRecord
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics, write_text
 
-    with stage("sensitivity"):
+    with stage("sensitivity", record=results):
         spec = spec_with_prepared_dataset(load_stage_spec(sensitivity_spec), dataset.path)
         models = {name: Path(model.path) / model.metadata.get("file", "model.onnx")
                   for name, model in (("ptq", ptq_onnx), ("qat", qat_onnx))}

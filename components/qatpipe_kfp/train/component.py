@@ -57,7 +57,7 @@ def train(train_spec: str, dataset: Input[Dataset], model: Output[Model], metric
     from qatpipe_kfp.runtime import (cluster_settings, load_stage_spec, stage, training_resume_uri,
                                      training_work_root, write_metrics)
 
-    with stage("train"):
+    with stage("train", record=model):
         spec = spec_with_prepared_dataset(load_stage_spec(train_spec), dataset.path)
         if spec.model.pretrained == PIPELINE_PRETRAINED:
             if pretrained is None:

@@ -43,7 +43,7 @@ def validate(validate_spec: str, variant: str, dataset: Input[Dataset], engine: 
     from qatpipe.stages.validate import MARKDOWN_FILE, validate as validate_stage
     from qatpipe_kfp.runtime import load_stage_spec, stage, write_metrics, write_text
 
-    with stage(f"validate-{variant}"):
+    with stage(f"validate-{variant}", record=results):
         spec = spec_with_prepared_dataset(load_stage_spec(validate_spec), dataset.path)
         onnx_file = Path(onnx_model.path) / onnx_model.metadata.get("file", "model.onnx")
         result = validate_stage(spec, engine.path, Path(baseline.path) / METRICS_FILE, results.path, variant,
