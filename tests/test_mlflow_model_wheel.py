@@ -12,7 +12,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
 import yaml
 
 from qatpipe.tracking.mlflow_runs import INJECTED_RUN_ENV, MlflowTracker
@@ -67,7 +66,8 @@ def test_a_logged_model_carries_its_wheel_and_predicts_from_it_alone(mlflow_serv
     monkeypatch.setattr(wheel_module, "_built", {})
     tracker = MlflowTracker(mlflow_server)
     parent = tracker.start_pipeline_run("test-wheel", "w", {"run": "w"})
-    logged = [log_variant_model(tracker, parent, variant, onnx_path, spec, {"map50": 0.5}) for variant in ("ptq", "qat")]
+    logged = [log_variant_model(tracker, parent, variant, onnx_path, spec, {"map50": 0.5})
+              for variant in ("ptq", "qat")]
     assert len(builds) == 1
 
     # the model as another machine gets it: downloaded from the tracking server into a folder of its own

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qatpipe.deploy.wheel import WHEELS_DIR
+from qatpipe.deploy.wheel import WHEELS_DIR, qatpipe_wheel
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +160,6 @@ def save_detector_model(path: str | Path, onnx_path: str | Path, spec, extra_fil
 
     from qatpipe.onnx_model import MODEL_PROVIDERS
     from qatpipe.spec import dump_spec
-
-    from qatpipe.deploy.wheel import qatpipe_wheel
 
     wheel = qatpipe_wheel()  # first: a model that cannot carry its code is not written at all
     path, mlflow_model = Path(path), mlflow_model or Model()
