@@ -163,7 +163,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
 
     model = prepare_model(args, work)
-    wheels = sorted(p.name for p in (model / "wheels").glob("*.whl"))
+    wheels = sorted(p.relative_to(model).as_posix() for p in (model / "wheels").rglob("*.whl"))
     where, image = test_image(args, model)
     result = serve(model, work, args.env_manager, image, args.timeout_min)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()

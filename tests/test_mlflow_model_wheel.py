@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -73,9 +74,11 @@ def test_a_logged_model_carries_its_wheel_and_predicts_from_it_alone(mlflow_serv
     # the model as another machine gets it: downloaded from the tracking server into a folder of its own
     mlflow.set_tracking_uri(mlflow_server)
     model = Path(mlflow.artifacts.download_artifacts(logged[1].model_uri, dst_path=str(tmp_path / "elsewhere")))
-    wheels = sorted((model / "wheels").glob("qatpipe-*.whl"))
-    assert [w.name for w in wheels] == ["qatpipe-0.1.0-py3-none-any.whl"]
-    carried = f"wheels/{wheels[0].name}"
+    wheels = sorted((model / "wheels").rglob("*.whl"))
+    assert len(wheels) == 1
+    carried = wheels[0].relative_to(model).as_posix()
+    # under the code's digest: MLflow names a model's environment after its requirement strings
+    assert re.fullmatch(r"wheels/tree-[0-9a-f]{16}/qatpipe-0\.1\.0-py3-none-any\.whl", carried), carried
     requirements = (model / "requirements.txt").read_text().split()
     assert carried in requirements and not any(r.startswith("qatpipe") for r in requirements)
     conda = yaml.safe_load((model / "conda.yaml").read_text())
@@ -111,7 +114,7 @@ def test_a_logged_model_carries_its_wheel_and_predicts_from_it_alone(mlflow_serv
     assert [r[7] for r in result["rows"]] == list(here["class_name"])
 
     # from that regular install qatpipe rebuilds the same wheel; with a file of it gone it says which, and stops
-    assert Path(result["rebuilt"]).name == wheels[0].name
+    assert Path(result["rebuilt"]).name == wheels[0].name and Path(result["rebuilt"]).parent.name.startswith("record-")
     assert not Path(result["rebuilt"]).exists()  # its process's cache went with it
     assert result["missing_error"].startswith(f"cannot rebuild the qatpipe wheel from the install in {installed}")
     assert "qatpipe/specs/tiny.yaml" in result["missing_error"]

@@ -7,10 +7,10 @@
   sizes. The answer is a table: a row per box (image, x1, y1, x2, y2, score, class_id, class_name).
 
 The caller needs the installed `qatpipe` package and nothing qatpipe-specific in its code. The folder carries it:
-the wheel of the qatpipe that logged the model, under wheels/ (deploy/wheel.py), which its requirements.txt,
-python_env.yaml and conda.yaml name by that relative path, so `mlflow models serve` (virtualenv, uv or conda)
-installs it anywhere. The folder also carries the files deployment needs (`extra_files`: the calibration cache,
-implicit ONNX, DeepStream config, engine metadata), under artifacts/.
+the wheel of the qatpipe that logged the model, under wheels/<code digest>/ (deploy/wheel.py), which its
+requirements.txt, python_env.yaml and conda.yaml name by that relative path, so `mlflow models serve`
+(virtualenv, uv or conda) installs it anywhere. The folder also carries the files deployment needs
+(`extra_files`: the calibration cache, implicit ONNX, DeepStream config, engine metadata), under artifacts/.
 """
 
 from __future__ import annotations
@@ -133,10 +133,11 @@ def input_example(spec) -> np.ndarray:
 
 def requirements(wheel: Path) -> list[str]:
     """What the model needs installed: the qatpipe wheel it carries (its decoder, the code that logged it), by its
-    path in the model folder. MLflow installs a model's requirements with the folder as the working directory
-    (mlflow.utils.virtualenv), as for mlflow.models.utils.add_libraries_to_model's wheels/; pip takes the wheel's
-    own dependencies (TensorFlow, ONNX Runtime, ...) from the package index."""
-    return [f"{WHEELS_DIR}/{wheel.name}"]
+    path in the model folder, under the code's digest (deploy/wheel.py says why). MLflow installs a model's
+    requirements with the folder as the working directory (mlflow.utils.virtualenv), as for
+    mlflow.models.utils.add_libraries_to_model's wheels/; pip takes the wheel's own dependencies (TensorFlow, ONNX
+    Runtime, ...) from the package index."""
+    return [f"{WHEELS_DIR}/{wheel.parent.name}/{wheel.name}"]
 
 
 class DetectorFlavor:
@@ -177,8 +178,8 @@ def save_detector_model(path: str | Path, onnx_path: str | Path, spec, extra_fil
         mlflow.pyfunc.save_model(str(path), python_model=DetectorModel(), artifacts=artifacts,
                                  signature=signature(), input_example=input_example(spec),
                                  pip_requirements=requirements(wheel), mlflow_model=mlflow_model)
-    (path / WHEELS_DIR).mkdir()
-    shutil.copyfile(wheel, path / WHEELS_DIR / wheel.name)
+    (path / requirements(wheel)[0]).parent.mkdir(parents=True)
+    shutil.copyfile(wheel, path / requirements(wheel)[0])
     # the onnx flavour reads the same file the pyfunc one does
     mlflow_model.add_flavor("onnx", onnx_version=onnx.__version__, data="artifacts/model.onnx",
                             providers=list(MODEL_PROVIDERS), code=None)

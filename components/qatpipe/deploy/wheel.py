@@ -8,6 +8,8 @@ machine installs the code that logged the model: no package index holds qatpipe.
 - from a regular install (the images install the wheel built from the repository): the installed files, checked
   against the distribution's RECORD, zipped back into a wheel with the same file set.
 Either way once per code version (a digest of the files) in a process: registering four variants builds once.
+The model keeps the wheel under wheels/<digest>/: MLflow names the environment it builds for a model after its
+requirement strings, so two models of different code (both qatpipe 0.1.0) must not name the same path.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ _cache: Path | None = None
 
 
 def qatpipe_wheel() -> Path:
-    """The wheel of the running qatpipe (see the module docstring); a ModelFileError saying what is missing when
-    it cannot be made."""
+    """The wheel of the running qatpipe (see the module docstring), in a folder named after the code's digest; a
+    ModelFileError saying what is missing when it cannot be made."""
     import qatpipe
 
     package = Path(qatpipe.__file__).resolve().parent
