@@ -6,9 +6,11 @@
   batch (N, H, W, 3), one image (H, W, 3), or a 1-D object array (or list) of image paths and/or arrays of any
   sizes. The answer is a table: a row per box (image, x1, y1, x2, y2, score, class_id, class_name).
 
-The caller needs the installed `qatpipe` package and nothing qatpipe-specific in its code. The folder also
-carries the files deployment needs (`extra_files`: the calibration cache, implicit ONNX, DeepStream config,
-engine metadata), under artifacts/.
+The caller needs the installed `qatpipe` package and nothing qatpipe-specific in its code. The folder carries it:
+the wheel of the qatpipe that logged the model, under wheels/<code digest>/ (deploy/wheel.py), which its
+requirements.txt, python_env.yaml and conda.yaml name by that relative path, so `mlflow models serve`
+(virtualenv, uv or conda) installs it anywhere. The folder also carries the files deployment needs
+(`extra_files`: the calibration cache, implicit ONNX, DeepStream config, engine metadata), under artifacts/.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+
+from qatpipe.deploy.wheel import WHEELS_DIR, qatpipe_wheel
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +131,13 @@ def input_example(spec) -> np.ndarray:
     return np.full((1, 32, 48, 3), 128, np.uint8)
 
 
-def requirements() -> list[str]:
-    """What the model needs installed: this package (its decoder) at the version that logged it."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return [f"qatpipe=={version('qatpipe')}"]
-    except PackageNotFoundError:  # pragma: no cover (running from a source tree without an install)
-        return ["qatpipe"]
+def requirements(wheel: Path) -> list[str]:
+    """What the model needs installed: the qatpipe wheel it carries (its decoder, the code that logged it), by its
+    path in the model folder, under the code's digest (deploy/wheel.py says why). MLflow installs a model's
+    requirements with the folder as the working directory (mlflow.utils.virtualenv), as for
+    mlflow.models.utils.add_libraries_to_model's wheels/; pip takes the wheel's own dependencies (TensorFlow, ONNX
+    Runtime, ...) from the package index."""
+    return [f"{WHEELS_DIR}/{wheel.parent.name}/{wheel.name}"]
 
 
 class DetectorFlavor:
@@ -159,6 +162,7 @@ def save_detector_model(path: str | Path, onnx_path: str | Path, spec, extra_fil
     from qatpipe.onnx_model import MODEL_PROVIDERS
     from qatpipe.spec import dump_spec
 
+    wheel = qatpipe_wheel()  # first: a model that cannot carry its code is not written at all
     path, mlflow_model = Path(path), mlflow_model or Model()
     with tempfile.TemporaryDirectory() as tmp:
         spec_file = Path(tmp) / "spec.yaml"
@@ -173,7 +177,9 @@ def save_detector_model(path: str | Path, onnx_path: str | Path, spec, extra_fil
                 log.warning("%s does not exist: not in the MLflow model", extra)
         mlflow.pyfunc.save_model(str(path), python_model=DetectorModel(), artifacts=artifacts,
                                  signature=signature(), input_example=input_example(spec),
-                                 pip_requirements=requirements(), mlflow_model=mlflow_model)
+                                 pip_requirements=requirements(wheel), mlflow_model=mlflow_model)
+    (path / requirements(wheel)[0]).parent.mkdir(parents=True)
+    shutil.copyfile(wheel, path / requirements(wheel)[0])
     # the onnx flavour reads the same file the pyfunc one does
     mlflow_model.add_flavor("onnx", onnx_version=onnx.__version__, data="artifacts/model.onnx",
                             providers=list(MODEL_PROVIDERS), code=None)
