@@ -343,8 +343,8 @@ def _planted_fp16_overflow(fp32_onnx, folder):
     return planted
 
 
-def test_tensorrt_numbers_are_the_fp16_forms_and_a_broken_fp16_form_fails_with_its_report(engines, tmp_path,
-                                                                                           caplog):
+def test_tensorrt_emulated_map_is_the_fp16_forms_and_a_broken_fp16_form_fails_with_its_report(engines, tmp_path,
+                                                                                            caplog):
     """Under engine.fp16, TensorRT builds the export's FP16 form, so the TensorRT-emulated mAP is that form's
     (FP16 values rounded as FP16 holds them). A form whose FP16 arithmetic breaks the detector fails the gate,
     while the CPU engine itself passes, and the verdict carries the precision report that says where."""
