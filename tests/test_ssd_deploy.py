@@ -205,7 +205,7 @@ def test_tensorrt_builds_the_nms_into_an_ssd_engine_and_decodes_like_the_cpu(exp
         assert engine_det.scores[0] == pytest.approx(cpu_det.scores[0], abs=1e-2)
 
 
-# ------------------------------------------------------------------------------------------------ DeepStream
+# ---------------------------------------------------------------------------- SSD's NMS, from its definition
 
 
 def _iou(a, b) -> float:
@@ -324,6 +324,9 @@ def test_ssd_nms_matches_the_reference_on_random_boxes(seed):
     # the case exercises suppression, not only the threshold and the cuts
     candidates = sum(min(int((scores[:, c] > confidence).sum()), top_k) for c in range(classes))
     assert 0 < len(reference_nms(boxes, scores, confidence, top_k, nms_iou, 10**9)) < candidates
+
+
+# ------------------------------------------------------------------------------------------------ DeepStream
 
 
 def _nms_plugin(loc_data, conf_data, prior_data, attributes):
