@@ -223,7 +223,9 @@ def test_the_deepstream_dla_config_names_the_core_the_cache_and_the_fixed_batch(
         write_nvinfer_config(spec, qat_onnx, tmp_path / "ds2", "qat", "int8", calibration_cache=cache, dla_core=0)
 
 
-def test_tensorrt_10_builds_the_dla_form_on_the_core_with_its_cache_and_11_refuses_it(tmp_path):
+def test_dla_build_settings_for_tensorrt_10_read_the_form_and_its_cache_and_11_refuses_them(tmp_path):
+    """dla_build, the settings a TensorRT build of the DLA form would use (no TensorRT build runs here): the core,
+    the GPU fallback, the form's fixed batch and the calibration cache beside it; TensorRT 11 is refused."""
     from qatpipe.engines.tensorrt_backend import dla_build
     from qatpipe.spec import EngineSpec
 

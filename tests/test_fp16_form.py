@@ -265,9 +265,10 @@ def test_the_export_writes_the_qat_models_fp16_form(qat_export):
     assert precision.layer_precision(form["onnx"]) == precision.layer_precision(path)  # all INT8 still
 
 
-def test_tensorrt_builds_from_the_fp16_form_and_onnx_runtime_from_the_float32_model(tmp_path):
-    """The engine's source is the backend's choice (EngineBackend.source): TensorRT with engine.fp16 takes the FP16
-    form beside the export when there is one; ONNX Runtime, engine.fp16 off, or no FP16 form: the model given."""
+def test_engine_source_is_the_fp16_form_for_tensorrt_and_the_float32_model_for_onnx_runtime(tmp_path):
+    """The engine's source is the backend's choice (EngineBackend.source, read here without building anything):
+    TensorRT with engine.fp16 takes the FP16 form beside the export when there is one; ONNX Runtime, engine.fp16
+    off, or no FP16 form: the model given."""
     from qatpipe.engines.onnxruntime_backend import OnnxRuntimeBackend
     from qatpipe.engines.tensorrt_backend import TensorRTBackend
     from qatpipe.export.bundle import ExportBundle

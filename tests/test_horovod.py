@@ -1,7 +1,7 @@
 """Data-parallel training under Horovod: real horovodrun, two processes on this CPU, Gloo.
 
 Horovod is built by the install step (images/horovod/build-wheel.sh); where it is missing the tests skip and
-say so.
+say so (and fail under CI=true, where `make test` has built it); a build that is there but does not import fails.
 """
 
 from __future__ import annotations
@@ -17,10 +17,34 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SMALL_ARCH, SMALL_IMAGES
+from conftest import SMALL_ARCH, SMALL_IMAGES, unavailable
 from qatpipe.training.distributed import World, horovodrun_command
 
-horovod = pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: `make install` builds it")
+
+def _horovod_broken() -> tuple[str | None, str | None]:
+    """(why Horovod is missing, why it is broken): at most one set. Missing is no `horovod` package; a package whose
+    TensorFlow binding does not import (a build against another TensorFlow, a missing library) is broken."""
+    try:
+        import horovod.tensorflow  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name == "horovod":
+            return "Horovod is not installed: `make install` builds it (images/horovod/build-wheel.sh)", None
+        return None, f"Horovod is installed but horovod.tensorflow does not import: {exc}"
+    except Exception as exc:  # ImportError of its compiled library, or what its import raises
+        return None, f"Horovod is installed but horovod.tensorflow does not import: {type(exc).__name__}: {exc}"
+    return None, None
+
+
+HOROVOD_MISSING, HOROVOD_BROKEN = _horovod_broken()
+
+
+@pytest.fixture(scope="session")
+def horovod():
+    """For the tests that run Horovod (session-scoped, so that it is checked before the data set is made)."""
+    if HOROVOD_BROKEN:
+        pytest.fail(HOROVOD_BROKEN, pytrace=False)
+    if HOROVOD_MISSING:
+        unavailable(HOROVOD_MISSING)
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +73,7 @@ def _env() -> dict:
 
 
 @pytest.mark.parametrize("arch", ["detectnet_v2", "ssd"])
-def test_two_horovod_processes_end_with_identical_weights_and_the_loss_falls(arch, tiny_spec, tmp_path):
+def test_two_horovod_processes_end_with_identical_weights_and_the_loss_falls(horovod, arch, tiny_spec, tmp_path):
     from qatpipe.spec import dump_spec
 
     # keep=last: with keep=best rank 0 alone swaps in the best epoch's weights after training (it writes the model)
@@ -82,7 +106,8 @@ def test_two_horovod_processes_end_with_identical_weights_and_the_loss_falls(arc
     assert json.loads((results / "world.json").read_text()) == {"processes": 2}
 
 
-def test_gpus_on_one_host_runs_horovod_processes_and_a_resume_must_use_the_same_count(tiny_spec, tmp_path):
+def test_gpus_on_one_host_runs_horovod_processes_and_a_resume_must_use_the_same_count(horovod, tiny_spec,
+                                                                                       tmp_path):
     from qatpipe.stages.scale_out import run_training_stage
 
     spec = tiny_spec("train.epochs=1", *SMALL_IMAGES)

@@ -240,11 +240,36 @@ def test_run_failure_names_the_reason_and_the_last_log_lines(played_api, caplog)
     assert streamed_lines(caplog, r.name) == lines
 
 
-def test_run_times_out_and_deletes(played_api):
+class PlayedClock:
+    """The launcher's `time` on a played clock: monotonic() moves only when it sleeps, so that a timeout is a
+    number of polls, whatever the machine's speed."""
+
+    def __init__(self):
+        self.now, self.sleeps = 1000.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_run_times_out_and_deletes(played_api, monkeypatch):
+    """A job that stays Running: polled every poll_seconds until timeout_seconds have passed on the launcher's
+    clock (the last wait cut to the deadline), then one last log read, the error and the deletion."""
+    from qatpipe.cluster import launcher
+    from qatpipe.cluster.launcher import MpiJobLauncher
+
+    clock = PlayedClock()
+    monkeypatch.setattr(launcher, "time", clock)
     kube, client = played_api([CREATED, RUNNING], "[1,0]<stdout>:Epoch 1/500\n")
     r = request()
-    with pytest.raises(QatpipeError, match=r"timed out after 0.3 s \(last state: Running\)") as caught:
-        launcher_for(client).run(mpijob_manifest(r), timeout_seconds=0.3)
+    with pytest.raises(QatpipeError, match=r"timed out after 295 s \(last state: Running\)") as caught:
+        MpiJobLauncher(api_client=client, api_version="v2beta1", poll_seconds=10).run(mpijob_manifest(r),
+                                                                                      timeout_seconds=295)
+    assert clock.sleeps == [10.0] * 29 + [5.0]  # never past the deadline
+    assert kube.reads == 31  # a status read at 0, 10, ..., 290 s and at 295 s, the one that times out
     assert "Epoch 1/500" in str(caught.value)
     assert kube.deleted == [(r.name, "Background")]
 

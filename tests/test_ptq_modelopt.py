@@ -2,14 +2,14 @@
 
 The quantization runs for real in Model Optimizer's own environment (`.venv-modelopt`, which `make test` installs;
 the package pins onnxruntime-gpu and torch, so it cannot share this one). The test that needs it is skipped, saying
-so, only where that environment is missing."""
+so, only where that environment is missing, and fails under CI=true, where `make test` has installed it."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
 import pytest
-from conftest import one_conv_onnx
+from conftest import one_conv_onnx, unavailable
 
 from qatpipe.errors import QatpipeError, SpecError
 from qatpipe.export.bundle import ExportBundle
@@ -52,8 +52,15 @@ def test_a_missing_modelopt_environment_says_how_to_make_one(tiny_spec, trained_
     assert not (tmp_path / "ptq" / "model.onnx").exists()
 
 
-@pytest.mark.skipif(_modelopt_missing() is not None, reason=str(_modelopt_missing()))
-def test_modelopt_ptq_gives_a_qdq_onnx_that_passes_the_tensorrt_rule_check_and_detects(trained_tiny, tmp_path):
+@pytest.fixture(scope="session")
+def modelopt_environment():
+    """Model Optimizer's environment, checked before the tiny model trains (session-scoped fixtures come first)."""
+    if missing := _modelopt_missing():
+        unavailable(missing)
+
+
+def test_modelopt_ptq_gives_a_qdq_onnx_that_passes_the_tensorrt_rule_check_and_detects(modelopt_environment,
+                                                                                       trained_tiny, tmp_path):
     from qatpipe.export.qdq import check_explicit_quantization
     from qatpipe.stages.evaluate import evaluate
     from qatpipe.stages.export import export
@@ -98,9 +105,11 @@ def test_modelopt_failure_names_the_model_and_keeps_nothing_half_written(tmp_pat
     images = np.zeros((4, 3, 8, 8), np.float32)
     try:
         import modelopt.onnx.quantization  # noqa: F401
-        pytest.skip("this environment has modelopt: the worker would succeed")
     except ImportError:
         pass
+    else:  # make test keeps Model Optimizer out of qatpipe's environment (it pins onnxruntime-gpu and torch)
+        unavailable("qatpipe's own environment has modelopt, so a worker run with it would succeed: this test needs "
+                    "one without it")
     with pytest.raises(QatpipeError, match=r"conv.onnx: Model Optimizer's PTQ failed \(exit 1\).*modelopt"):
         quantize_modelopt(fp32, tmp_path / "out" / "int8.onnx", [images], "entropy")
     assert list((tmp_path / "out").iterdir()) == []

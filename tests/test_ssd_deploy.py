@@ -1,6 +1,7 @@
 """SSD deployment (issue 35 items 5 and 7): the decoded boxes as ONNX ops, the decoding an export carries for the
-engine backends, TensorRT's NMS in the engine (its outputs decoded like the heads; the build itself only where
-TensorRT runs), and the DeepStream config and model in the form TAO's NvDsInferParseCustomNMSTLT reads."""
+engine backends, SSD's per-class NMS against a reference written here from its definition, TensorRT's NMS in the
+engine (its outputs decoded like the heads; the build itself only where TensorRT runs), and the DeepStream config
+and model in the form TAO's NvDsInferParseCustomNMSTLT reads."""
 
 from __future__ import annotations
 
@@ -204,14 +205,135 @@ def test_tensorrt_builds_the_nms_into_an_ssd_engine_and_decodes_like_the_cpu(exp
         assert engine_det.scores[0] == pytest.approx(cpu_det.scores[0], abs=1e-2)
 
 
+# ---------------------------------------------------------------------------- SSD's NMS, from its definition
+
+
+def _iou(a, b) -> float:
+    """IoU of two boxes x1 y1 x2 y2, from its definition: the shared area over the area either covers."""
+    a, b = [float(v) for v in a], [float(v) for v in b]  # in double precision, whatever the boxes' type
+    inter = max(min(a[2], b[2]) - max(a[0], b[0]), 0.0) * max(min(a[3], b[3]) - max(a[1], b[1]), 0.0)
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def reference_nms(boxes, scores, confidence_threshold, top_k, nms_iou, max_detections):
+    """Greedy per-class NMS as SSD (Caffe's ApplyNMSFast) and TensorRT's NMS plugin define it, written here apart
+    from the code under test: per class, the boxes scoring above the threshold, best first (equal scores: the lower
+    index first), the first top_k of them; each kept unless its IoU with a box its class already kept is above
+    nms_iou; then every class's kept boxes best first (equal scores: class order), the first max_detections.
+    Returns (class, box index, score) rows."""
+    kept = []
+    for c in range(scores.shape[1]):
+        ranked = sorted((i for i in range(len(boxes)) if scores[i, c] > confidence_threshold),
+                        key=lambda i: (-scores[i, c], i))[:top_k]
+        chosen = []
+        for i in ranked:
+            if all(_iou(boxes[i], boxes[j]) <= nms_iou for j in chosen):
+                chosen.append(i)
+        kept += [(c, i, scores[i, c]) for i in chosen]
+    return sorted(kept, key=lambda row: -row[2])[:max_detections]  # a stable sort: ties stay in class order
+
+
+def check_against_reference(boxes, scores, confidence_threshold, top_k, nms_iou, max_detections):
+    """per_class_nms's boxes, scores and classes are the reference's, in its order; returns the reference's rows."""
+    rows = reference_nms(boxes, scores, confidence_threshold, top_k, nms_iou, max_detections)
+    kept, kept_scores, kept_classes = per_class_nms(boxes, scores, confidence_threshold, top_k, nms_iou,
+                                                    max_detections)
+    assert kept_classes.tolist() == [c for c, _, _ in rows]
+    np.testing.assert_array_equal(kept_scores, np.array([s for _, _, s in rows], np.float32))
+    np.testing.assert_array_equal(kept, boxes[[i for _, i, _ in rows]].reshape(-1, 4).astype(np.float32))
+    return rows
+
+
+def test_ssd_nms_suppresses_within_a_class_and_keeps_other_classes():
+    """Box 1 overlaps box 0 (IoU 0.6): suppressed in class 0, where box 0 scores higher, but kept in class 1, where
+    box 0 scores below the threshold; box 2 is apart from both and kept; the rows are best first across classes."""
+    boxes = np.array([[0, 0, 10, 10], [0, 0, 10, 6], [20, 20, 30, 30]], np.float32)  # IoU(0, 1) = 60/100
+    scores = np.array([[0.9, 0.005], [0.8, 0.7], [0.3, 0.95]], np.float32)
+    rows = check_against_reference(boxes, scores, 0.01, 200, 0.5, 100)
+    assert [(c, i) for c, i, _ in rows] == [(1, 2), (0, 0), (1, 1), (0, 2)]
+    # the same box in another class is not suppressed by the first: classes never suppress each other
+    rows = check_against_reference(boxes[:1], np.array([[0.9, 0.8]], np.float32), 0.01, 200, 0.5, 100)
+    assert [(c, i) for c, i, _ in rows] == [(0, 0), (1, 0)]
+    # a chain: 0 suppresses 1, and 2 (which 1 would have suppressed, but 1 is gone) overlaps 0 little: kept
+    chain = np.array([[0, 0, 10, 10], [4, 0, 14, 10], [8, 0, 18, 10]], np.float32)
+    rows = check_against_reference(chain, np.array([[0.9], [0.8], [0.7]], np.float32), 0.01, 200, 0.3, 100)
+    assert [i for _, i, _ in rows] == [0, 2]
+    # nothing above the confidence threshold (a score equal to it included): nothing kept, in the empty forms
+    kept, kept_scores, kept_classes = per_class_nms(boxes, np.full((3, 2), 0.01, np.float32), 0.01, 200, 0.5, 100)
+    assert kept.shape == (0, 4) and kept_scores.shape == kept_classes.shape == (0,)
+
+
+def test_ssd_nms_takes_each_classes_top_k_before_suppressing_and_max_detections_after():
+    """top_k is per class and before NMS: box 1 (inside top_k 2) is suppressed by box 0 and box 2, apart from both
+    but outside top_k, is not kept in its place; max_detections cuts the best of every class."""
+    boxes = np.array([[0, 0, 10, 10], [1, 0, 11, 10], [50, 50, 60, 60], [80, 80, 90, 90]], np.float32)
+    one_class = np.array([[0.9], [0.8], [0.7], [0.6]], np.float32)
+    assert [i for _, i, _ in check_against_reference(boxes, one_class, 0.01, 2, 0.5, 100)] == [0]
+    assert [i for _, i, _ in check_against_reference(boxes, one_class, 0.01, 3, 0.5, 100)] == [0, 2]
+    assert [i for _, i, _ in check_against_reference(boxes, one_class, 0.01, 4, 0.5, 100)] == [0, 2, 3]
+    two = np.concatenate([one_class, one_class[::-1] - 0.05], axis=1)  # class 1 ranks the boxes the other way
+    rows = check_against_reference(boxes, two, 0.01, 1, 0.5, 100)  # top_k 1: each class's best alone
+    assert [(c, i) for c, i, _ in rows] == [(0, 0), (1, 3)]
+    rows = check_against_reference(boxes, two, 0.01, 4, 0.5, 3)
+    assert [(c, i) for c, i, _ in rows] == [(0, 0), (1, 3), (1, 2)]  # scores 0.9, 0.85, 0.75 of the six kept
+
+
+def test_ssd_nms_orders_by_score_not_by_index():
+    """Boxes given worst first: the best one is kept and suppresses the others, and the rows come best first."""
+    boxes = np.array([[0, 0, 10, 10], [0, 0, 10, 9], [0, 0, 10, 8], [30, 30, 40, 40], [60, 60, 70, 70]], np.float32)
+    scores = np.array([[0.2], [0.3], [0.9], [0.4], [0.5]], np.float32)
+    rows = check_against_reference(boxes, scores, 0.01, 200, 0.5, 100)
+    assert [i for _, i, _ in rows] == [2, 4, 3]
+    assert [s for _, _, s in rows] == sorted((s for _, _, s in rows), reverse=True)
+
+
+@pytest.mark.parametrize(("shift", "threshold", "suppressed"), [
+    (1.0, 0.5, False),                          # IoU exactly at the threshold: kept (suppressed only above it)
+    (1.0, float(np.nextafter(0.5, 0.0)), True),  # the threshold just below the IoU: suppressed
+    (1.0, float(np.nextafter(0.5, 1.0)), False),  # the threshold just above the IoU: kept
+    (1.0 - 1e-4, 0.5, True),                      # IoU just above 0.5 (the box moved 1e-4 closer): suppressed
+    (1.0 + 1e-4, 0.5, False),                     # IoU just below 0.5: kept
+])
+def test_ssd_nms_at_the_iou_threshold(shift, threshold, suppressed):
+    """Boxes 3x1 apart by `shift` along x: IoU (3 - shift) / (3 + shift), exactly 0.5 at shift 1."""
+    boxes = np.array([[0, 0, 3, 1], [shift, 0, 3 + shift, 1]], np.float64)
+    iou = _iou(boxes[0], boxes[1])
+    assert (iou == 0.5) == (shift == 1.0) and (iou > threshold) == suppressed
+    rows = check_against_reference(boxes, np.array([[0.9], [0.8]], np.float32), 0.01, 200, threshold, 100)
+    assert [i for _, i, _ in rows] == ([0] if suppressed else [0, 1])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ssd_nms_matches_the_reference_on_random_boxes(seed):
+    """Hundreds of boxes with integer corners crowded into a small image (most overlap several others; some pairs
+    at IoU exactly 0.5), a few classes, thresholds that vary (half of them 0.5 or another binary fraction, which
+    IoUs of integer boxes can equal); every third seed with scores rounded to 0.05, so that equal scores meet the
+    tie order."""
+    rng = np.random.default_rng(seed)
+    count, classes = int(rng.integers(50, 400)), int(rng.integers(1, 5))
+    corners, sizes = rng.integers(0, 60, (count, 2)), rng.integers(8, 40, (count, 2))
+    boxes = np.concatenate([corners, corners + sizes], axis=1).astype(np.float32)
+    scores = rng.uniform(0, 1, (count, classes)).astype(np.float32)
+    if seed % 3 == 0:
+        scores = (np.round(scores * 20) / 20).astype(np.float32)
+    nms_iou = [0.25, 0.375, 0.5, 0.625][seed // 2 % 4] if seed % 2 else float(rng.uniform(0.2, 0.7))
+    confidence = float(rng.uniform(0, 0.5))
+    top_k, max_detections = int(rng.integers(20, count + 10)), int(rng.integers(5, 400))
+    check_against_reference(boxes, scores, confidence, top_k, nms_iou, max_detections)
+    # the case exercises suppression, not only the threshold and the cuts
+    candidates = sum(min(int((scores[:, c] > confidence).sum()), top_k) for c in range(classes))
+    assert 0 < len(reference_nms(boxes, scores, confidence, top_k, nms_iou, 10**9)) < candidates
+
+
 # ------------------------------------------------------------------------------------------------ DeepStream
 
 
 def _nms_plugin(loc_data, conf_data, prior_data, attributes):
     """TensorRT's NMSDynamic_TRT as its README describes it, for CORNER coding with the variance in the target
     (box = prior + loc): per class but the background, the topK most confident above confidenceThreshold, NMS at
-    nmsThreshold, then the keepTopK best of the image as rows (image, label, score, x1, y1, x2, y2), label -1
-    padding; and the keep count (int32 bits in a float tensor)."""
+    nmsThreshold (reference_nms, not the code under test), then the keepTopK best of the image as rows (image,
+    label, score, x1, y1, x2, y2), label -1 padding; and the keep count (int32 bits in a float tensor)."""
     assert attributes["codeType"] == 1 and attributes["varianceEncodedInTarget"] == 1
     assert attributes["backgroundLabelId"] == 0 and attributes["shareLocation"] == 1
     classes, keep = attributes["numClasses"], attributes["keepTopK"]
@@ -221,10 +343,10 @@ def _nms_plugin(loc_data, conf_data, prior_data, attributes):
     detections[..., 1] = -1
     counts = np.zeros((len(loc_data), 1, 1, 1), np.float32)
     for i, (boxes, scores) in enumerate(zip(boxes_all, scores_all)):
-        kept, kept_scores, kept_classes = per_class_nms(boxes, scores[:, 1:], attributes["confidenceThreshold"],
-                                                        attributes["topK"], attributes["nmsThreshold"], keep)
-        rows = np.concatenate([np.full((len(kept), 1), i), kept_classes[:, None] + 1, kept_scores[:, None], kept], 1)
-        detections[i, 0, :len(rows)] = rows
+        kept = reference_nms(boxes, scores[:, 1:], attributes["confidenceThreshold"], attributes["topK"],
+                             attributes["nmsThreshold"], keep)
+        rows = [[i, c + 1, score, *boxes[prior]] for c, prior, score in kept]
+        detections[i, 0, :len(rows)] = np.array(rows, np.float32).reshape(-1, 7)
         counts[i].view(np.int32)[:] = len(rows)
     return detections, counts
 

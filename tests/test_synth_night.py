@@ -6,7 +6,6 @@ import numpy as np
 
 from qatpipe.data.kitti import ClassMap, read_kitti_dataset
 from qatpipe.data.synth import night, traffic, write_synthetic_dataset
-from qatpipe.spec import SyntheticDataSpec
 
 H, W = 192, 320
 
@@ -53,5 +52,26 @@ def test_a_lamp_lies_only_on_its_vehicle_silhouette():
     assert not night._on_silhouette(obj, 13.0, 30.0)  # below the mask
 
 
-def test_the_spec_names_the_kind():
-    assert SyntheticDataSpec(kind="traffic_night").kind == "traffic_night"
+def test_a_spec_naming_the_kind_prepares_night_pictures_of_the_day_scenes(tmp_path):
+    """A spec with dataset.synthetic.kind traffic_night prepares what the night generator draws: the day kind's
+    labels, in pictures measured about a tenth as bright."""
+    from PIL import Image
+
+    from qatpipe.data.prepare import prepare_dataset
+    from qatpipe.spec import bundled_spec_path, load_spec
+
+    def prepared(kind):
+        spec = load_spec(bundled_spec_path("tiny"), [
+            f"dataset.synthetic.kind={kind}", "dataset.synthetic.seed=3", "dataset.synthetic.train_images=4",
+            "dataset.synthetic.val_images=1", f"dataset.image_size.height={H}", f"dataset.image_size.width={W}",
+            f"dataset.classes=[{', '.join(traffic.TRAFFIC_CLASSES)}]"])
+        prepare_dataset(spec, tmp_path / kind)
+        samples = read_kitti_dataset(tmp_path / kind / "train", ClassMap.create(traffic.TRAFFIC_CLASSES), 0.0)
+        return samples, [float(np.asarray(Image.open(s.image_path)).mean()) for s in samples]
+
+    (day, day_means), (dark, dark_means) = prepared("traffic"), prepared("traffic_night")
+    assert len(day) == len(dark) == 4
+    for a, b in zip(day, dark):
+        assert np.array_equal(a.boxes, b.boxes) and np.array_equal(a.classes, b.classes)
+    ratios = np.array(dark_means) / np.array(day_means)
+    assert ratios.max() < 0.3 and ratios.mean() < 0.2

@@ -143,8 +143,21 @@ def test_sizes_scale_with_the_image(tmp_path):
     assert 8.0 - 0.01 <= widths.min() and widths.max() <= 40.0 + 0.01
 
 
-def test_the_spec_offers_every_kind():
-    from qatpipe.spec import SyntheticDataSpec
+def test_the_spec_offers_every_kind_and_its_traffic_set_is_the_generators(tmp_path):
+    """Every kind is a spec value; a spec naming traffic (and a seed and size) prepares the generator's scenes,
+    measured from the labels written."""
+    from qatpipe.data.prepare import prepare_dataset
+    from qatpipe.spec import SyntheticDataSpec, bundled_spec_path, load_spec
 
     assert set(typing.get_args(SyntheticDataSpec.model_fields["kind"].annotation)) == set(KINDS)
-    assert SyntheticDataSpec(kind="traffic").kind == "traffic"
+    spec = load_spec(bundled_spec_path("tiny"), [
+        "dataset.synthetic.kind=traffic", f"dataset.synthetic.seed={SEED}", "dataset.synthetic.train_images=3",
+        "dataset.synthetic.val_images=1", f"dataset.image_size.height={H}", f"dataset.image_size.width={W}",
+        f"dataset.classes=[{', '.join(traffic.TRAFFIC_CLASSES)}]"])
+    prepare_dataset(spec, tmp_path)
+    samples = read_kitti_dataset(tmp_path / "train", ClassMap.create(traffic.TRAFFIC_CLASSES), tolerance=0.0)
+    assert len(samples) == 3
+    for i, sample in enumerate(samples):
+        _, objects = traffic.generate_traffic(np.random.default_rng([SEED, 0, i]), H, W)
+        assert [traffic.TRAFFIC_CLASSES[c] for c in sample.classes] == [o["class"] for o in objects]
+        np.testing.assert_allclose(sample.boxes, [o["box"] for o in objects], atol=0.01)
