@@ -14,19 +14,13 @@ import tf_keras as keras
 from qatpipe.boxes import cell_boxes, dbscan_cluster, nms
 from qatpipe.errors import ModelFileError
 from qatpipe.models.base import INPUT_NAME, Detections, DetectorArchitecture
+from qatpipe.models.blocks import weight_regularizer
 from qatpipe.models.distill import binary_kl, soft_count
 from qatpipe.models.backbones import backbone_module
 from qatpipe.spec import OUTPUT_STRIDE, DecoderSpec, ExperimentSpec
 
 COVERAGE = "output_cov"
 BBOX = "output_bbox"
-
-
-def weight_regularizer(spec: ExperimentSpec):
-    reg = spec.model.regularizer
-    if reg.type == "none" or reg.weight == 0:
-        return None
-    return keras.regularizers.L1(reg.weight) if reg.type == "l1" else keras.regularizers.L2(reg.weight)
 
 
 class DetectNetV2(DetectorArchitecture):

@@ -21,9 +21,8 @@ from qatpipe.boxes import (NMS_BOXES, NMS_IMAGES, NMS_INDICES, NMS_SCORES, centr
 from qatpipe.errors import ModelFileError
 from qatpipe.models.backbones import backbone_module
 from qatpipe.models.base import INPUT_NAME, Detections, DetectorArchitecture
-from qatpipe.models.blocks import bn, conv, scaled_filters
+from qatpipe.models.blocks import bn, conv, scaled_filters, weight_regularizer
 from qatpipe.models.distill import categorical_kl, soft_count
-from qatpipe.models.detectnet_v2 import weight_regularizer
 from qatpipe.spec import ExperimentSpec
 
 CLS = "output_cls"
