@@ -25,6 +25,9 @@ BBOX = "output_bbox"
 
 class DetectNetV2(DetectorArchitecture):
     output_names = (COVERAGE, BBOX)
+    resume_keys = ("model.loss", "model.target")
+    # model.loss keys added after checkpoints were written, and what a spec.yaml without them trained with
+    keys_added_later = {"model.loss.coverage_normalizer": "cells", "model.loss.class_weight": 0.0}
 
     def __init__(self, spec: ExperimentSpec):
         self.spec = spec
@@ -179,6 +182,13 @@ class DetectNetV2(DetectorArchitecture):
                              (self.height, self.width))
             for i in range(coverage.shape[0])
         ]
+
+    def nvinfer_layout(self):
+        """nvinfer's built-in DetectNet_v2 parser (models/detectnet_v2_deepstream.py); no decoding record: the
+        engines output the heads."""
+        from qatpipe.models.detectnet_v2_deepstream import DetectNetV2Layout
+
+        return DetectNetV2Layout(self.stride, self.bbox_norm, self.spec.model.decoder)
 
 
 def _class_cross_entropy(y_true, y_pred, object_mask):
