@@ -89,3 +89,17 @@ def test_the_check_finds_each_form(tmp_path):
     found = arch_decisions(path, {"ssd", "detectnet_v2"}, tmp_path)
     assert [hit.split(":")[1] for hit in found] == ["2", "4", "6", "7", "8", "10"], found
     assert found[0] == 'stage.py:2: spec.model.arch == "detectnet_v2"'
+
+
+def test_every_registry_row_names_a_detector_architecture():
+    """spec.ARCHITECTURES names each implementation as module:class (the spec stands below models): each one
+    imports and implements the contract; an unknown name is a spec error naming the choices."""
+    import pytest
+
+    from qatpipe.errors import SpecError
+    from qatpipe.models import DetectorArchitecture, architecture_class
+
+    for name in ARCHITECTURES:
+        assert issubclass(architecture_class(name), DetectorArchitecture), name
+    with pytest.raises(SpecError, match="model.arch: 'yolo' is not an architecture: one of detectnet_v2, ssd"):
+        architecture_class("yolo")
