@@ -500,14 +500,13 @@ def test_deepstream_config_for_the_validated_model(engines, tmp_path):
     # the parser's own lines come from the architecture's nvinfer layout; an architecture without one is refused
     from types import SimpleNamespace
 
-    from qatpipe.deploy.deepstream import nvinfer_layout
-    from qatpipe.models import get_architecture
+    from qatpipe.models import DetectorArchitecture, get_architecture
 
-    layout = nvinfer_layout(spec, get_architecture(spec))
+    layout = get_architecture(spec).nvinfer_layout()
     assert values["cluster-mode"] == "2" and values["topk"] == str(spec.model.decoder.max_detections)
     assert set(layout.properties()) | set(layout.class_attributes()) <= set(text.splitlines())
-    with pytest.raises(QatpipeError, match="model.arch yolo: no DeepStream nvinfer layout"):
-        nvinfer_layout(SimpleNamespace(model=SimpleNamespace(arch="yolo")), None)
+    with pytest.raises(QatpipeError, match="SimpleNamespace: no DeepStream nvinfer layout"):
+        DetectorArchitecture.nvinfer_layout(SimpleNamespace())
 
 
 def test_deepstream_model_decodes_to_the_same_boxes_with_nvinfers_parser(engines, tmp_path):
@@ -516,7 +515,8 @@ def test_deepstream_model_decodes_to_the_same_boxes_with_nvinfers_parser(engines
     import onnxruntime as ort
 
     from qatpipe.boxes import cell_boxes
-    from qatpipe.deploy.deepstream import nvinfer_boxes, write_nvinfer_config
+    from qatpipe.deploy.deepstream import write_nvinfer_config
+    from qatpipe.models.detectnet_v2_deepstream import nvinfer_boxes
     from qatpipe.models.detectnet_v2 import OUTPUT_STRIDE
 
     spec, built = engines

@@ -17,9 +17,9 @@ from qatpipe.boxes import (NMS_BOXES, NMS_IMAGES, NMS_INDICES, NMS_SCORES, centr
                            per_class_nms)
 from qatpipe.engines.tensorrt_backend import TensorRTBackend, join_batches
 from qatpipe.errors import ModelFileError, QatpipeError
-from qatpipe.export.ssd_boxes import (BOXES, DECODING_KEY, SCORES, SsdDecoding, add_decoded_boxes, export_metadata,
-                                      read_decoding)
 from qatpipe.models import get_architecture
+from qatpipe.models.decoding import (BOXES, DECODING_KEY, LEGACY_KEY, SCORES, PriorBoxDecoding, add_decoded_boxes,
+                                     read_decoding)
 from qatpipe.spec import bundled_spec_path, load_spec
 
 TENSORRT_MISSING = TensorRTBackend.unavailable_reason()
@@ -112,19 +112,36 @@ def test_the_export_carries_the_ssd_decoding_and_ptq_keeps_it(exported, tmp_path
     from qatpipe.stages.ptq import _finish
 
     decoding = read_decoding(exported.proto)
-    assert decoding == SsdDecoding.of(exported.spec) and exported.report["metadata"] == [DECODING_KEY]
+    assert isinstance(decoding, PriorBoxDecoding)
+    assert decoding == exported.arch.decoding() and exported.report["metadata"] == [DECODING_KEY]
     np.testing.assert_array_equal(decoding.priors(), exported.arch.priors)  # the SSD's own priors, exactly
     assert decoding.variances == VARIANCES and decoding.num_classes == 3
     decoder = exported.spec.model.decoder
     assert (decoding.confidence_threshold, decoding.nms_iou, decoding.top_k, decoding.max_detections) == (
         decoder.confidence_threshold, decoder.nms_iou, decoder.top_k, decoder.max_detections)
-    assert export_metadata(load_spec(bundled_spec_path("tiny"))) == {}  # DetectNet_v2's engines output its heads
+    # DetectNet_v2 has no decoding record: its engines output its heads
+    assert get_architecture(load_spec(bundled_spec_path("tiny"))).decoding() is None
     # a quantizer that drops the FP32 model's metadata: PTQ's finish gives it back beside what made the model
     stripped = onnx.ModelProto.FromString(exported.proto.SerializeToString())
     del stripped.metadata_props[:]
     onnx.save(stripped, tmp_path / "int8.onnx")
     _finish(tmp_path / "int8.onnx", "a quantizer", exported.onnx)
     assert read_decoding(onnx.load(tmp_path / "int8.onnx")) == decoding
+
+
+def test_an_ssd_exported_before_the_decoding_had_a_kind_is_still_read(exported):
+    """Exports before the record was typed wrote the SSD's fields, without a kind, under LEGACY_KEY."""
+    import json
+
+    decoding = read_decoding(exported.proto)
+    old = onnx.ModelProto.FromString(exported.proto.SerializeToString())
+    fields = json.loads(decoding.to_json())
+    assert fields.pop("kind") == "prior_boxes"
+    onnx.helper.set_model_props(old, {LEGACY_KEY: json.dumps(fields, sort_keys=True)})
+    assert [p.key for p in old.metadata_props] == [LEGACY_KEY] and read_decoding(old) == decoding
+    onnx.helper.set_model_props(old, {DECODING_KEY: json.dumps({**fields, "kind": "yolo_grid"})})
+    with pytest.raises(ModelFileError, match="decoding kind 'yolo_grid' is not one of prior_boxes"):
+        read_decoding(old)
 
 
 # ------------------------------------------------------------------------------------ the engine's NMS results
@@ -352,7 +369,7 @@ def _nms_plugin(loc_data, conf_data, prior_data, attributes):
 
 
 def test_deepstream_config_for_an_ssd_names_taos_nms_parser(exported, tmp_path):
-    from qatpipe.deploy.deepstream import nvinfer_layout, write_nvinfer_config
+    from qatpipe.deploy.deepstream import write_nvinfer_config
 
     spec = exported.spec
     path = write_nvinfer_config(spec, exported.onnx, tmp_path / "ds", "fp32", network_mode="fp32")
@@ -366,11 +383,11 @@ def test_deepstream_config_for_an_ssd_names_taos_nms_parser(exported, tmp_path):
     # the parser's class ids count the background (the plugin's backgroundLabelId 0): labels.txt lists it first
     assert values["num-detected-classes"] == "4" and values["network-mode"] == "0"
     assert (tmp_path / "ds" / "labels.txt").read_text().split() == ["background", "car", "pedestrian", "cyclist"]
-    layout = nvinfer_layout(spec, exported.arch)
+    layout = exported.arch.nvinfer_layout()
     assert set(layout.properties()) | set(layout.class_attributes()) <= set(text.splitlines())
     # DetectNet_v2 keeps nvinfer's built-in parser and its own labels
     detectnet = load_spec(bundled_spec_path("tiny"))
-    detectnet_layout = nvinfer_layout(detectnet, get_architecture(detectnet))
+    detectnet_layout = get_architecture(detectnet).nvinfer_layout()
     assert detectnet_layout.labels(["car"]) == ["car"] and not any("parse-bbox" in line
                                                                    for line in detectnet_layout.properties())
 
@@ -379,7 +396,8 @@ def test_ssd_deepstream_onnx_ends_in_the_nms_plugin_the_parser_reads(exported, t
     """The plugin node and its outputs as TAO's SSD export writes them; its inputs on ONNX Runtime are the decoded
     boxes and the class scores; and the plugin's results (emulated) through the parser (emulated) are the CPU
     decoder's detections, with class ids that index labels.txt."""
-    from qatpipe.deploy.deepstream import nms_tlt_objects, write_nvinfer_config
+    from qatpipe.deploy.deepstream import write_nvinfer_config
+    from qatpipe.models.ssd_deepstream import nms_tlt_objects
 
     spec, arch = exported.spec, exported.arch
     write_nvinfer_config(spec, exported.onnx, tmp_path / "ds", "fp32", network_mode="fp32")

@@ -1,7 +1,7 @@
 """Box maths in NumPy, shared by the detectors' decoders and the metrics: IoU, non-maximum suppression, TAO's DBSCAN
 clustering, the boxes a grid head's cells predict, and SSD's prior boxes with their offset encoding. No
 TensorFlow here, so that metrics/ and the decoders run wherever NumPy does (models/ssd.py mirrors `encode_offsets`
-in TensorFlow for the tf.data targets, and export/ssd_boxes.py as ONNX ops)."""
+in TensorFlow for the tf.data targets, and models/decoding.py as ONNX ops)."""
 
 from __future__ import annotations
 

@@ -6,9 +6,10 @@ builder flags). The FP32 model builds in FP16 on TensorRT 10 (BuilderFlag.FP16) 
 Every engine gets an optimisation profile for the dynamic batch, a workspace limit and a timing cache, and
 its metadata records the TensorRT version and GPU: an engine only runs where it was built.
 
-An SSD's ONNX (one whose metadata carries its decoding, export/ssd_boxes.py) builds with its NMS in the engine:
-the decoded boxes added to the graph before parsing, then TensorRT's INMSLayer on them (`add_ssd_nms`); the engine
-outputs the NMS results (boxes.NMS_INDICES and company) instead of the heads, which models/ssd.py's decode reads.
+An ONNX whose metadata carries a decoding record (models/decoding.py: an SSD's) builds with its NMS in the engine:
+the record's boxes and scores added to the graph before parsing, then TensorRT's INMSLayer on them (`add_nms`); the
+engine outputs the NMS results (boxes.NMS_INDICES and company) instead of the heads, which the architecture's
+decode reads (models/ssd.py). One without a record outputs its heads.
 
 A DLA form (export.target dla, export/dla.py) builds for Jetson Orin's DLA on TensorRT 10: DeviceType.DLA on
 `engine.dla_core`, INT8 from its full-tensor calibration cache and FP16 for the rest (implicit precision, which
@@ -124,18 +125,19 @@ def _configure_dla(trt, builder, config, dla: DlaBuild) -> str:
     return f"int8 (DLA core {dla.core}, calibration cache{', GPU fallback' if dla.gpu_fallback else ''})"
 
 
-def add_ssd_nms(trt, network, decoding) -> list:
-    """Replace the outputs of a parsed SSD network (with export/ssd_boxes.py's BOXES and SCORES) by TensorRT's NMS
-    on them: INMSLayer (TensorRT 8.6+, strongly typed or not) keeps per image and class the boxes scoring above
+def add_nms(trt, network, decoding) -> list:
+    """Replace the outputs of a parsed network (with models/decoding.py's BOXES and SCORES, from `decoding`'s
+    add_outputs) by TensorRT's NMS on them, with `decoding`'s settings: INMSLayer (TensorRT 8.6+, strongly typed or not) keeps per image and class the boxes scoring above
     confidence_threshold and overlapping a better one by at most nms_iou, at most min(top_k, max_detections) of
     each class, from the image's top_k x classes best (box, class) pairs (its TopK limit: 5000 at most); gathers
     give their boxes and scores. Outputs: boxes.NMS_INDICES, NMS_BOXES, NMS_SCORES, NMS_IMAGES. Returns the
     arrays behind the layers' weights, which must outlive the build."""
     from qatpipe.boxes import NMS_BOXES, NMS_IMAGES, NMS_INDICES, NMS_SCORES
-    from qatpipe.export.ssd_boxes import BOXES, SCORES
+    from qatpipe.models.decoding import BOXES, SCORES
 
     if not hasattr(network, "add_nms"):
-        raise QatpipeError(f"TensorRT {trt.__version__} has no INMSLayer (TensorRT 8.6+): an SSD engine needs it")
+        raise QatpipeError(f"TensorRT {trt.__version__} has no INMSLayer (TensorRT 8.6+): a {decoding.kind} decoding "
+                           "needs it")
     outputs = {network.get_output(i).name: network.get_output(i) for i in range(network.num_outputs)}
     boxes, scores = outputs[BOXES], outputs[SCORES]
     for tensor in outputs.values():
@@ -247,11 +249,11 @@ class TensorRTBackend(EngineBackend):
 
     def build(self, onnx_path: Path, folder: Path, settings) -> EngineMetadata:
         trt = _import_tensorrt()
-        from qatpipe.export.ssd_boxes import add_decoded_boxes, read_decoding
+        from qatpipe.models.decoding import read_decoding
         from qatpipe.onnx_model import load_onnx_proto
 
         model = load_onnx_proto(onnx_path)
-        ssd = read_decoding(model)  # an SSD: its decoded boxes and NMS go into the engine
+        decoding = read_decoding(model)  # a decoding record: its boxes, scores and NMS go into the engine
         quantized = is_explicitly_quantized(model)
         fp16_casts = any(node.op_type == "Cast" and any(a.name == "to" and a.i == 10 for a in node.attribute)
                          for node in model.graph.node)  # an FP16 form (export/fp16.py): its types decide
@@ -264,12 +266,12 @@ class TensorRTBackend(EngineBackend):
             flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
         network = builder.create_network(flags)
         parser = trt.OnnxParser(network, logger)
-        source = (add_decoded_boxes(model, ssd.priors(), ssd.variances, scores=True).SerializeToString() if ssd
+        source = (decoding.add_outputs(model, scores=True).SerializeToString() if decoding
                   else Path(onnx_path).read_bytes())
         if not parser.parse(source):
             errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
             raise QatpipeError(f"{onnx_path}: TensorRT cannot parse the ONNX model: {errors}")
-        nms_weights = add_ssd_nms(trt, network, ssd) if ssd else None  # kept alive until the engine is built
+        nms_weights = add_nms(trt, network, decoding) if decoding else None  # kept alive until the engine is built
         config = builder.create_builder_config()
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, settings.workspace_mb << 20)
         if dla is not None:
@@ -312,9 +314,10 @@ class TensorRTBackend(EngineBackend):
             batch_profile=({"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch}
                            if dla is None else dict.fromkeys(("min", "opt", "max"), dla.batch)),
             extra={"workspace_mb": settings.workspace_mb, "timing_cache": TIMING_CACHE_FILE,
-                   **({"nms": {"layer": "INMSLayer", "confidence_threshold": ssd.confidence_threshold,
-                               "nms_iou": ssd.nms_iou, "top_k": ssd.top_k, "max_detections": ssd.max_detections}}
-                      if ssd else {})},
+                   **({"nms": {"layer": "INMSLayer", "confidence_threshold": decoding.confidence_threshold,
+                               "nms_iou": decoding.nms_iou, "top_k": decoding.top_k,
+                               "max_detections": decoding.max_detections}}
+                      if decoding else {})},
         )
         metadata.write(folder)
         return metadata

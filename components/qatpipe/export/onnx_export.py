@@ -48,6 +48,21 @@ def save_onnx(proto, path: str | Path) -> Path:
     return path
 
 
+def write_decoding(onnx_path: str | Path, decoding) -> dict[str, str]:
+    """Add the metadata that carries `decoding` (a models.decoding record, from the architecture's `decoding()`;
+    None adds nothing) to the ONNX file at `onnx_path`, its other metadata kept; returns what was added."""
+    import onnx
+
+    from qatpipe.models.decoding import decoding_metadata
+
+    metadata = decoding_metadata(decoding)
+    if metadata:
+        model = onnx.load(onnx_path)
+        onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, **metadata})
+        save_onnx(model, onnx_path)
+    return metadata
+
+
 def output_differences(model, onnx_path: str | Path, inputs: np.ndarray, reference: dict | None = None
                        ) -> dict[str, dict]:
     """Per output, how far ONNX Runtime is from TensorFlow on `inputs`: the largest absolute difference, and

@@ -1,17 +1,22 @@
-"""The interface every detector architecture implements, so SSD/YOLO-style heads can follow DetectNet_v2.
+"""The contract every detector architecture implements: everything that varies by `model.arch` is here.
 
-An architecture owns four things that must agree with each other: the Keras model, the target encoder
-(ground truth -> training targets, in TensorFlow so it runs inside tf.data), the losses, and the decoder
-(raw outputs -> boxes, in NumPy so it runs on any backend's outputs: TF, ONNX Runtime, TensorRT).
+An architecture owns the things that must agree with each other: the Keras model, the target encoder
+(ground truth -> training targets, in TensorFlow so it runs inside tf.data), the losses, the decoder
+(raw outputs -> boxes, in NumPy so it runs on any backend's outputs: TF, ONNX Runtime, TensorRT), the decoding
+record its export carries for the engines and DeepStream (models/decoding.py), its DeepStream nvinfer layout, and
+the spec keys a training checkpoint depends on. Its spec section and the row that names it are in
+spec/architectures.py's ARCHITECTURES; stages, export, engines and deploy ask the architecture, never its name.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, ClassVar
 
 import numpy as np
+
+from qatpipe.errors import QatpipeError
 
 # every architecture's image input (NHWC float32 RGB in [0, 1]), named as TAO names it: the ONNX export, the
 # calibration cache and DeepStream's config all refer to it by this name
@@ -41,6 +46,11 @@ class DetectorArchitecture(abc.ABC):
     #: the network input, (height, width) in pixels, and how many input pixels one output cell spans
     input_hw: tuple[int, int]
     stride: int
+    #: the spec keys (dotted) a training checkpoint of this architecture depends on beyond those of every
+    #: architecture (stages/train.py): resuming across a change of one is refused
+    resume_keys: ClassVar[tuple[str, ...]] = ()
+    #: spec keys (dotted) added after checkpoints were written -> the value a spec.yaml without them trained with
+    keys_added_later: ClassVar[dict[str, Any]] = {}
 
     @abc.abstractmethod
     def build_model(self):
@@ -67,3 +77,15 @@ class DetectorArchitecture(abc.ABC):
     @abc.abstractmethod
     def decode(self, outputs: dict[str, np.ndarray]) -> list[Detections]:
         """Batched raw outputs (NumPy) -> detections per image, in network input pixels."""
+
+    def decoding(self):
+        """The decoding record (models/decoding.py) an export carries for the engine backends and DeepStream; None
+        (the default): the engines output the heads as they are, which `decode` reads."""
+        return None
+
+    def nvinfer_layout(self):
+        """How DeepStream's nvinfer runs this detector: an object with `description`, `onnx(model)` (the exported
+        ONNX in the layout its parser reads), `labels(classes)` (labels.txt's lines, in the parser's class ids) and
+        `properties()` / `class_attributes()` (the config lines that parser needs); deploy/deepstream.py writes the
+        config around it."""
+        raise QatpipeError(f"{type(self).__name__}: no DeepStream nvinfer layout for this architecture")

@@ -1,5 +1,6 @@
-"""The layers every backbone is made of, configured once: bias-free convolutions (BatchNormalization follows),
-TAO's BatchNormalization settings, and filter counts rounded for int8 kernels."""
+"""The layers every backbone and detection head is made of, configured once: bias-free convolutions
+(BatchNormalization follows), TAO's BatchNormalization settings, filter counts rounded for int8 kernels, and the
+spec's weight regulariser (model.regularizer)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,11 @@ def depthwise(kernel, strides, name, regularizer):
 
 def bn(name):
     return keras.layers.BatchNormalization(momentum=0.9, epsilon=BN_EPSILON, name=name)
+
+
+def weight_regularizer(spec):
+    """model.regularizer of an ExperimentSpec as a Keras regulariser (None for type none or weight 0)."""
+    reg = spec.model.regularizer
+    if reg.type == "none" or reg.weight == 0:
+        return None
+    return keras.regularizers.L1(reg.weight) if reg.type == "l1" else keras.regularizers.L2(reg.weight)

@@ -14,6 +14,7 @@ import tf_keras as keras
 from qatpipe.boxes import cell_boxes, dbscan_cluster, nms
 from qatpipe.errors import ModelFileError
 from qatpipe.models.base import INPUT_NAME, Detections, DetectorArchitecture
+from qatpipe.models.blocks import weight_regularizer
 from qatpipe.models.distill import binary_kl, soft_count
 from qatpipe.models.backbones import backbone_module
 from qatpipe.spec import OUTPUT_STRIDE, DecoderSpec, ExperimentSpec
@@ -22,15 +23,11 @@ COVERAGE = "output_cov"
 BBOX = "output_bbox"
 
 
-def weight_regularizer(spec: ExperimentSpec):
-    reg = spec.model.regularizer
-    if reg.type == "none" or reg.weight == 0:
-        return None
-    return keras.regularizers.L1(reg.weight) if reg.type == "l1" else keras.regularizers.L2(reg.weight)
-
-
 class DetectNetV2(DetectorArchitecture):
     output_names = (COVERAGE, BBOX)
+    resume_keys = ("model.loss", "model.target")
+    # model.loss keys added after checkpoints were written, and what a spec.yaml without them trained with
+    keys_added_later = {"model.loss.coverage_normalizer": "cells", "model.loss.class_weight": 0.0}
 
     def __init__(self, spec: ExperimentSpec):
         self.spec = spec
@@ -185,6 +182,13 @@ class DetectNetV2(DetectorArchitecture):
                              (self.height, self.width))
             for i in range(coverage.shape[0])
         ]
+
+    def nvinfer_layout(self):
+        """nvinfer's built-in DetectNet_v2 parser (models/detectnet_v2_deepstream.py); no decoding record: the
+        engines output the heads."""
+        from qatpipe.models.detectnet_v2_deepstream import DetectNetV2Layout
+
+        return DetectNetV2Layout(self.stride, self.bbox_norm, self.spec.model.decoder)
 
 
 def _class_cross_entropy(y_true, y_pred, object_mask):

@@ -21,13 +21,11 @@ from qatpipe.boxes import (NMS_BOXES, NMS_IMAGES, NMS_INDICES, NMS_SCORES, centr
 from qatpipe.errors import ModelFileError
 from qatpipe.models.backbones import backbone_module
 from qatpipe.models.base import INPUT_NAME, Detections, DetectorArchitecture
-from qatpipe.models.blocks import bn, conv, scaled_filters
+from qatpipe.models.blocks import bn, conv, scaled_filters, weight_regularizer
+from qatpipe.models.decoding import CLS, LOC, PriorBoxDecoding
 from qatpipe.models.distill import categorical_kl, soft_count
-from qatpipe.models.detectnet_v2 import weight_regularizer
 from qatpipe.spec import ExperimentSpec
 
-CLS = "output_cls"
-LOC = "output_loc"
 BACKBONE_STRIDES = (8, 16)  # the maps taken from the backbone; larger strides come from extra layers
 # post-activation layers make the backbone's taps (an SSDLite-style expansion output on MobileNetV2)
 _TAP_TYPES = (keras.layers.Activation, keras.layers.ReLU, keras.layers.Add)
@@ -36,6 +34,7 @@ BACKGROUND_PRIOR = 0.99  # the cls head starts out saying "background" at this p
 
 class SSD(DetectorArchitecture):
     output_names = (CLS, LOC)
+    resume_keys = ("model.loss", "model.target", "model.ssd")
 
     def __init__(self, spec: ExperimentSpec):
         self.spec = spec
@@ -253,6 +252,26 @@ class SSD(DetectorArchitecture):
                                                    cfg.nms_iou, cfg.max_detections)
             detections.append(Detections(boxes, scores, classes))
         return detections
+
+
+    def decoding(self) -> PriorBoxDecoding:
+        """The priors' settings, the variances and model.decoder's thresholds: an engine backend adds the decoded
+        boxes and its NMS from them (engines/tensorrt_backend.py), DeepStream its NMS plugin."""
+        size, priors, decoder = self.spec.dataset.image_size, self.cfg, self.spec.model.decoder
+        return PriorBoxDecoding(
+            image_hw=(size.height, size.width), map_hws=tuple(tuple(hw) for hw in self.map_hws),
+            scales=tuple(priors.scales),
+            aspect_ratios=tuple(tuple(priors.ratios_of(k)) for k in range(len(priors.feature_strides))),
+            two_boxes_for_ar1=priors.two_boxes_for_ar1, clip_boxes=priors.clip_boxes,
+            variances=tuple(priors.variances), num_classes=self.num_classes,
+            confidence_threshold=decoder.confidence_threshold, nms_iou=decoder.nms_iou, top_k=decoder.top_k,
+            max_detections=decoder.max_detections)
+
+    def nvinfer_layout(self):
+        """TAO's SSD parser on the model ending in TensorRT's NMS plugin (models/ssd_deepstream.py)."""
+        from qatpipe.models.ssd_deepstream import SsdLayout
+
+        return SsdLayout(self.decoding())
 
 
 def nms_detections(outputs: dict[str, np.ndarray], size: np.ndarray, max_detections: int) -> list[Detections]:

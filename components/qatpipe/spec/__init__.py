@@ -11,6 +11,8 @@ pipeline stage reads), errors (validation errors one line per key). Callers impo
 
 from qatpipe.spec.architectures import (
     ARCHITECTURE_SPECS,
+    ARCHITECTURES,
+    Architecture,
     DEFAULT_ARCH,
     OUTPUT_STRIDE,
     PIPELINE_PRETRAINED,
@@ -62,7 +64,7 @@ from qatpipe.spec.stage_sections import (
 from qatpipe.spec.views import SETTING_SECTIONS, STAGE_SECTIONS, spec_output_name, stage_view
 
 __all__ = [
-    "ARCHITECTURE_SPECS", "DEFAULT_ARCH", "OUTPUT_STRIDE", "PIPELINE_PRETRAINED", "PTQ_DEFAULT_METHODS",
+    "ARCHITECTURE_SPECS", "ARCHITECTURES", "Architecture", "DEFAULT_ARCH", "OUTPUT_STRIDE", "PIPELINE_PRETRAINED", "PTQ_DEFAULT_METHODS",
     "SETTING_SECTIONS", "STAGE_SECTIONS", "AugmentationSpec", "BackboneSpec", "DatasetSpec", "DecoderSpec",
     "DetectNetV2Spec", "EngineBenchSpec", "EngineSpec", "EvaluateSpec", "ExperimentSpec", "ExportSpec", "ImageSize",
     "LearningRateSpec", "LossSpec", "ModelSpec", "PretrainSpec", "PruneSpec", "PtqSpec", "QatSpec", "RegularizerSpec",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
@@ -240,10 +241,28 @@ class SsdSpec(_ArchitectureSpec):
         return max(self.ssd.feature_strides)
 
 
-# The model section is one of the architectures' own sections, picked by its `arch` (absent: DEFAULT_ARCH):
-# a new architecture adds its section class to ARCHITECTURE_SPECS, its package to qatpipe.models and its line
-# to qatpipe.models.get_architecture's table; nothing else in the spec changes.
-ARCHITECTURE_SPECS = {"detectnet_v2": DetectNetV2Spec, "ssd": SsdSpec}
+# ------------------------------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One row of the architecture registry: the model section the spec validates `model:` with, and the
+    DetectorArchitecture (qatpipe.models) that implements it, named as "module:class", not imported: it stands on
+    the models floor above the spec, and loads TensorFlow (qatpipe.models.architecture_class imports it)."""
+
+    section: type[_ArchitectureSpec]
+    implementation: str
+
+
+# model.arch -> its row: the one table of architectures. A new detector is its module in qatpipe.models (its
+# DetectorArchitecture: model, targets, losses, decoder, decoding record, DeepStream layout, resume keys) and its
+# section class above with its row here; nothing else in the library names an architecture (tests/test_arch_names.py)
+ARCHITECTURES = {
+    "detectnet_v2": Architecture(DetectNetV2Spec, "qatpipe.models.detectnet_v2:DetectNetV2"),
+    "ssd": Architecture(SsdSpec, "qatpipe.models.ssd:SSD"),
+}
+# the model section is one of the architectures' own sections, picked by its `arch` (absent: DEFAULT_ARCH)
+ARCHITECTURE_SPECS = {name: row.section for name, row in ARCHITECTURES.items()}
 # DEFAULT_ARCH: of a spec that names no arch (the default recipe's; specs written before SSD came name no arch
 # and meant detectnet_v2: they say so now)
 DEFAULT_ARCH = "ssd"

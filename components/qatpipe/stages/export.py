@@ -46,8 +46,8 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
     """Write `output_path` (.onnx, dynamic batch) and `<stem>_export.json` beside it (QAT: also the
     calibration cache pair, and a tracking.json for the pipeline); fail if ONNX Runtime disagrees with
     TensorFlow on sample inputs."""
-    from qatpipe.export.onnx_export import export_onnx, output_differences, rounding_sensitivity, tf_outputs
-    from qatpipe.export.ssd_boxes import write_export_metadata
+    from qatpipe.export.onnx_export import (export_onnx, output_differences, rounding_sensitivity, tf_outputs,
+                                            write_decoding)
     from qatpipe.models import get_architecture
     from qatpipe.models.io import load_keras_model
     from qatpipe.quantization.layers import is_quantized_model
@@ -56,10 +56,11 @@ def export(spec: ExperimentSpec, model_path: str | Path, output_path: str | Path
     bundle = ExportBundle(output_path)
     if output_path.suffix.lower() != ".onnx":
         raise QatpipeError(f"{output_path}: the export target must end in .onnx")
-    model = load_keras_model(model_path, get_architecture(spec))
+    arch = get_architecture(spec)
+    model = load_keras_model(model_path, arch)
     qat = is_quantized_model(model)
     export_onnx(model, output_path, spec.export.opset)
-    metadata = write_export_metadata(spec, output_path)  # an SSD's decoding, for the engine backends
+    metadata = write_decoding(output_path, arch.decoding())  # for the engine backends (models/decoding.py)
     report = {"model": str(model_path), "onnx": str(output_path), "opset": spec.export.opset,
               "quantization": "explicit int8 (QAT)" if qat else "none (FP32)", "metadata": sorted(metadata)}
     if qat:

@@ -266,7 +266,7 @@ def build_classifier(spec: ExperimentSpec, num_classes: int, crop_size: int | No
 
     from qatpipe.models.backbones import backbone_module
     from qatpipe.models.base import INPUT_NAME
-    from qatpipe.models.detectnet_v2 import weight_regularizer
+    from qatpipe.models.blocks import weight_regularizer
 
     backbone = spec.model.backbone
     module = backbone_module(backbone.name)

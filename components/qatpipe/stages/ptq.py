@@ -72,7 +72,7 @@ def _finish(model_path: Path, made_by: str, source: Path) -> dict:
     """Check the PTQ model against TensorRT's explicit-quantization rules (export/qdq.py), as every Q/DQ ONNX the
     project ships: a model that breaks them is an error naming the rules it breaks. Then record what made it in
     its metadata (QUANTIZED_BY_KEY; validate and compare show it), over the FP32 model's own (`source`'s: an
-    SSD's decoding, export/ssd_boxes.py), which a quantizer may drop. Returns the check."""
+    decoding record, models/decoding.py), which a quantizer may drop. Returns the check."""
     import onnx
 
     from qatpipe.export.onnx_export import save_onnx

@@ -31,26 +31,30 @@ PRETRAINED_REPORT = "pretrained_report.json"  # what model.pretrained loaded (mo
 VALIDATION_SEED = 0
 
 
-# What a checkpoint's weights, optimizer state and data stream depend on: resuming across a change of any of
-# these would silently mix two experiments. `train.epochs` may change (to extend a run).
+# What a checkpoint's weights, optimizer state and data stream depend on: these, and between the two the keys of
+# the architectures (theirs: DetectorArchitecture.resume_keys, e.g. model.loss, model.target). Resuming across a
+# change of any of them would silently mix two experiments. `train.epochs` may change (to extend a run).
+_RESUME_MODEL_KEYS = ("model.arch", "model.backbone", "model.regularizer")
 _RESUME_MUST_MATCH = (
-    "model.arch", "model.backbone", "model.regularizer", "model.loss", "model.target", "model.ssd",
     "dataset.classes", "dataset.train", "dataset.image_size", "augmentation", "train.batch_size", "train.seed",
     "train.optimizer", "train.momentum", "train.learning_rate", "qat", "model.freeze_blocks", "model.freeze_bn",
 )
 
-# DetectNet_v2's model.loss keys added after checkpoints were written, and what a spec.yaml without them trained
-# with
-_LOSS_KEYS_ADDED_LATER = {"coverage_normalizer": "cells", "class_weight": 0.0}
-
 
 def _dotted(data: dict, key: str):
-    """The value at a dotted key; None where the spec has no such key (model.ssd of a DetectNet_v2)."""
+    """The value at a dotted key; None where the spec has no such key (one architecture's section key in another's)."""
     for part in key.split("."):
         if part not in data:
             return None
         data = data[part]
     return data
+
+
+def _set_dotted(data: dict, key: str, value) -> None:
+    *parents, leaf = key.split(".")
+    for part in parents:
+        data = data[part]
+    data[leaf] = value
 
 
 def _check_resume_compatible(results_dir: Path, spec: ExperimentSpec, processes: int | None = 1) -> None:
@@ -66,14 +70,18 @@ def _check_resume_compatible(results_dir: Path, spec: ExperimentSpec, processes:
     previous_path = results_dir / SPEC_FILE
     if not previous_path.is_file():
         return
+    from qatpipe.models import architecture_class
+
     previous_spec = load_spec(previous_path)
     previous_text = previous_path.read_text()
-    for key, meant in _LOSS_KEYS_ADDED_LATER.items():
-        # written before model.loss.<key> existed: trained as `meant` says
-        if previous_spec.model.arch == "detectnet_v2" and key not in previous_text:
-            setattr(previous_spec.model.loss, key, meant)
     previous, current = previous_spec.to_dict(), spec.to_dict()
-    changed = [key for key in _RESUME_MUST_MATCH if _dotted(previous, key) != _dotted(current, key)]
+    previous_arch, current_arch = architecture_class(previous_spec.model.arch), architecture_class(spec.model.arch)
+    for key, meant in previous_arch.keys_added_later.items():
+        if key.rpartition(".")[2] not in previous_text:  # written before the key existed: trained as `meant` says
+            _set_dotted(previous, key, meant)
+    arch_keys = tuple(dict.fromkeys(previous_arch.resume_keys + current_arch.resume_keys))
+    must_match = _RESUME_MODEL_KEYS + arch_keys + _RESUME_MUST_MATCH
+    changed = [key for key in must_match if _dotted(previous, key) != _dotted(current, key)]
     if changed:
         raise QatpipeError(
             f"{results_dir}: holds checkpoints of a run whose {', '.join(changed)} differs from this spec; "

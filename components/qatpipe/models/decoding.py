@@ -1,43 +1,71 @@
-"""SSD's box decoding as ONNX graph ops, and the decoding an SSD's ONNX carries for the engine backends.
+"""How a detector's raw outputs become boxes, as a typed record an export carries in its ONNX metadata for the engine
+backends and DeepStream, and as ONNX graph ops.
 
-`add_decoded_boxes` appends to an SSD ONNX (outputs `output_cls` (N, P, 1 + C), softmax with the background at
-index 0, and `output_loc` (N, P, 4), offsets from the priors) the output `output_boxes` (N, P, 4): x1 y1 x2 y2 as
+A DetectorArchitecture's `decoding()` gives its record (None: its engines output the heads, as DetectNet_v2's do).
+The export writes it into the ONNX's metadata (DECODING_KEY: its `kind` and settings as JSON; export/onnx_export.py)
+and the Q/DQ, implicit, FP16 and DLA forms copy the metadata (PTQ keeps the FP32 model's, stages/ptq.py). An engine
+backend gets only the ONNX and reads the record, never the architecture: TensorRT's adds `add_outputs` (boxes and
+scores) and its NMS from it (engines/tensorrt_backend.py). An ONNX exported before the record had a kind carries
+SSD's under LEGACY_KEY, read as a PriorBoxDecoding.
+
+PriorBoxDecoding (SSD's): outputs `output_cls` (N, P, 1 + C), softmax with the background at index 0, and
+`output_loc` (N, P, 4), offsets from the priors. `add_decoded_boxes` appends `output_boxes` (N, P, 4): x1 y1 x2 y2 as
 fractions of the image, what `boxes.centres_to_corners(boxes.decode_offsets(output_loc, priors, variances))`
 computes in NumPy, in standard ops TensorRT's ONNX parser reads (Slice, Mul, Add, Clip, Exp, Sub, Concat) with the
 priors and variances as constants; on request also `output_scores` (N, P, C), the class scores without the
 background, as an NMS without a background class takes them.
-
-The export writes the SSD's decoding (its priors' settings, the variances and model.decoder's thresholds) into the
-ONNX's metadata (`SsdDecoding`, key DECODING_KEY): an engine backend gets only the ONNX, and TensorRT's adds the
-decoded boxes and its NMS from it (engines/tensorrt_backend.py). The Q/DQ, implicit, FP16 and DLA forms copy the
-metadata, and PTQ keeps the FP32 model's (stages/ptq.py). DeepStream's layout (deploy/deepstream.py) builds from
-the spec instead.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
 from qatpipe.boxes import prior_boxes
-from qatpipe.errors import QatpipeError
+from qatpipe.errors import ModelFileError, QatpipeError
 
-CLS, LOC = "output_cls", "output_loc"  # the SSD ONNX's outputs (models/ssd.py)
+CLS, LOC = "output_cls", "output_loc"  # a prior-box detector's outputs (models/ssd.py)
 BOXES = "output_boxes"  # (N, P, 4) x1 y1 x2 y2, fractions of the image
 SCORES = "output_scores"  # (N, P, C): output_cls without its background column
-DECODING_KEY = "qatpipe.ssd_decoding"  # metadata_props key: SsdDecoding as JSON
+DECODING_KEY = "qatpipe.decoding"  # metadata_props key: the record as JSON, with its `kind`
+LEGACY_KEY = "qatpipe.ssd_decoding"  # what exports wrote before the record had a kind: a PriorBoxDecoding's JSON
 EXP_CLIP = 10.0  # boxes.decode_offsets clips the scaled log sizes to +-10 before exp
 _PREFIX = "ssd_decode"
 
 
-@dataclass(frozen=True)
-class SsdDecoding:
-    """What turns an SSD's outputs into detections: the priors (from their settings, boxes.prior_boxes), the
-    variances, and model.decoder's settings (for the NMS an engine adds)."""
+class Decoding:
+    """A decoding record: a frozen dataclass of JSON-able fields with a `kind`, which engines and DeepStream read.
+    Every kind gives the engine's NMS its settings (num_classes, confidence_threshold, nms_iou, top_k,
+    max_detections) and `add_outputs`: the ONNX with BOXES (corners, fractions of the image) and SCORES after its
+    own outputs."""
 
+    kind: ClassVar[str]
+    num_classes: int
+    confidence_threshold: float
+    nms_iou: float
+    top_k: int
+    max_detections: int
+
+    def add_outputs(self, model, scores: bool = True):
+        raise NotImplementedError
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.kind, **asdict(self)}, sort_keys=True)
+
+    @classmethod
+    def from_values(cls, values: dict) -> "Decoding":
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class PriorBoxDecoding(Decoding):
+    """What turns a prior-box detector's outputs (SSD's) into detections: the priors (from their settings,
+    boxes.prior_boxes), the variances, and model.decoder's settings (for the NMS an engine adds)."""
+
+    kind: ClassVar[str] = "prior_boxes"
     image_hw: tuple[int, int]
     map_hws: tuple[tuple[int, int], ...]
     scales: tuple[float, ...]
@@ -51,32 +79,17 @@ class SsdDecoding:
     top_k: int
     max_detections: int
 
-    @classmethod
-    def of(cls, spec) -> "SsdDecoding":
-        """The decoding of an ExperimentSpec whose model.arch is ssd (the priors models/ssd.py's SSD makes)."""
-        model, size = spec.model, spec.dataset.image_size
-        priors, decoder = model.ssd, model.decoder
-        return cls(
-            image_hw=(size.height, size.width),
-            map_hws=tuple((size.height // s, size.width // s) for s in priors.feature_strides),
-            scales=tuple(priors.scales),
-            aspect_ratios=tuple(tuple(priors.ratios_of(k)) for k in range(len(priors.feature_strides))),
-            two_boxes_for_ar1=priors.two_boxes_for_ar1, clip_boxes=priors.clip_boxes,
-            variances=tuple(priors.variances), num_classes=spec.num_classes,
-            confidence_threshold=decoder.confidence_threshold, nms_iou=decoder.nms_iou, top_k=decoder.top_k,
-            max_detections=decoder.max_detections)
-
     def priors(self) -> np.ndarray:
         """(P, 4) cx cy w h, fractions of the image."""
         return prior_boxes(self.image_hw, list(self.map_hws), list(self.scales),
                            [list(r) for r in self.aspect_ratios], self.two_boxes_for_ar1, self.clip_boxes)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+    def add_outputs(self, model, scores: bool = True):
+        return add_decoded_boxes(model, self.priors(), self.variances, scores=scores)
 
     @classmethod
-    def from_json(cls, text: str) -> "SsdDecoding":
-        values = json.loads(text)
+    def from_values(cls, values: dict) -> "PriorBoxDecoding":
+        values = dict(values)
         values["image_hw"] = tuple(values["image_hw"])
         values["map_hws"] = tuple(tuple(hw) for hw in values["map_hws"])
         values["aspect_ratios"] = tuple(tuple(r) for r in values["aspect_ratios"])
@@ -85,40 +98,39 @@ class SsdDecoding:
         return cls(**values)
 
 
-def export_metadata(spec) -> dict[str, str]:
-    """The metadata an export of `spec`'s detector carries for the engine backends: an SSD's decoding; none for
-    DetectNet_v2, whose engines output its heads."""
-    if spec.model.arch != "ssd":
-        return {}
-    return {DECODING_KEY: SsdDecoding.of(spec).to_json()}
+# kind -> its record class: what an engine or DeepStream can read from an export
+DECODINGS: dict[str, type[Decoding]] = {PriorBoxDecoding.kind: PriorBoxDecoding}
 
 
-def write_export_metadata(spec, onnx_path: str | Path) -> dict[str, str]:
-    """Add `export_metadata(spec)` to the ONNX file at `onnx_path` (its other metadata kept); returns it."""
-    import onnx
-
-    from qatpipe.export.onnx_export import save_onnx
-
-    metadata = export_metadata(spec)
-    if metadata:
-        model = onnx.load(onnx_path)
-        onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, **metadata})
-        save_onnx(model, onnx_path)
-    return metadata
+def decoding_from_json(text: str, legacy: bool = False) -> Decoding:
+    """The record of DECODING_KEY's JSON (`legacy`: LEGACY_KEY's, a PriorBoxDecoding without a kind)."""
+    values = json.loads(text)
+    kind = PriorBoxDecoding.kind if legacy else values.pop("kind", None)
+    if kind not in DECODINGS:
+        raise ModelFileError(f"{DECODING_KEY}: decoding kind {kind!r} is not one of {', '.join(DECODINGS)} (an "
+                             "export of a newer qatpipe?)")
+    return DECODINGS[kind].from_values(values)
 
 
-def read_decoding(model) -> SsdDecoding | None:
-    """The SsdDecoding an ONNX model (a ModelProto) carries, None when it has none (not an SSD, or exported
-    before the export wrote it)."""
-    for prop in model.metadata_props:
-        if prop.key == DECODING_KEY:
-            return SsdDecoding.from_json(prop.value)
+def decoding_metadata(decoding: Decoding | None) -> dict[str, str]:
+    """The ONNX metadata that carries `decoding`: {} for none (the engines output the heads)."""
+    return {} if decoding is None else {DECODING_KEY: decoding.to_json()}
+
+
+def read_decoding(model) -> Decoding | None:
+    """The decoding record an ONNX model (a ModelProto) carries, None when it has none (its engines output its
+    heads, or it was exported before the export wrote one)."""
+    props = {prop.key: prop.value for prop in model.metadata_props}
+    if DECODING_KEY in props:
+        return decoding_from_json(props[DECODING_KEY])
+    if LEGACY_KEY in props:
+        return decoding_from_json(props[LEGACY_KEY], legacy=True)
     return None
 
 
 def add_decoded_boxes(model, priors: np.ndarray, variances, scores: bool = False):
-    """A copy of the SSD ONNX `model` with the output BOXES (and with `scores`, SCORES) after its own outputs;
-    `priors` (P, 4) cx cy w h and `variances` (4,) as models/ssd.py's SSD has them (see the module docstring)."""
+    """A copy of the prior-box (SSD) ONNX `model` with the output BOXES (and with `scores`, SCORES) after its own
+    outputs; `priors` (P, 4) cx cy w h and `variances` (4,) as models/ssd.py's SSD has them (the module docstring)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -182,5 +194,5 @@ def add_decoded_boxes(model, priors: np.ndarray, variances, scores: bool = False
     return model
 
 
-__all__ = ["BOXES", "DECODING_KEY", "SCORES", "SsdDecoding", "add_decoded_boxes", "export_metadata",
-           "read_decoding", "write_export_metadata"]
+__all__ = ["BOXES", "CLS", "DECODINGS", "DECODING_KEY", "LEGACY_KEY", "LOC", "SCORES", "Decoding",
+           "PriorBoxDecoding", "add_decoded_boxes", "decoding_from_json", "decoding_metadata", "read_decoding"]
