@@ -9,6 +9,8 @@
 #     ships: the line is deleted (Horovod's XLA ops are opt-in, HOROVOD_ENABLE_XLA_OPS; nothing here uses them);
 #   - TF 2.21's headers include highwayhash and farmhash headers from folders TF's include path does not list:
 #     they go on CXXFLAGS.
+# The sdist is read with the environment's own setuptools (--no-build-isolation): an offline image build has no
+# index to fetch a build environment from.
 # The wheel lands in WHEEL_DIR/tf-<version>/ because pip's own cache does not key builds by TF version
 # (hence --no-cache-dir): re-installs reuse it and take seconds instead of ~8 minutes on 2 cores.
 # Frameworks and transports come from the usual HOROVOD_* variables; unset, this builds TensorFlow + Gloo (what
@@ -32,7 +34,7 @@ fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 echo "horovod $HOROVOD_VERSION for TensorFlow $tf_version: building (3-8 minutes on 2 cores)" >&2
-"$PYTHON" -m pip download --quiet --no-deps --no-binary :all: --no-cache-dir \
+"$PYTHON" -m pip download --quiet --no-deps --no-binary :all: --no-cache-dir --no-build-isolation \
     "horovod==$HOROVOD_VERSION" -d "$work" >&2
 tar -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
 source_dir="$work/horovod-$HOROVOD_VERSION"
