@@ -182,7 +182,7 @@ for kind in "${selected[@]}"; do
     command=("$docker" build -f "images/$kind/Dockerfile" -t "$image" --build-arg "QATPIPE_VERSION=${image##*:}"
              --build-arg "QATPIPE_GIT_COMMIT=$git_commit" --build-arg "QATPIPE_SOURCE_SHA256=$source_sha")
     locks=("images/$kind"/*.lock)
-    if [[ "$kind" == training ]]; then locks+=(images/modelopt/*.lock images/horovod/build-wheel.sh); fi
+    if [[ "$kind" == training ]]; then locks+=(images/modelopt/*.lock); fi
     command+=(--build-arg "QATPIPE_LOCK_SHA256=$(hash_files "${locks[@]}")")
     if [[ -n "$source_url" ]]; then command+=(--build-arg "QATPIPE_SOURCE=$source_url"); fi
     if ((cpu)); then

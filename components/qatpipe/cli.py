@@ -291,7 +291,7 @@ def cmd_run(args) -> int:
     from qatpipe.stages.compare import report
     from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
 
-    summary = run_local(args.output, args.spec, args.overrides, run_name=args.run_name or "")
+    summary = run_local(args.output, args.spec, args.overrides, run_name=args.run_name or "", runner=args.runner)
     log.info("summary: %s", args.output / SUMMARY_FILE)
     if "mlflow" in summary:
         log.info("MLflow: run %s in experiment %r at %s", summary["mlflow"]["run_id"],
@@ -546,6 +546,9 @@ def _add_pipeline_commands(sub) -> None:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a spec key (repeatable)")
     run.add_argument("--run-name", help="MLflow parent run name (default: the output folder's name)")
+    run.add_argument("--runner", choices=("subprocess", "docker"), default="subprocess",
+                     help="subprocess: each stage a process here; docker: each stage in its image (`make images`), "
+                          "MLflow in the MLflow image, through Docker or podman ($DOCKER_HOST)")
     run.set_defaults(func=cmd_run)
 
     compile_ = sub.add_parser("compile", help="compile the pipeline to a KFP package (YAML)")

@@ -4,11 +4,13 @@
 #   PYTHON=.venv/bin/python images/horovod/build-wheel.sh [WHEEL_DIR]    # default WHEEL_DIR: .cache/wheels
 #
 # Prints the wheel's path on stdout. Horovod 0.28.1 (its last release) does not build against TensorFlow 2.21
-# as released; two changes make it build:
+# as released; three changes make it build:
 #   - horovod/tensorflow/CMakeLists.txt lists xla_mpi_ops.cc, written against XLA headers TF 2.21 no longer
 #     ships: the line is deleted (Horovod's XLA ops are opt-in, HOROVOD_ENABLE_XLA_OPS; nothing here uses them);
 #   - TF 2.21's headers include highwayhash and farmhash headers from folders TF's include path does not list:
-#     they go on CXXFLAGS.
+#     they go on CXXFLAGS;
+#   - horovod/common/common.h uses std::logic_error without <stdexcept>, which GCC 13 (Ubuntu 24.04's) no longer
+#     pulls in through other headers: the include is added.
 # The sdist is read with the environment's own setuptools (--no-build-isolation): an offline image build has no
 # index to fetch a build environment from.
 # The wheel lands in WHEEL_DIR/tf-<version>/ because pip's own cache does not key builds by TF version
@@ -41,6 +43,10 @@ source_dir="$work/horovod-$HOROVOD_VERSION"
 cmake_lists="$source_dir/horovod/tensorflow/CMakeLists.txt"
 grep -q 'xla_mpi_ops.cc' "$cmake_lists" || { echo "xla_mpi_ops.cc not in $cmake_lists: fix no longer applies" >&2; exit 1; }
 sed -i '/xla_mpi_ops\.cc/d' "$cmake_lists"
+# GCC 13 (Ubuntu 24.04, the images' compiler) no longer includes <stdexcept> through <functional>/<memory>;
+# common.h throws std::logic_error without including it
+common_h="$source_dir/horovod/common/common.h"
+grep -q '^#include <stdexcept>' "$common_h" || sed -i 's|^#include <functional>|#include <functional>\n#include <stdexcept>|' "$common_h"
 
 tf_include="$("$PYTHON" -c 'import tensorflow as tf; print(tf.sysconfig.get_include())' 2>/dev/null)"
 export CXXFLAGS="${CXXFLAGS:-} -I$tf_include/external/highwayhash -I$tf_include/external/farmhash_archive/src"
