@@ -125,3 +125,29 @@ def test_no_container_engine_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/nothing.sock")
     with pytest.raises(QatpipeError, match="install podman"):
         docker_client()
+
+
+def test_compiled_pipeline_names_the_images_make_images_tags():
+    """pipelines/qat_pipeline.yaml runs its tasks on the images `make images` tags (qatpipe_kfp.settings)."""
+    import yaml
+
+    from qatpipe_kfp.settings import IMAGES
+
+    compiled = next(yaml.safe_load_all((ROOT / "pipelines" / "qat_pipeline.yaml").read_text()))
+    inputs = compiled["root"]["inputDefinitions"]["parameters"]
+    assert inputs["training_image"]["defaultValue"] == IMAGES["training"]
+    assert inputs["engine_image"]["defaultValue"] == IMAGES["engine"]
+
+
+def test_compile_retargets_the_images_for_a_registry(tmp_path):
+    """QATPIPE_IMAGE_REPOSITORY / QATPIPE_IMAGE_TAG at compile time: the names `images/build.sh --repository R
+    --tag T --push` pushes."""
+    import yaml
+
+    env = {**os.environ, "QATPIPE_IMAGE_REPOSITORY": "registry.example.com:5000/team", "QATPIPE_IMAGE_TAG": "7.7"}
+    out = tmp_path / "pipeline.yaml"
+    subprocess.run([sys.executable, "-m", "qatpipe.cli", "compile", "-o", str(out)], env=env, check=True,
+                   capture_output=True, timeout=600)
+    inputs = next(yaml.safe_load_all(out.read_text()))["root"]["inputDefinitions"]["parameters"]
+    assert inputs["training_image"]["defaultValue"] == "registry.example.com:5000/team/qatpipe-training:7.7"
+    assert inputs["engine_image"]["defaultValue"] == "registry.example.com:5000/team/qatpipe-engine:7.7"

@@ -9,8 +9,9 @@
 #     ships: the line is deleted (Horovod's XLA ops are opt-in, HOROVOD_ENABLE_XLA_OPS; nothing here uses them);
 #   - TF 2.21's headers include highwayhash and farmhash headers from folders TF's include path does not list:
 #     they go on CXXFLAGS;
-#   - horovod/common/common.h uses std::logic_error without <stdexcept>, which GCC 13 (Ubuntu 24.04's) no longer
-#     pulls in through other headers: the include is added.
+#   - its sources use std::string, std::logic_error and the fixed-width integers without including <string>,
+#     <stdexcept>, <cstdint>, which GCC 13 (Ubuntu 24.04's) no longer pulls in through other headers: they go on
+#     CXXFLAGS as -include.
 # The sdist is read with the environment's own setuptools (--no-build-isolation): an offline image build has no
 # index to fetch a build environment from.
 # The wheel lands in WHEEL_DIR/tf-<version>/ because pip's own cache does not key builds by TF version
@@ -43,13 +44,12 @@ source_dir="$work/horovod-$HOROVOD_VERSION"
 cmake_lists="$source_dir/horovod/tensorflow/CMakeLists.txt"
 grep -q 'xla_mpi_ops.cc' "$cmake_lists" || { echo "xla_mpi_ops.cc not in $cmake_lists: fix no longer applies" >&2; exit 1; }
 sed -i '/xla_mpi_ops\.cc/d' "$cmake_lists"
-# GCC 13 (Ubuntu 24.04, the images' compiler) no longer includes <stdexcept> through <functional>/<memory>;
-# common.h throws std::logic_error without including it
-common_h="$source_dir/horovod/common/common.h"
-grep -q '^#include <stdexcept>' "$common_h" || sed -i 's|^#include <functional>|#include <functional>\n#include <stdexcept>|' "$common_h"
 
 tf_include="$("$PYTHON" -c 'import tensorflow as tf; print(tf.sysconfig.get_include())' 2>/dev/null)"
 export CXXFLAGS="${CXXFLAGS:-} -I$tf_include/external/highwayhash -I$tf_include/external/farmhash_archive/src"
+# GCC 13 (Ubuntu 24.04's, the images' compiler) no longer pulls these in through other standard headers, and
+# Horovod's sources use them without including them
+CXXFLAGS="$CXXFLAGS -include cstdint -include stdexcept -include string"
 export HOROVOD_WITH_TENSORFLOW="${HOROVOD_WITH_TENSORFLOW:-1}"
 export HOROVOD_WITHOUT_PYTORCH="${HOROVOD_WITHOUT_PYTORCH:-1}"
 export HOROVOD_WITHOUT_MXNET="${HOROVOD_WITHOUT_MXNET:-1}"

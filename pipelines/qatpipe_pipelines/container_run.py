@@ -135,7 +135,8 @@ def _wait_until_up(container, uri: str) -> None:
     while time.monotonic() < deadline:
         container.reload()
         if container.status in ("exited", "dead"):
-            raise QatpipeError(f"the MLflow server container exited: {container.logs().decode(errors='replace')[-2000:]}")
+            logs = container.logs().decode(errors="replace")[-2000:]
+            raise QatpipeError(f"the MLflow server container exited: {logs}")
         try:
             with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
                 if response.status == 200:
@@ -157,8 +158,11 @@ def docker_runner(out: Path):
 
 
 def task_env(out: Path) -> dict[str, str]:
-    """Variables every container gets (the caller's environment does not reach them)."""
-    return {"HOME": str(out / ".home")}
+    """Variables every container gets (the caller's environment does not reach them). HOME: the calling user may
+    have no home in the image; Keras and MLflow write there."""
+    home = out / ".home"
+    home.mkdir(parents=True, exist_ok=True)
+    return {"HOME": str(home)}
 
 
 class Tee:
