@@ -61,13 +61,13 @@ def _run_in_containers(out: Path, spec_uri: str, overrides: list[str], run_name:
         logs = stack.enter_context(container_run.container_logs(out))
         try:
             return _run_locked(out, spec_uri, overrides, run_name, runner=container_run.docker_runner(out),
-                               task_env=container_run.task_env(out))
+                               task_env=container_run.task_env(out), images=IMAGES)
         except PipelineFailed as exc:
             raise PipelineFailed(f"{exc} Every container's output: {logs}") from None
 
 
 def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str, runner=None,
-                task_env: dict[str, str] | None = None) -> dict:
+                task_env: dict[str, str] | None = None, images: dict[str, str] | None = None) -> dict:
     import kfp.local
 
     from qatpipe.spec_sources import load_spec_uri
@@ -95,7 +95,8 @@ def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str, r
     # the stages' environment: inherited by subprocesses; containers get it as the tasks' own variables
     stage_env = {TRACKING_URI_ENV: tracking_uri, STAGE_LOG_ENV: str(stage_log), RUN_FOLDER_ENV: str(out)}
     qat_pipeline = build_pipeline(network_retries=0, placement=False, code_version=code_version(),
-                                  task_env={**stage_env, **(task_env or {})} if runner is not None else None)
+                                  task_env={**stage_env, **(task_env or {})} if runner is not None else None,
+                                  local_images=images)
     started = time.time()
     log.info("running the pipeline locally into %s (spec %s)", out, spec_uri)
     # the stage subprocesses inherit these

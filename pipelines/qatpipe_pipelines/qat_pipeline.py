@@ -201,7 +201,8 @@ def _caller_names_only(build):
 @_caller_names_only
 def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWORK_RETRIES,
                    placement: bool = True, code_version: str = "", mpijob: bool = False,
-                   shm_size: str = SHM_SIZE, task_env: "dict[str, str] | None" = None):
+                   shm_size: str = SHM_SIZE, task_env: "dict[str, str] | None" = None,
+                   local_images: "dict[str, str] | None" = None):
     """The pipeline function. Compile-time options:
     cache_pvc: mount this existing PVC as the dataset cache of every stage that reads data (a mount cannot be
         made optional at run time);
@@ -218,7 +219,9 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
     shm_size: the size limit of the training tasks' memory-backed /dev/shm (counted in their memory limit; KFP
         takes no run-time parameter there);
     task_env: environment variables set in every task: the local container run's (kfp.local's DockerRunner
-        passes a task's own variables, not the caller's environment).
+        passes a task's own variables, not the caller's environment);
+    local_images: {"training": ..., "engine": ...}, the tasks' images as fixed names instead of the
+        training_image / engine_image parameters, which kfp.local's DockerRunner does not resolve.
     """
 
     @dsl.pipeline(
@@ -294,6 +297,8 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         """
         sizes = {"training": (training_cpu, training_memory), "gpu_stage": (gpu_stage_cpu, gpu_stage_memory),
                  "cpu_stage": (cpu_stage_cpu, cpu_stage_memory), "light": (light_cpu, light_memory)}
+        if local_images:  # kfp.local's DockerRunner takes the image as written: a parameter stays a placeholder
+            training_image, engine_image = local_images["training"], local_images["engine"]
         run = _TaskSettings(training_image, engine_image, credentials_secret, gpus, node_selector, tolerations,
                             sizes=sizes, cache_pvc=cache_pvc, network_retries=network_retries,
                             placement=placement, code_version=code_version, shm_size=shm_size,
