@@ -73,14 +73,18 @@ def test_image_is_non_root_labelled_and_holds_no_secret(images, kind):
     history = subprocess.run(["podman", "history", "--no-trunc", "--format", "{{.CreatedBy}}", images[kind]],
                              capture_output=True, text=True, check=True).stdout
     assert not [w for w in SECRET_WORDS if w in history.upper()], history
-    # ... nor a key, a pip/netrc credential file or an ssh host key in its files
-    found = subprocess.run(["podman", "run", "--rm", "--network", "none", "--entrypoint", "sh", images[kind], "-c",
-                            "find / -xdev \\( -name '*.pem' -path '*/home/*' -o -name .netrc -o -name pip.conf "
-                            "-o -name 'ssh_host_*' -o -name .git-credentials -o -name credentials \\) -print; id -u"],
-                           capture_output=True, text=True, timeout=300)
-    lines = found.stdout.split()
-    assert found.returncode == 0 and lines[-1] == "1000", found.stderr
-    assert lines[:-1] == [], lines
+    # runs as uid 1000 by default ...
+    who = subprocess.run(["podman", "run", "--rm", "--network", "none", "--entrypoint", "id", images[kind], "-u"],
+                         capture_output=True, text=True, timeout=300)
+    assert who.stdout.strip() == "1000", who.stderr
+    # ... and holds no private key, pip/netrc/git credential file or ssh host key (searched as root: all of it)
+    found = subprocess.run(["podman", "run", "--rm", "--network", "none", "--user", "0", "--entrypoint", "find",
+                            images[kind], "/", "-xdev", "-type", "f", "(", "-name", "*.pem", "-path", "*/home/*",
+                            "-o", "-name", "id_rsa*", "-o", "-name", ".netrc", "-o", "-name", "pip.conf", "-o",
+                            "-name", "ssh_host_*", "-o", "-name", ".git-credentials", "-o", "-path",
+                            "*/.aws/credentials", ")", "-print"], capture_output=True, text=True, timeout=300)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == [], found.stdout
 
 
 @pytest.mark.slow
