@@ -155,3 +155,24 @@ def test_compile_retargets_the_images_for_a_registry(tmp_path):
     inputs = next(yaml.safe_load_all(out.read_text()))["root"]["inputDefinitions"]["parameters"]
     assert inputs["training_image"]["defaultValue"] == "registry.example.com:5000/team/qatpipe-training:7.7"
     assert inputs["engine_image"]["defaultValue"] == "registry.example.com:5000/team/qatpipe-engine:7.7"
+
+
+def test_wheelhouse_check_names_what_is_missing(tmp_path):
+    """images/wheelhouse.py --check (build.sh --cpu runs it before building): no wheelhouse, or one made for an
+    older lock, is named with the package, before any build."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("qatpipe_images_wheelhouse", ROOT / "images" / "wheelhouse.py")
+    wheelhouse = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wheelhouse)
+
+    assert "no wheelhouse at" in wheelhouse.check(["mlflow"], True, tmp_path / "none")
+    (tmp_path / "stale").mkdir()
+    (tmp_path / "stale" / "mlflow-0.0.0-py3-none-any.whl").write_bytes(b"not the pinned file")
+    first = wheelhouse.pins(ROOT / "images" / "mlflow" / "requirements.lock", True)[0]
+    message = wheelhouse.check(["mlflow"], True, tmp_path / "stale")
+    assert f"{first.name}=={first.version}" in message and "images/mlflow/requirements.lock" in message
+    # --cpu leaves NVIDIA's CUDA wheels out, and only those
+    training = [pin.name for pin in wheelhouse.pins(ROOT / "images" / "training" / "requirements.lock", True)]
+    assert "tensorflow" in training and not [name for name in training if name.startswith("nvidia-")]
+    assert wheelhouse.main(["--check", "--cpu", "--dest", str(tmp_path / "none"), "mlflow"]) == 2
