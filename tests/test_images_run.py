@@ -100,9 +100,9 @@ def test_tiny_pipeline_runs_in_its_images(images, tmp_path, monkeypatch):
     assert summary["variants"]["fp32"]["engine"] == "onnxruntime cpu fp32"  # the engine image's CPU fallback
     assert summary["mlflow"]["tracking_uri"].startswith("http://127.0.0.1:")
     assert all(outcome["status"] == "done" for outcome in summary["stages"].values()), summary["stages"]
-    # every task ran in a container of one of the two stage images (kfp.local prints which it found)
+    # every task ran in a container of one of the two stage images (container_run prints which)
     log = (out / "containers.log").read_text()
-    assert f"Found image '{images['training']}'" in log and f"Found image '{images['engine']}'" in log
+    assert f"image {images['training']}: container " in log and f"image {images['engine']}: container " in log
     assert (out / "mlflow.db").is_file() and (out / "mlflow-server.log").is_file()
     # written as the calling user, not the images' uid 1000
     assert (out / "summary.json").stat().st_uid == os.getuid()
@@ -118,7 +118,8 @@ def test_failed_stage_in_its_container_is_named_and_its_log_kept(images, tmp_pat
     with pytest.raises(PipelineFailed) as failure:
         run_local(out, "tiny", [f"dataset.train={missing}/train", f"dataset.val={missing}/val"], runner="docker")
     message = str(failure.value)
-    assert message.startswith("pipeline stage ") and str(out / "containers.log") in message
+    assert message.startswith("pipeline stage fingerprint-data failed: ") and str(out / "containers.log") in message
+    assert "qatpipe run --local --runner docker --spec tiny" in message
     assert str(missing) in (out / "containers.log").read_text()  # the stage's own error, kept
 
 

@@ -165,6 +165,36 @@ def task_env(out: Path) -> dict[str, str]:
     return {"HOME": str(home)}
 
 
+def run_container(client, image: str, command: list[str], volumes: dict, **run_args) -> int:
+    """kfp.local's run_docker_container without its race: it runs the container with auto_remove and, when the
+    container is gone before it asks for the exit status (podman removes it at once), assumes success, so a stage
+    that failed fast passed and the next one failed on a missing output. Here the container is removed only after
+    its status is read."""
+    container = client.containers.run(image=image, command=command, detach=True, stdout=True, stderr=True,
+                                      volumes=volumes, **run_args)
+    print(f"image {image}: container {container.short_id}\n")
+    try:
+        for line in container.logs(stream=True, follow=True):
+            print(line.decode(errors="replace"), end="")
+        return container.wait()["StatusCode"]
+    finally:
+        with contextlib.suppress(Exception):
+            container.remove(force=True)
+
+
+@contextlib.contextmanager
+def exit_status_kept():
+    """kfp.local's DockerRunner with run_container above in place of its own, for the run's length."""
+    from kfp.local import docker_task_handler
+
+    original = docker_task_handler.run_docker_container
+    docker_task_handler.run_docker_container = run_container
+    try:
+        yield
+    finally:
+        docker_task_handler.run_docker_container = original
+
+
 class Tee:
     """sys.stdout, also written to a file: kfp.local prints each container's output, then removes it."""
 

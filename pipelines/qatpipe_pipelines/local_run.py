@@ -59,6 +59,7 @@ def _run_in_containers(out: Path, spec_uri: str, overrides: list[str], run_name:
             tracking_uri = stack.enter_context(container_run.mlflow_server(client, IMAGES["mlflow"], out))
         stack.enter_context(_environment({TRACKING_URI_ENV: tracking_uri}))
         logs = stack.enter_context(container_run.container_logs(out))
+        stack.enter_context(container_run.exit_status_kept())
         try:
             return _run_locked(out, spec_uri, overrides, run_name, runner=container_run.docker_runner(out),
                                task_env=container_run.task_env(out), images=IMAGES)
@@ -114,7 +115,8 @@ def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str, r
             # the exit handler closes the run as FAILED; where it could not (MLflow down, interrupted), do it here
             _close_stale_runs(tracker, experiment, out, "the pipeline failed")
             if isinstance(exc, RuntimeError):
-                raise PipelineFailed(_failure_message(stage_log, exc, out, spec_uri, overrides)) from None
+                raise PipelineFailed(_failure_message(stage_log, exc, out, spec_uri, overrides,
+                                                     containers=runner is not None)) from None
             raise
 
     summary = _collect_summary(out / "kfp", started)
@@ -205,10 +207,12 @@ def _stage_outcomes(stage_log: Path) -> dict:
     return outcomes
 
 
-def _failure_message(stage_log: Path, exc: Exception, out: Path, spec_uri: str, overrides: list[str]) -> str:
+def _failure_message(stage_log: Path, exc: Exception, out: Path, spec_uri: str, overrides: list[str],
+                     containers: bool = False) -> str:
     failed = [(name, o) for name, o in _stage_outcomes(stage_log).items() if o["status"] == "failed"]
-    command = " ".join(["qatpipe run --local", "--spec", shlex.quote(spec_uri), "--output", shlex.quote(str(out)),
-                        *(f"--set {shlex.quote(item)}" for item in overrides)])
+    runner = ["--runner docker"] if containers else []
+    command = " ".join(["qatpipe run --local", *runner, "--spec", shlex.quote(spec_uri), "--output",
+                        shlex.quote(str(out)), *(f"--set {shlex.quote(item)}" for item in overrides)])
     resume = f"Fix it and re-run `{command}`: finished stages are reused from {out / 'kfp-cache'}."
     if failed:  # the first to fail is the cause; the exit handler may fail after it (MLflow down)
         (name, outcome), later = failed[0], [other for other, _ in failed[1:]]
