@@ -10,7 +10,7 @@ RESULTS ?= results/pipeline
 MODELOPT_VENV := $(VENV)-modelopt
 MODELOPT_STAMP := $(MODELOPT_VENV)/.installed-stamp
 
-.PHONY: install modelopt main test bench compile clean lock
+.PHONY: install modelopt main test bench compile clean lock images
 
 $(STAMP): pyproject.toml images/horovod/build-wheel.sh
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,13 @@ compile: $(STAMP)
 # hashed (images/README.md). Needs only a Python >= 3.11 with pip, and PyPI; the Dockerfiles install what it writes.
 lock:
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) images/lock.py
+
+# The three images, CPU variant, with podman (or Docker), no registry and no network in the builds: Ubuntu 24.04 /
+# Debian 12 bases from images/local-base.sh (debootstrap, root), packages from the lock files' wheelhouse in
+# .cache/wheelhouse (images/wheelhouse.py). Tagged as qatpipe_kfp.settings names them, which the compiled pipeline
+# and `qatpipe run --local --runner docker` use. GPU images: images/build.sh without --cpu (images/README.md).
+images: $(STAMP)
+	PYTHON=$(BIN)/python images/build.sh --cpu
 
 clean:
 	rm -rf results .pytest_cache

@@ -4,10 +4,12 @@
 # QATPIPE_IMAGE_REPOSITORY / QATPIPE_IMAGE_TAG, the variables the pipeline's compile reads too.
 #
 #   images/build.sh --tag 0.1.0 --repository ghcr.io/you --push
+#   images/build.sh --cpu          # the CPU variant, offline: local bases and a wheelhouse (`make images`)
 #
 # Context: the repository root (.dockerignore keeps it to the sources); Dockerfile: images/<kind>/Dockerfile.
 # Environment: PYTHON, an interpreter with qatpipe installed (default: .venv/bin/python, else python3);
-# DOCKER, the client (default: docker). BuildKit is required (the Dockerfiles use RUN --mount).
+# DOCKER, the client (default: docker, else podman). BuildKit (or podman) is required: the Dockerfiles use
+# RUN --mount.
 set -euo pipefail
 
 readonly KINDS=(training engine mlflow)
@@ -24,6 +26,8 @@ Options:
                        (default: $QATPIPE_IMAGE_REPOSITORY, else ghcr.io/qatpipe)
   --only KIND          build only KIND: training, engine or mlflow (repeatable)
   --platform PLATFORM  target platform for docker build, e.g. linux/amd64
+  --cpu                the CPU variant, built without network: bases from images/local-base.sh
+                       (debootstrap, needs root), packages from the wheelhouse of images/wheelhouse.py
   --push               push the images once all are built
   --dry-run            print the docker commands instead of running them
   -h, --help           show this help
@@ -40,6 +44,7 @@ only=()
 platform=""
 push=0
 dry_run=0
+cpu=0
 while (($#)); do
     option="$1"
     value=""
@@ -74,6 +79,7 @@ while (($#)); do
             ;;
         --platform) platform="$value" ;;
         --push) push=1 ;;
+        --cpu) cpu=1 ;;
         --dry-run) dry_run=1 ;;
         -h | --help)
             usage
@@ -90,7 +96,13 @@ python="${PYTHON:-}"
 if [[ -z "$python" ]]; then
     if [[ -x .venv/bin/python ]]; then python=.venv/bin/python; else python=python3; fi
 fi
-docker="${DOCKER:-docker}"
+docker="${DOCKER:-}"
+if [[ -z "$docker" ]]; then  # a dry run prints docker's commands; podman takes the same
+    if ((dry_run)); then docker=docker
+    elif command -v docker >/dev/null && docker info >/dev/null 2>&1; then docker=docker
+    elif command -v podman >/dev/null; then docker=podman
+    else docker=docker; fi
+fi
 
 # "kind name" lines from the settings' JSON: the one place that names the images
 listing="$("$python" -m qatpipe_kfp.settings)" \
@@ -130,19 +142,57 @@ run() {  # the command, or with --dry-run its shell-quoted text
 }
 
 if ((!dry_run)); then
-    command -v "$docker" >/dev/null || fail "'$docker' not found (set DOCKER, or use --dry-run)"
+    command -v "$docker" >/dev/null \
+        || fail "no container engine: install podman (apt-get install podman runc) or Docker, or set DOCKER"
     export DOCKER_BUILDKIT=1  # RUN --mount in the Dockerfiles; BuildKit is the default from Docker 23 on
 fi
 
 # the commit the images are built from: their revision label, and MLflow's mlflow.source.git.commit tag
 git_commit="$(git rev-parse HEAD 2>/dev/null || true)"
+# the source label: the git remote, without user or token (https://user:token@host/... keeps only host/...)
+source_url="$(git remote get-url origin 2>/dev/null || true)"
+source_url="$(printf '%s' "$source_url" | sed -E 's#^([a-z+]+://)[^/@]*@#\1#')"
+
+# --cpu: the local bases and the wheelhouse, each made once and cached under .cache/
+cpu_args=()
+declare -A base_of=()
+if ((cpu)); then
+    wheelhouse="$root/.cache/wheelhouse"
+    if ((dry_run)); then
+        base_of=([runtime]=BASE_RUNTIME [devel]=BASE_DEVEL [mlflow]=BASE_MLFLOW)
+    else
+        "$python" images/wheelhouse.py --cpu --dest "$wheelhouse" "${selected[@]}" \
+            || fail "the wheelhouse is incomplete (above); images/wheelhouse.py --cpu makes it"
+        while read -r kind base; do base_of[$kind]="$base"; done < <(DOCKER="$docker" images/local-base.sh)
+        [[ -n "${base_of[runtime]:-}" ]] || fail "images/local-base.sh made no base (above)"
+    fi
+    cpu_args=(--build-arg VARIANT=cpu --build-arg PIP_NO_INDEX=1 --build-context "wheelhouse=$wheelhouse")
+fi
+
+# Cache keys (the Dockerfiles' QATPIPE_LOCK_SHA256, QATPIPE_SOURCE_SHA256): podman does not hash what a
+# RUN --mount binds, so without them it would reuse a layer installed from an older lock or older sources
+hash_files() { find "$@" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum \
+    | sha256sum | cut -c1-64; }
+source_sha="$(hash_files pyproject.toml README.md components pipelines)"
 
 images=()
 for kind in "${selected[@]}"; do
     image="$(image_of "$kind")"
     images+=("$image")
     command=("$docker" build -f "images/$kind/Dockerfile" -t "$image" --build-arg "QATPIPE_VERSION=${image##*:}"
-             --build-arg "QATPIPE_GIT_COMMIT=$git_commit")
+             --build-arg "QATPIPE_GIT_COMMIT=$git_commit" --build-arg "QATPIPE_SOURCE_SHA256=$source_sha")
+    locks=("images/$kind"/*.lock)
+    if [[ "$kind" == training ]]; then locks+=(images/modelopt/*.lock); fi
+    command+=(--build-arg "QATPIPE_LOCK_SHA256=$(hash_files "${locks[@]}")")
+    if [[ -n "$source_url" ]]; then command+=(--build-arg "QATPIPE_SOURCE=$source_url"); fi
+    if ((cpu)); then
+        command+=("${cpu_args[@]}")
+        case "$kind" in
+            training) command+=(--build-arg "BUILDER_IMAGE=${base_of[devel]}" --build-arg "BASE_IMAGE=${base_of[runtime]}") ;;
+            engine) command+=(--build-arg "BASE_IMAGE=${base_of[runtime]}") ;;
+            mlflow) command+=(--build-arg "BASE_IMAGE=${base_of[mlflow]}") ;;
+        esac
+    fi
     if [[ -n "$platform" ]]; then command+=(--platform "$platform"); fi
     run "${command[@]}" .
 done

@@ -30,10 +30,10 @@ CRD_SCHEMA_FILES = ("mpi-operator-v0.8.2/kubeflow.org_mpijobs.yaml",
 # last and left the longest running alone at the end); collected first, they start first, and the many short
 # files even out the two workers' ends. A new file that takes minutes belongs here.
 SLOWEST_FILES = (
-    "tests/test_local_pipeline.py", "tests/test_ssd_pipeline.py", "tests/test_horovod.py", "tests/test_engines.py",
-    "tests/test_images.py", "tests/test_faults.py", "tests/test_train_validation.py", "tests/test_manifests.py",
-    "tests/test_preemption.py", "tests/test_backbones.py", "tests/test_export.py", "tests/test_sensitivity.py",
-    "tests/test_mlflow_models.py",
+    "tests/test_images_run.py", "tests/test_local_pipeline.py", "tests/test_ssd_pipeline.py", "tests/test_horovod.py",
+    "tests/test_engines.py", "tests/test_images.py", "tests/test_faults.py", "tests/test_train_validation.py",
+    "tests/test_manifests.py", "tests/test_preemption.py", "tests/test_backbones.py", "tests/test_export.py",
+    "tests/test_sensitivity.py", "tests/test_mlflow_models.py",
     "tests/test_walkthrough.py", "tests/test_components_shipped.py", "tests/test_train.py", "tests/test_pretrained.py",
     "tests/test_pruning.py", "tests/test_precision.py", "tests/test_scale_out.py",
 )

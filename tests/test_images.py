@@ -125,6 +125,16 @@ def global_args(instructions: list[Instruction]) -> dict[str, str]:
     return values
 
 
+def base_images(path: Path) -> list[str]:
+    """The stages' base images with the ARG defaults before the first FROM filled in (the GPU build's: `build.sh
+    --cpu` passes its local bases instead), leaving out the empty `wheelhouse` stage (FROM scratch) that
+    `--build-context wheelhouse=...` replaces in an offline build."""
+    instructions, stages = read_dockerfile(path)
+    args = global_args(instructions)
+    return [re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), stage.image)
+            for stage in stages if stage.image != "scratch"]
+
+
 def apt_packages(stage: Stage) -> set[str]:
     """Package names (versions stripped) that the stage's RUNs apt-get install."""
     packages = set()
@@ -264,7 +274,8 @@ def test_training_final_stage_has_no_compilers():
 
 
 def test_training_builder_and_final_stages_share_the_cuda_version():
-    versions = {re.search(r"nvidia/cuda:(\d+\.\d+\.\d+)-", stage.image).group(1) for stage in training()}
+    versions = {re.search(r"nvidia/cuda:(\d+\.\d+\.\d+)-", image).group(1)
+                for image in base_images(IMAGES / "training" / "Dockerfile")}
     assert len(versions) == 1, f"CUDA versions differ between the stages: {versions}"
 
 
@@ -291,8 +302,8 @@ def test_training_serves_ssh_as_the_mpijob_expects():
 # --- the engine and MLflow images ----------------------------------------------------------------------------
 
 def test_engine_is_on_nvidia_tensorrt():
-    _, stages = read_dockerfile(IMAGES / "engine" / "Dockerfile")
-    assert re.fullmatch(r"nvcr\.io/nvidia/tensorrt:\d\d\.\d\d-py3", stages[0].image), stages[0].image
+    image = base_images(IMAGES / "engine" / "Dockerfile")[0]
+    assert re.fullmatch(r"nvcr\.io/nvidia/tensorrt:\d\d\.\d\d-py3", image), image
 
 
 def test_mlflow_server_matches_the_client():
@@ -585,6 +596,10 @@ def test_dockerfile_installs_exactly_its_lock(kind):
             assert "pyproject.toml" not in run.args and "tomllib" not in run.args, (
                 f"{where}: dependencies come from the lock, no longer from pyproject.toml's ranges")
             mounts = _bind_mounts(run)
+            # VARIANT=cpu's guard: the lock less its CUDA wheels (`grep -v "${exclude}" LOCK > COPY`), no other line
+            for source, copy in re.findall(r'grep -v "\$\{exclude\}" (\S+) > (\S+)', run.args):
+                assert set(re.findall(r"exclude='([^']*)'", run.args)) == {"^nvidia-", "^$"}, f"{where}: {run.args}"
+                mounts[copy] = mounts.get(source)
             for words in _pip_installs(run):
                 options, positional = _split_pip_words(words)
                 assert "--no-deps" in options, f"{where}: pip install without --no-deps: {shlex.join(words)}"

@@ -3,6 +3,7 @@
 Each stage runs in its own Python subprocess (SubprocessRunner, no venv: the current environment has
 qatpipe). Outputs land under OUTPUT/kfp; kfp.local's cache (OUTPUT/kfp-cache) makes a re-run into the same
 OUTPUT reuse every finished stage. MLflow goes to $MLFLOW_TRACKING_URI, or a SQLite store in OUTPUT.
+runner="docker" runs each stage in its image instead, and MLflow in the MLflow image (container_run.py).
 """
 
 import contextlib
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 STAGE_LOG_FILE = "stage_log.jsonl"
 DEFAULT_OUTPUT = Path("results/pipeline")  # `qatpipe run --local`'s and `make main`'s
 MLFLOW_STORE = "mlflow.db"  # the SQLite MLflow store in the output folder, unless $MLFLOW_TRACKING_URI names one
+RUNNERS = ("subprocess", "docker")
 
 
 class PipelineFailed(QatpipeError):
@@ -30,15 +32,45 @@ class PipelineFailed(QatpipeError):
 
 
 def run_local(output_dir: str | Path, spec_uri: str = "default", overrides: list[str] | None = None,
-              run_name: str = "") -> dict:
+              run_name: str = "", runner: str = "subprocess") -> dict:
     """Run the pipeline locally into `output_dir`; returns (and writes) its summary.json. One run at a time
-    per folder: a second one fails at once, naming the folder and the first one's pid."""
+    per folder: a second one fails at once, naming the folder and the first one's pid. runner: "subprocess"
+    (each stage a Python process here) or "docker" (each stage in its image: container_run.py)."""
+    if runner not in RUNNERS:
+        raise QatpipeError(f"runner {runner!r}: one of {', '.join(RUNNERS)}")
     out = Path(output_dir).resolve()
     with folder_lock(out):
-        return _run_locked(out, spec_uri, list(overrides or []), run_name)
+        if runner == "subprocess":
+            return _run_locked(out, spec_uri, list(overrides or []), run_name)
+        return _run_in_containers(out, spec_uri, list(overrides or []), run_name)
 
 
-def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str) -> dict:
+def _run_in_containers(out: Path, spec_uri: str, overrides: list[str], run_name: str) -> dict:
+    """Each stage in its image through kfp.local's DockerRunner; MLflow from the MLflow image unless
+    $MLFLOW_TRACKING_URI names a server (which the containers, on the host's network, must reach)."""
+    from qatpipe.tracking.mlflow_runs import TRACKING_URI_ENV
+    from qatpipe_kfp.settings import IMAGES
+    from qatpipe_pipelines import container_run
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(container_run.engine_socket())
+        client = container_run.docker_client()
+        container_run.check_images(client, IMAGES)
+        tracking_uri = os.environ.get(TRACKING_URI_ENV)
+        if not tracking_uri:
+            tracking_uri = stack.enter_context(container_run.mlflow_server(client, IMAGES["mlflow"], out))
+        stack.enter_context(_environment({TRACKING_URI_ENV: tracking_uri}))
+        logs = stack.enter_context(container_run.container_logs(out))
+        stack.enter_context(container_run.exit_status_kept())
+        try:
+            return _run_locked(out, spec_uri, overrides, run_name, runner=container_run.docker_runner(out),
+                               task_env=container_run.task_env(out), images=IMAGES)
+        except PipelineFailed as exc:
+            raise PipelineFailed(f"{exc} Every container's output: {logs}") from None
+
+
+def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str, runner=None,
+                task_env: dict[str, str] | None = None, images: dict[str, str] | None = None) -> dict:
     import kfp.local
 
     from qatpipe.spec_sources import load_spec_uri
@@ -61,13 +93,17 @@ def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str) -
 
     stage_log = out / STAGE_LOG_FILE
     stage_log.unlink(missing_ok=True)
-    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(out / PIPELINE_ROOT),
-                   enable_caching=True, cache_root=str(out / "kfp-cache"), raise_on_error=True)
-    qat_pipeline = build_pipeline(network_retries=0, placement=False, code_version=code_version())
+    kfp.local.init(runner=runner or kfp.local.SubprocessRunner(use_venv=False),
+                   pipeline_root=str(out / PIPELINE_ROOT), enable_caching=True, cache_root=str(out / "kfp-cache"), raise_on_error=True)
+    # the stages' environment: inherited by subprocesses; containers get it as the tasks' own variables
+    stage_env = {TRACKING_URI_ENV: tracking_uri, STAGE_LOG_ENV: str(stage_log), RUN_FOLDER_ENV: str(out)}
+    qat_pipeline = build_pipeline(network_retries=0, placement=False, code_version=code_version(),
+                                  task_env={**stage_env, **(task_env or {})} if runner is not None else None,
+                                  local_images=images)
     started = time.time()
     log.info("running the pipeline locally into %s (spec %s)", out, spec_uri)
     # the stage subprocesses inherit these
-    with _environment({TRACKING_URI_ENV: tracking_uri, STAGE_LOG_ENV: str(stage_log), RUN_FOLDER_ENV: str(out)}), \
+    with _environment(stage_env), \
             warnings.catch_warnings():
         # kfp.local warns, per task, that the image parameter is not a Python image: locally it runs no image
         warnings.filterwarnings("ignore", message="You may be attemping to run a task that uses custom",
@@ -81,7 +117,8 @@ def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str) -
             # the exit handler closes the run as FAILED; where it could not (MLflow down, interrupted), do it here
             _close_stale_runs(tracker, experiment, out, "the pipeline failed")
             if isinstance(exc, RuntimeError):
-                raise PipelineFailed(_failure_message(stage_log, exc, out, spec_uri, overrides)) from None
+                raise PipelineFailed(_failure_message(stage_log, exc, out, spec_uri, overrides,
+                                                     containers=runner is not None)) from None
             raise
 
     summary = _collect_summary(out, started)
@@ -174,10 +211,12 @@ def _stage_outcomes(stage_log: Path) -> dict:
     return outcomes
 
 
-def _failure_message(stage_log: Path, exc: Exception, out: Path, spec_uri: str, overrides: list[str]) -> str:
+def _failure_message(stage_log: Path, exc: Exception, out: Path, spec_uri: str, overrides: list[str],
+                     containers: bool = False) -> str:
     failed = [(name, o) for name, o in _stage_outcomes(stage_log).items() if o["status"] == "failed"]
-    command = " ".join(["qatpipe run --local", "--spec", shlex.quote(spec_uri), "--output", shlex.quote(str(out)),
-                        *(f"--set {shlex.quote(item)}" for item in overrides)])
+    runner = ["--runner docker"] if containers else []
+    command = " ".join(["qatpipe run --local", *runner, "--spec", shlex.quote(spec_uri), "--output",
+                        shlex.quote(str(out)), *(f"--set {shlex.quote(item)}" for item in overrides)])
     resume = f"Fix it and re-run `{command}`: finished stages are reused from {out / 'kfp-cache'}."
     if failed:  # the first to fail is the cause; the exit handler may fail after it (MLflow down)
         (name, outcome), later = failed[0], [other for other, _ in failed[1:]]

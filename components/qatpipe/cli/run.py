@@ -19,6 +19,9 @@ def add_commands(sub) -> None:
                      help=f"results, MLflow store and stage cache (default: {DEFAULT_OUTPUT}); re-use it to resume")
     add_overrides(run, "override a spec key (repeatable)")
     run.add_argument("--run-name", help="MLflow parent run name (default: the output folder's name)")
+    run.add_argument("--runner", choices=("subprocess", "docker"), default="subprocess",
+                     help="subprocess: each stage a process here; docker: each stage in its image (`make images`), "
+                          "MLflow in the MLflow image, through Docker or podman ($DOCKER_HOST)")
     run.set_defaults(func=cmd_run, check=check_run)
 
 
@@ -34,7 +37,7 @@ def cmd_run(args) -> int:
     from qatpipe.metrics.comparison_report import report
     from qatpipe_pipelines.local_run import SUMMARY_FILE, run_local
 
-    summary = run_local(args.output, args.spec, args.overrides, run_name=args.run_name or "")
+    summary = run_local(args.output, args.spec, args.overrides, run_name=args.run_name or "", runner=args.runner)
     log.info("summary: %s", args.output / SUMMARY_FILE)
     if "mlflow" in summary:
         log.info("MLflow: run %s in experiment %r at %s", summary["mlflow"]["run_id"],
