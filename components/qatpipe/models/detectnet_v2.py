@@ -138,7 +138,7 @@ class DetectNetV2(DetectorArchitecture):
             else:
                 # summed and divided by the object cells, as the bbox loss is (RetinaNet, FCOS): the mean over
                 # cells x classes shrinks each object's share, and with it the only signal that tells classes
-                # apart, with the grid size and the number of classes (docs/recipe.md)
+                # apart, with the grid size and the number of classes (docs/design/recipe-notes.md)
                 total = loss.coverage_weight * tf.reduce_sum(weighted) / object_cells
             if loss.class_weight and num_classes > 1:
                 total += loss.class_weight * _class_cross_entropy(y_true, y_pred, object_mask) / object_cells

@@ -1,7 +1,7 @@
 """TensorRT-style fake quantization in TensorFlow: symmetric int8, zero point 0, narrow range [-127, 127].
 
 Two ops, chosen because tf2onnx exports each as QuantizeLinear/DequantizeLinear with int8 zero points of 0
-(docs/qat-export-notes.md has the measurements):
+(docs/design/qat-export-notes.md has the measurements):
 - activations, per tensor: QuantizeAndDequantizeV4 (tf.quantization.quantize_and_dequantize_v2), whose
   gradient is the straight-through estimator masked to the range;
 - weights, per output channel: QuantizeAndDequantizeV3 with `axis` (V2/V4 with an axis and range_given fail on

@@ -71,11 +71,12 @@ class LossSpec(Section):
         "objects", description="objects: the coverage loss summed and divided by the object cells, like the bbox "
         "loss, so each object's class signal keeps its weight whatever the grid size and number of classes; "
         "cells: averaged over every cell x class (TAO), which on 10 small-object classes left classes unlearnt "
-        "(docs/recipe.md)")
+        "(docs/design/recipe-notes.md)")
     class_weight: float = Field(
         1.0, ge=0, description="weight of a softmax cross-entropy over the class coverage logits at object cells, "
         "averaged over those cells and added to the coverage loss: it makes the classes compete where an object "
-        "is, without moving coverage as a whole; 0 leaves TAO's per-class sigmoid loss alone (docs/recipe.md)")
+        "is, without moving coverage as a whole; 0 leaves TAO's per-class sigmoid loss alone "
+        "(docs/design/recipe-notes.md)")
 
 PIPELINE_PRETRAINED = "pipeline:pretrain"  # model.pretrained: the weights of the pipeline run's own pretrain stage
 # model.pretrained's default: the default backbone (ResNet-10/0.5) pretrained by `qatpipe pretrain` on 8,000 synthetic

@@ -62,8 +62,8 @@ class TrainSpec(Section):
     validation_interval: int = Field(
         1, ge=0, description="epochs between validations on dataset.val during training (TAO's "
         "validation_period_during_training): val loss, mAP@0.5 and mAP@[.5:.95] as `evaluate` scores them, into "
-        "training_log.csv and MLflow; the last epoch is always validated; 0: off (docs/recipe.md: why every epoch "
-        "by default)")
+        "training_log.csv and MLflow; the last epoch is always validated; 0: off (docs/design/recipe-notes.md: why "
+        "every epoch by default)")
     val_images: int | None = Field(
         300, ge=1, description="dataset.val images (a fixed seeded sample, the same every epoch and in every training "
         "stage) that validation during training scores; null: all of them. The final evaluations (evaluate, "
