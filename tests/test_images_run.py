@@ -73,6 +73,9 @@ def test_image_is_non_root_labelled_and_holds_no_secret(images, kind):
     history = subprocess.run(["podman", "history", "--no-trunc", "--format", "{{.CreatedBy}}", images[kind]],
                              capture_output=True, text=True, check=True).stdout
     assert not [w for w in SECRET_WORDS if w in history.upper()], history
+    record = subprocess.run(["podman", "run", "--rm", "--network", "none", "--entrypoint", "cat", images[kind],
+                             "/etc/qatpipe-build"], capture_output=True, text=True, timeout=300).stdout
+    assert f"commit {commit}\n" in record, record
     # runs as uid 1000 by default ...
     who = subprocess.run(["podman", "run", "--rm", "--network", "none", "--entrypoint", "id", images[kind], "-u"],
                          capture_output=True, text=True, timeout=300)
