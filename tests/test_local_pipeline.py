@@ -67,7 +67,7 @@ def test_local_pipeline_tiny_spec_then_rerun_reuses_stages(tmp_path, mlflow_serv
     assert set(fp32) == {"engine", "layers", "quantized_by", "map50", "map50_tensorrt_emulated", "map50_dla_emulated",
                          "map", "latency_ms_p50", "latency_ms_p99",
                          "throughput", "throughput_batch", "speedup_vs_fp32", "size_mb", "params", "gflops",
-                         "map50_ci95_lo", "map50_ci95_hi", "map_ci95_lo", "map_ci95_hi"}
+                         "map50_ci95_lo", "map50_ci95_hi", "map_ci95_lo", "map_ci95_hi", "cpu_int8"}
     # every row says what ran it; each also carries TensorRT's numbers: the INT8 ones' (fast CPU form), and
     # under engine.fp16 the FP16 form's, which for the FP32 model differ from its CPU engine's by FP16 rounding
     assert fp32["engine"] == "onnxruntime cpu fp32"

@@ -51,7 +51,8 @@ def test_writes_table_chart_summary_and_the_pruning_block(artifact, tmp_path):
         "quantized_by": None,  # what quantized a PTQ model; QAT's was trained quantized
         "map": 0.51,
         "latency_ms_p50": 1000 / 300 * 2, "latency_ms_p99": 9.0, "throughput": 300.0,
-        "throughput_batch": 8, "speedup_vs_fp32": 3.0, "size_mb": 0.5, "params": 400, "gflops": 0.9}
+        "throughput_batch": 8, "speedup_vs_fp32": 3.0, "size_mb": 0.5, "params": 400, "gflops": 0.9,
+        "cpu_int8": None}  # the test's bench.json says nothing of the CPU's int8 form
     assert summary["variants"]["fp32"]["speedup_vs_fp32"] == 1.0
     assert summary["pruning"] == {**{k: v for k, v in PRUNE_REPORT.items() if k != "groups"},
                                   "unpruned_map50": 0.82, "unpruned_map": 0.53, "unpruned_size_mb": 4.0,

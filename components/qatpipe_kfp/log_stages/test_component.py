@@ -1,6 +1,7 @@
 """log-stages and the stage's own logging at its end (runtime.stage(record=...)), against a SQLite MLflow store."""
 
 import json
+import os
 
 import pytest
 from mlflow import MlflowClient
@@ -24,8 +25,13 @@ def local_run(local_mlflow, tmp_path, monkeypatch):
     return MlflowTracker(local_mlflow).start_pipeline_run("exp", "p", {})
 
 
+def _client() -> MlflowClient:
+    """The test's store: named, not mlflow's global tracking URI, which an earlier test may have set."""
+    return MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+
+
 def _children(parent: str) -> dict:
-    client = MlflowClient()
+    client = _client()
     runs = client.search_runs([client.get_run(parent).info.experiment_id], f"tags.`{PARENT_TAG}` = '{parent}'")
     return {run.data.tags[STAGE_TAG]: run for run in runs}
 
@@ -52,7 +58,7 @@ def test_a_stage_logs_its_record_when_it_ends_and_log_stages_only_the_cached_one
     assert set(children) == {"evaluate_fp32", "prune"}
     assert children["evaluate_fp32"].info.run_id == logged.info.run_id  # not logged twice
     assert children["prune"].data.metrics["flops_ratio"] == 0.5 and children["prune"].info.status == "FINISHED"
-    assert len(MlflowClient().get_metric_history(logged.info.run_id, "loss")) == 2
+    assert len(_client().get_metric_history(logged.info.run_id, "loss")) == 2
 
 
 def test_the_prepared_data_set_becomes_dataset_inputs(local_run, tmp_path):
@@ -68,7 +74,7 @@ def test_the_prepared_data_set_becomes_dataset_inputs(local_run, tmp_path):
     log_stages_component({"prepare-data": "dataset"}).python_func(
         parent_run_id=local_run, prepare_data=type("Folder", (), {"path": str(folder)})())
     child = _children(local_run)["prepare_data"]
-    client = MlflowClient()
+    client = _client()
     for run_id in (local_run, child.info.run_id):
         inputs = client.get_run(run_id).inputs.dataset_inputs
         assert {(i.dataset.name, i.dataset.digest, i.dataset.source_type, i.tags[0].value) for i in inputs} == {

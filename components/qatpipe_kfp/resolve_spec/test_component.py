@@ -12,13 +12,17 @@ def test_each_stage_gets_only_its_sections():
     assert list(resolve_spec.component_spec.outputs) == ["spec", *map(spec_output_name, STAGE_SECTIONS),
                                                          "registry_name"]
     for view, sections in STAGE_SECTIONS.items():
-        assert list(yaml.safe_load(getattr(out, spec_output_name(view)))) == list(sections), view
+        # a view without the model section still names the arch (its image size is checked against it)
+        expected = list(sections) if "model" in sections else [*sections, "model"]
+        assert list(yaml.safe_load(getattr(out, spec_output_name(view)))) == expected, view
         described = " ".join(resolve_spec.component_spec.outputs[spec_output_name(view)].description.split())
         named = described[described.index("(section") + 1:described.index(")")].split(";")[0].split(" ", 1)[1]
         named = named.split(", ")  # ... then, after a ';', what a setting adds (spec.SETTING_SECTIONS)
         assert named == list(sections), (view, described)
     # what the table says, spelt out: training never sees the gate or export settings, validate no training
-    assert set(yaml.safe_load(out.data_spec)) == {"dataset"}
+    # the data view: its sections, and the arch alone, so its image size is checked against the run's arch
+    data_view = yaml.safe_load(out.data_spec)
+    assert set(data_view) == {"dataset", "model"} and set(data_view["model"]) == {"arch"}
     assert set(yaml.safe_load(out.train_spec)) == {"dataset", "model", "augmentation", "train", "evaluate"}
     assert set(yaml.safe_load(out.evaluate_spec)) == {"dataset", "model", "evaluate"}
     assert set(yaml.safe_load(out.prune_spec)) == {"dataset", "model", "prune"}
