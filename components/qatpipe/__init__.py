@@ -12,4 +12,8 @@ _GPU_DEVICES = ("/dev/nvidia[0-9]*", "/dev/dxg", "/dev/nvhost-*", "/dev/nvgpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL",
                       "2" if any(glob.glob(pattern) for pattern in _GPU_DEVICES) else "3")
 
+from qatpipe.tf_log import quiet_tensorflow_import  # noqa: E402 (after the environment it reads)
+
+quiet_tensorflow_import()  # the level holds also for what TensorFlow prints while it loads
+
 __version__ = "0.1.0"
