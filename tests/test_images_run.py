@@ -8,7 +8,9 @@ keyed on the lock files' and sources' hashes: unchanged, it takes seconds. Cold:
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -26,6 +28,9 @@ KINDS = ("training", "engine", "mlflow")
 SHORT = ["tracking.experiment=containers-test", "train.epochs=4", "retrain.epochs=1", "sensitivity.max_layers=2",
          "validate.max_map_drop=1.0"]
 SECRET_WORDS = ("PASSWORD", "SECRET", "TOKEN", "ACCESS_KEY")
+# podman's image store is the machine's, and every tree tags the same names: a run of this file in another checkout
+# (a worktree, a second clone) would retag them mid-run. This lock, the machine's too, makes such runs take turns.
+MACHINE_LOCK = Path("/var/tmp/qatpipe-images-test.lock")
 
 
 def _engine() -> str:
@@ -38,16 +43,23 @@ def _engine() -> str:
 
 
 @pytest.fixture(scope="module")
-def images() -> dict[str, str]:
-    """`make images`' build (cached), then the names it tagged."""
+def images():
+    """`make images`' build (cached), then the names it tagged; this checkout holds them until the module ends."""
     engine = _engine()
-    env = {**os.environ, "PYTHON": sys.executable, "DOCKER": engine}
-    result = subprocess.run([str(ROOT / "images" / "build.sh"), "--cpu"], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=3600)
-    assert result.returncode == 0, f"images/build.sh --cpu failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-    from qatpipe_kfp.settings import IMAGES
+    with MACHINE_LOCK.open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logging.getLogger(__name__).warning("waiting for another checkout's image tests (%s)", MACHINE_LOCK)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        env = {**os.environ, "PYTHON": sys.executable, "DOCKER": engine}
+        result = subprocess.run([str(ROOT / "images" / "build.sh"), "--cpu"], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=3600)
+        assert result.returncode == 0, \
+            f"images/build.sh --cpu failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        from qatpipe_kfp.settings import IMAGES
 
-    return dict(IMAGES)
+        yield dict(IMAGES)  # the lock goes with the file's close
 
 
 def _inspect(image: str) -> dict:

@@ -38,8 +38,8 @@ RULES = (
 # build from the export; inference runs data through engines; training validates with inference and metrics,
 # deploy packages export and inference; tracking registers deploy's model; cluster checks tracking's credentials.
 FLOORS = (
-    ("ground", ("qatpipe.errors", "qatpipe.tf_log", "qatpipe.fileio", "qatpipe.devices", "qatpipe.boxes",
-                "qatpipe.storage", "qatpipe.weights", "qatpipe.onnx_model", "qatpipe.graph", "qatpipe.html_report")),
+    ("ground", ("qatpipe.errors", "qatpipe.tf_log", "qatpipe.logconfig", "qatpipe.fileio", "qatpipe.devices",
+                "qatpipe.boxes", "qatpipe.storage", "qatpipe.weights", "qatpipe.onnx_model", "qatpipe.graph", "qatpipe.html_report")),
     ("spec", ("qatpipe.spec", "qatpipe.spec_sources")),
     ("models", ("qatpipe.models",)),
     ("data, metrics, pruning, quantization", ("qatpipe.data", "qatpipe.metrics", "qatpipe.pruning",

@@ -49,7 +49,9 @@ def spec_views_doc() -> str:
 
 
 def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    from qatpipe.logconfig import configure_logging
+
+    configure_logging(force=True)
 
 
 @contextlib.contextmanager

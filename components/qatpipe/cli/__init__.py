@@ -19,10 +19,10 @@ from qatpipe.cli import cluster, compare, data, deploy, run, spec, training
 from qatpipe.cli.common import (EXIT_BAD_INPUT, EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, Parser, holding,
                                 load_spec, log)
 from qatpipe.errors import QatpipeError
+from qatpipe.logconfig import configure_logging
 
 __all__ = ["build_parser", "main"]
 
-NOISY_LOGGERS = ("botocore", "urllib3", "matplotlib", "PIL", "h5py", "absl", "alembic")
 
 
 def build_parser() -> Parser:
@@ -39,12 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # `--gpus N` re-runs this command line under horovodrun
-    logging.basicConfig(
-        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-    )
-    for noisy in NOISY_LOGGERS:
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    configure_logging(logging.DEBUG if getattr(args, "verbose", False) else logging.INFO, datefmt="%H:%M:%S")
     try:
         if check := getattr(args, "check", None):  # files and values first: no folder, data or stage yet
             check(args)
