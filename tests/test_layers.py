@@ -39,7 +39,8 @@ RULES = (
 # deploy packages export and inference; tracking registers deploy's model; cluster checks tracking's credentials.
 FLOORS = (
     ("ground", ("qatpipe.errors", "qatpipe.tf_log", "qatpipe.logconfig", "qatpipe.fileio", "qatpipe.devices",
-                "qatpipe.boxes", "qatpipe.storage", "qatpipe.weights", "qatpipe.onnx_model", "qatpipe.graph", "qatpipe.html_report")),
+                "qatpipe.boxes", "qatpipe.storage", "qatpipe.weights", "qatpipe.onnx_model", "qatpipe.graph",
+                "qatpipe.html_report")),
     ("spec", ("qatpipe.spec", "qatpipe.spec_sources")),
     ("models", ("qatpipe.models",)),
     ("data, metrics, pruning, quantization", ("qatpipe.data", "qatpipe.metrics", "qatpipe.pruning",

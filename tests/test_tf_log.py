@@ -40,7 +40,8 @@ def _import_tensorflow(level: str | None) -> str:
     env = {key: value for key, value in os.environ.items() if key != "TF_CPP_MIN_LOG_LEVEL"}
     if level is not None:
         env["TF_CPP_MIN_LOG_LEVEL"] = level
-    code = "import qatpipe, tensorflow as tf; assert tf.constant(1).numpy() == 1; import sys; sys.stderr.write('after\\n')"
+    code = ("import qatpipe, sys, tensorflow as tf; assert tf.constant(1).numpy() == 1; "
+            "sys.stderr.write('after\\n')")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stderr

@@ -24,7 +24,6 @@ from qatpipe.logconfig import configure_logging
 __all__ = ["build_parser", "main"]
 
 
-
 def build_parser() -> Parser:
     parser = Parser(prog="qatpipe", description="TAO-like verbs over the stage functions; `qatpipe VERB --help` "
                     "gives a verb's flags.", epilog=EXIT_CODES)
