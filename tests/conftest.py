@@ -338,8 +338,3 @@ def _no_pipeline_run_leaks(monkeypatch):
     """A test that found a pipeline's MLflow run (tracking.live.parent_run_from_kfp sets it in os.environ, for its
     subprocesses) must not hand it to the next test in the same worker, whose store does not hold it."""
     monkeypatch.delenv("QATPIPE_MLFLOW_PARENT_RUN", raising=False)
-    # ... nor mlflow's global tracking URI (registry.log_variant_model sets it for MLflow's fluent API), which
-    # wins over $MLFLOW_TRACKING_URI: restored to unset after each test
-    import mlflow.tracking._tracking_service.utils as tracking_utils
-
-    monkeypatch.setattr(tracking_utils, "_tracking_uri", None)

@@ -245,7 +245,18 @@ def test_with_an_injected_run_every_stage_run_is_its_child(mlflow_server, evalua
     StageRecord(stage="evaluate_qat", metrics={"map50": 0.5}).write(tmp_path)
     staged = tracker.log_stage(parent, StageRecord.read(tmp_path), tmp_path)
     live = tracker.live_stage_run(parent, "train")
+    # mlflow's fluent API is pointed at this store only while the model is logged: the caller's settings stay
+    import mlflow.tracking._model_registry.utils as registry_utils
+    import mlflow.tracking._tracking_service.utils as tracking_utils
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", str(tmp_path / "callers-own-store"))
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", None)
+    monkeypatch.setattr(registry_utils, "_registry_uri", None)
     model = log_variant_model(tracker, parent, "qat", onnx_path, spec, {"map50": 0.5})
+    assert tracking_utils._tracking_uri is None and registry_utils._registry_uri is None
+    assert os.environ["MLFLOW_TRACKING_URI"] == str(tmp_path / "callers-own-store")
+    assert "MLFLOW_REGISTRY_URI" not in os.environ
     for run_id in (staged, live, model.run_id):
         assert tracker.client.get_run(run_id).data.tags[PARENT_TAG] == root
     assert tracker.client.get_logged_model(model.model_id).source_run_id == model.run_id

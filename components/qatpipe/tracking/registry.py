@@ -13,8 +13,10 @@ model registry under an alias.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,12 +57,35 @@ def spec_digest(spec_text: str) -> str:
     return hashlib.sha256(spec_text.encode("utf-8")).hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _fluent_uris(uri: str):
+    """mlflow's fluent API pointed at `uri` for the block, then left as it was: its global tracking and registry
+    URIs and the environment variables mlflow.set_*_uri write (a caller in this process keeps its own store)."""
+    import mlflow
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    names = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+    saved = tracking_utils._tracking_uri, registry_utils._registry_uri, {name: os.environ.get(name) for name in names}
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved[0])  # None: unset again (it also resets what it derived from the URI)
+        mlflow.set_registry_uri(saved[1])
+        for name, value in saved[2].items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def log_variant_model(tracker: MlflowTracker, parent_run_id: str, variant: str, onnx_path: str | Path, spec,
                       figures: dict[str, Any], manifest: dict | None = None, extra_files=(),
                       tags: dict[str, str] | None = None) -> LoggedVariant:
     """Log one variant's MLflow model in its own nested run (see the module docstring). A retried task finds
     the finished run and its model instead of logging a second one."""
-    import mlflow
     from mlflow.entities import Metric
     from mlflow.models import Model
 
@@ -73,13 +98,12 @@ def log_variant_model(tracker: MlflowTracker, parent_run_id: str, variant: str, 
         log.info("the %s model is already logged (%s, run %s)", variant, model_id, done.info.run_id)
         return LoggedVariant(variant, model_id, f"models:/{model_id}", done.info.run_id)
     run_id = tracker.start_stage_run(parent_run_id, stage, {"qatpipe.variant": variant, **(tags or {})})
-    mlflow.set_tracking_uri(tracker.tracking_uri)  # Model.log works through the fluent API's client
-    mlflow.set_registry_uri(tracker.tracking_uri)
     try:
-        info = tracker.call(f"logging the {variant} model", lambda: Model.log(
-            artifact_path=None, name=f"qatpipe-{variant}", flavor=DetectorFlavor, flavor_name="onnx", run_id=run_id,
-            model_type="object-detector", tags={"qatpipe.variant": variant, **(tags or {})},
-            onnx_path=onnx_path, spec=spec, extra_files=list(extra_files)))
+        with _fluent_uris(tracker.tracking_uri):  # Model.log works through the fluent API's client
+            info = tracker.call(f"logging the {variant} model", lambda: Model.log(
+                artifact_path=None, name=f"qatpipe-{variant}", flavor=DetectorFlavor, flavor_name="onnx",
+                run_id=run_id, model_type="object-detector", tags={"qatpipe.variant": variant, **(tags or {})},
+                onnx_path=onnx_path, spec=spec, extra_files=list(extra_files)))
         val = dataset_entities(manifest).get("val") if manifest else None
         if manifest:
             tracker.log_datasets([run_id], manifest)
