@@ -8,16 +8,9 @@ from pathlib import Path
 
 from qatpipe.engines.base import EngineBackend, EngineMetadata, EngineRunner
 from qatpipe.errors import QatpipeError
+from qatpipe.spec.registries import BACKENDS  # engine.backend -> "module:class", on the spec's floor (it checks names)
 
 log = logging.getLogger(__name__)
-
-
-# engine.backend -> "module:class". Adding a backend is its module and one line here (the spec's check and the
-# CLI's choices read this table); named, not imported, so the spec checks a name without loading TensorRT.
-BACKENDS = {
-    "tensorrt": "qatpipe.engines.tensorrt_backend:TensorRTBackend",
-    "onnxruntime": "qatpipe.engines.onnxruntime_backend:OnnxRuntimeBackend",
-}
 
 
 def backends() -> dict[str, type[EngineBackend]]:

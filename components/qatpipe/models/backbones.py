@@ -5,7 +5,7 @@ pretrained weights (models/pretrained.py, docs/pretrained.md), `FREEZE_BLOCKS` (
 `model.freeze_blocks` may name), `block_of(layer_name) -> int | None` (a backbone layer's block; None outside
 the backbone) and optionally `KERAS_APPLICATION` (where `keras:imagenet` takes its weights). Adding a backbone
 is one module and one line here: the spec's check, the tests and bench/backbones.py take the names from this
-registry. Modules are named, not imported: the spec validates names without loading TensorFlow."""
+registry (spec/registries.py, so the spec checks a name without importing from above its floor)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-BACKBONES = {
-    "resnet": "qatpipe.models.resnet",  # TAO's ResNet 10/18/34 (model.backbone.depth)
-    "mobilenet_v2": "qatpipe.models.mobilenet_v2",  # depthwise, ReLU6
-    "efficientnet_b0": "qatpipe.models.efficientnet",  # depthwise, SiLU, squeeze-excitation
-}
+from qatpipe.spec.registries import BACKBONES
 
 
 def backbone_module(name: str):

@@ -10,12 +10,13 @@ from pydantic import Discriminator, Field, Tag, model_validator
 
 from qatpipe.errors import SpecError
 from qatpipe.spec.base import Section
+from qatpipe.spec.registries import BACKBONES
 
 
 class BackboneSpec(Section):
     """The feature extractor under the detection heads, stride 16 whichever it is (models/backbones.py)."""
 
-    name: str = Field("resnet", description="a backbone of models/backbones.py's registry (BACKBONES; an unknown "
+    name: str = Field("resnet", description="a backbone of spec/registries.py's BACKBONES (an unknown "
                                             "name's error lists them)")
     depth: Literal[10, 18, 34] = Field(10, description="resnet only: 10, 18 or 34 layers")
     width: float = Field(0.5, gt=0, le=2.0, description="multiplier on every filter count (ResNet's 64-128-256-"
@@ -24,8 +25,6 @@ class BackboneSpec(Section):
 
     @model_validator(mode="after")
     def _check_name(self) -> "BackboneSpec":
-        from qatpipe.models.backbones import BACKBONES
-
         if self.name not in BACKBONES:
             raise ValueError(f"name {self.name!r} is not a backbone: one of {', '.join(BACKBONES)}")
         return self

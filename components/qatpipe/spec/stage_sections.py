@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, model_validator
 
 from qatpipe.spec.base import Section
+from qatpipe.spec.registries import BACKENDS
 
 
 class AugmentationSpec(Section):
@@ -278,7 +279,7 @@ class EngineBenchSpec(Section):
 class EngineSpec(Section):
     """Engine build: TensorRT with a GPU, ONNX Runtime anywhere (`auto` picks)."""
 
-    backend: str = Field("auto", description="auto, or a backend of engines/__init__.py's BACKENDS (tensorrt, "
+    backend: str = Field("auto", description="auto, or a backend of spec/registries.py's BACKENDS (tensorrt, "
                                              "onnxruntime)")
     min_batch: int = Field(1, ge=1, description="TensorRT optimisation profile for the dynamic batch")
     opt_batch: int = Field(8, ge=1)
@@ -305,8 +306,6 @@ class EngineSpec(Section):
 
     @model_validator(mode="after")
     def _check_backend(self) -> "EngineSpec":
-        from qatpipe.engines import BACKENDS
-
         if self.backend != "auto" and self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is not an engine backend: one of auto, {', '.join(BACKENDS)}")
         return self
