@@ -32,8 +32,8 @@ RULES = (
 )
 
 # the library's floors, lowest first (a module name prefix each); every module of qatpipe but the stages and the CLI
-# stands on one. Order read from the imports: the spec checks names against registry rows on its own floor; the data pipeline
-# encodes targets with an architecture's encoder (models.base), metrics score its Detections; pruning and
+# stands on one. Order read from the imports: the spec checks names against registry rows on its own floor; the
+# data pipeline encodes targets with an architecture's encoder (models.base), metrics score its Detections; pruning and
 # quantization rebuild layer graphs (graph.keras_graph); export reads the QAT layers and quantizer kinds; engines
 # build from the export; inference runs data through engines; training validates with inference and metrics,
 # deploy packages export and inference; tracking registers deploy's model; cluster checks tracking's credentials.
