@@ -154,6 +154,20 @@ def test_a_store_mlflow_cannot_open_is_one_error_naming_it(tmp_path):
         MlflowTracker(str(tmp_path))
 
 
+def test_a_stage_opens_the_store_in_the_background_only_with_a_tracking_uri(tmp_path, monkeypatch):
+    """runtime.stage opens MLflow's store while the stage works (open_store_early): a thread that opens the
+    tracking URI's store (an SQLite file here is made by it), and nothing without a tracking URI."""
+    from qatpipe.tracking.stage_logging import open_store_early
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert open_store_early() is None
+    store = tmp_path / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    thread = open_store_early()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and thread.daemon and store.is_file()
+
+
 def test_redact_uri():
     assert redact_uri("https://user:pw@mlflow.example.com/path") == "https://***@mlflow.example.com/path"
     assert redact_uri("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"

@@ -65,6 +65,10 @@ def stage(name: str, record=None):
     setup_logging()
     started = time.perf_counter()
     log.info("stage %s: started", name)
+    if record is not None:  # MLflow's import and store set-up overlap the stage's work
+        from qatpipe.tracking.stage_logging import open_store_early
+
+        open_store_early()
     try:
         yield
     except Exception as exc:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import threading
 from pathlib import Path
 
 from qatpipe.tracking.records import RECORD_FILE, StageRecord
@@ -52,6 +54,29 @@ def log_record(tracker, parent_run_id: str, task_name: str, folder: str | Path) 
     if (Path(folder) / MANIFEST).is_file():  # the prepared data set: MLflow dataset inputs
         tracker.log_datasets([parent_run_id, run_id], read_manifest(folder))
     return run_id, True
+
+
+def open_store_early() -> threading.Thread | None:
+    """Open this process's MLflow store in a background thread while the stage works, so that logging its record
+    at the end does not wait for `import mlflow` and the store's set-up (about 2 s a stage on a 2-core CPU; MLflow
+    keeps one store per URI in a process). Nothing without $MLFLOW_TRACKING_URI; a failure here is left to the
+    stage's end, which retries and warns."""
+    from qatpipe.tracking.mlflow_runs import TRACKING_URI_ENV
+
+    if not os.environ.get(TRACKING_URI_ENV, "").strip():
+        return None
+
+    def open_store() -> None:
+        try:
+            from qatpipe.tracking.mlflow_runs import MlflowTracker
+
+            MlflowTracker.from_env(attempts=1).client.search_experiments(max_results=1)
+        except Exception as exc:  # the stage's end opens it again, and says what fails
+            log.debug("MLflow: opening the store early failed: %s", exc)
+
+    thread = threading.Thread(target=open_store, name="qatpipe-mlflow-open", daemon=True)
+    thread.start()
+    return thread
 
 
 def log_at_stage_end(task_name: str, folder: str | Path) -> str | None:
@@ -106,4 +131,4 @@ def log_failure(task_name: str, reason: str) -> None:
         log.warning("MLflow: %s's failure not logged (%s)", task_name, exc)
 
 
-__all__ = ["FAILURE_TAG", "log_at_stage_end", "log_failure", "log_record", "record_digest"]
+__all__ = ["FAILURE_TAG", "log_at_stage_end", "log_failure", "log_record", "open_store_early", "record_digest"]
