@@ -12,7 +12,7 @@ from conftest import random_evaluation
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-from qatpipe.metrics.coco import GroundTruth, evaluate_detections, plot_pr_curves, write_coco_files
+from qatpipe.metrics.coco import GroundTruth, evaluate_detections, mean_ap50, plot_pr_curves, write_coco_files
 from qatpipe.models.base import Detections
 
 CLASSES = ["car", "pedestrian"]
@@ -92,6 +92,21 @@ def test_max_detections_beyond_coco_default_count():
     assert evaluate_detections(truth, dets, ["car"]).map50 == pytest.approx(0.0)
     beyond = evaluate_detections(truth, dets, ["car"], max_detections=200)
     assert beyond.map50 > 0.0 and beyond.map > 0.0  # not COCO's stats[0], which counts 100 detections only
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_map50_alone_is_the_full_evaluations_to_the_last_bit(seed):
+    """mean_ap50 evaluates at IoU 0.5 only, over every area and the largest maxDets: on detector-like cases with
+    small and medium boxes, ties, wrong classes, a class without objects and more detections than the limit, it
+    is evaluate_detections' mAP@0.5 exactly."""
+    truth, detections = random_evaluation(seed, max_detections=30)
+    for limit in (10, 100):
+        full = evaluate_detections(truth, detections, ["car", "pedestrian", "cyclist"], max_detections=limit)
+        assert mean_ap50(truth, detections, ["car", "pedestrian", "cyclist"], max_detections=limit) == full.map50
+    nothing = [det([], [], []) for _ in truth]
+    assert mean_ap50(truth, nothing, ["car", "pedestrian", "cyclist"]) == 0.0
+    with pytest.raises(ValueError, match="detection lists"):
+        mean_ap50(truth, detections[:-1], ["car", "pedestrian", "cyclist"])
 
 
 def test_no_ground_truth_is_an_error_not_minus_one():

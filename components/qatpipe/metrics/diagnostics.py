@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from qatpipe.boxes import iou_matrix, nms
-from qatpipe.metrics.coco import GroundTruth, evaluate_detections
+from qatpipe.metrics.coco import GroundTruth, mean_ap50
 from qatpipe.models.base import Detections
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def class_agnostic_map50(ground_truth: Sequence[GroundTruth], detections: Sequen
     """mAP@0.5 with every class merged into one (pycocotools, as the class-aware figure)."""
     merged_truth = [GroundTruth(gt.boxes, np.zeros(len(gt.classes), np.int64)) for gt in ground_truth]
     merged = [merge_classes(det, nms_iou) for det in detections]
-    return evaluate_detections(merged_truth, merged, ["object"], max_detections=max_detections).map50
+    return mean_ap50(merged_truth, merged, ["object"], max_detections=max_detections)
 
 
 def class_confusion(ground_truth: Sequence[GroundTruth], detections: Sequence[Detections],

@@ -27,7 +27,7 @@ def scorer(spec: ExperimentSpec, samples, arch, read_once: bool = True):
     (`read_once`; else read again for each model, and batches None: a whole val split need not fit in memory);
     and the provider that runs it."""
     from qatpipe.data.pipeline import eval_dataset
-    from qatpipe.metrics.coco import GroundTruth, evaluate_detections
+    from qatpipe.metrics.coco import GroundTruth, mean_ap50
     from qatpipe.inference import predict
     from qatpipe.onnx_model import OnnxModel, available_providers
 
@@ -37,8 +37,7 @@ def scorer(spec: ExperimentSpec, samples, arch, read_once: bool = True):
     def score(path: Path) -> float:
         model = OnnxModel(path)
         detections = predict(model.run, samples, spec, arch, batches=batches)
-        return evaluate_detections(truth, detections, spec.dataset.classes,
-                                   max_detections=spec.model.decoder.max_detections).map50
+        return mean_ap50(truth, detections, spec.dataset.classes, max_detections=spec.model.decoder.max_detections)
 
     return score, batches, available_providers()[0]
 
