@@ -2,7 +2,8 @@
 
 Each stage runs in its own Python subprocess (SubprocessRunner, no venv: the current environment has
 qatpipe). Outputs land under OUTPUT/kfp; kfp.local's cache (OUTPUT/kfp-cache) makes a re-run into the same
-OUTPUT reuse every finished stage. MLflow goes to $MLFLOW_TRACKING_URI, or a SQLite store in OUTPUT.
+OUTPUT reuse every finished stage. MLflow goes to $MLFLOW_TRACKING_URI, or a SQLite store in OUTPUT. The terminal
+shows the tasks and the stages' logs; kfp.local's whole output goes to OUTPUT/run.log (console.py).
 runner="docker" runs each stage in its image instead, and MLflow in the MLflow image (container_run.py).
 """
 
@@ -17,11 +18,13 @@ from pathlib import Path
 
 from qatpipe.errors import QatpipeError
 from qatpipe.fileio import folder_lock, write_json
+from qatpipe_pipelines.console import filtered_stdout
 from qatpipe_pipelines.run_folder import PIPELINE_ROOT, SUMMARY_FILE, RunFolder
 
 log = logging.getLogger(__name__)
 
 STAGE_LOG_FILE = "stage_log.jsonl"
+RUN_LOG_FILE = "run.log"  # everything kfp.local printed, appended run after run (the terminal shows less)
 DEFAULT_OUTPUT = Path("results/pipeline")  # `qatpipe run --local`'s and `make main`'s
 MLFLOW_STORE = "mlflow.db"  # the SQLite MLflow store in the output folder, unless $MLFLOW_TRACKING_URI names one
 RUNNERS = ("subprocess", "docker")
@@ -101,9 +104,10 @@ def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str, r
                                   task_env={**stage_env, **(task_env or {})} if runner is not None else None,
                                   local_images=images)
     started = time.time()
-    log.info("running the pipeline locally into %s (spec %s)", out, spec_uri)
+    log.info("running the pipeline locally into %s (spec %s; kfp.local's whole output in %s)", out, spec_uri,
+             RUN_LOG_FILE)
     # the stage subprocesses inherit these
-    with _environment(stage_env), \
+    with _environment(stage_env), filtered_stdout(out / RUN_LOG_FILE), \
             warnings.catch_warnings():
         # kfp.local warns, per task, that the image parameter is not a Python image: locally it runs no image
         warnings.filterwarnings("ignore", message="You may be attemping to run a task that uses custom",
