@@ -276,7 +276,8 @@ def test_latency_harness_and_bench_report_schema(engines, tmp_path):
     report = bench_engine(spec, built["qat"][1], tmp_path / "bench.json")
     assert json.loads((tmp_path / "bench.json").read_text()) == report
     assert set(report) == {"engine", "label", "backend", "precision", "device", "runtime_version", "model_size_mb",
-                           "engine_size_mb", "peak_memory_mb", "batches", "cpu_int8"}
+                           "engine_size_mb", "peak_memory_mb", "batches", "settings", "cpu_int8"}
+    assert report["settings"] == spec.engine.bench.model_dump(mode="json")  # what it was measured under
     assert report["label"] == "onnxruntime cpu int8"
     form = json.loads((built["qat"][1] / "engine.json").read_text())["cpu_form"]
     assert report["cpu_int8"] == cpu_int8(form)  # this CPU's int8 support, where the speed was measured
@@ -317,6 +318,68 @@ def test_the_benchmark_joins_the_engine_record_and_travels_with_its_validation(e
     qat = validate(spec, built["qat"][1], low, tmp_path / "qat", variant="qat")
     assert qat["passed"] and "benchmark" not in qat  # this engine was never benchmarked
     assert "network-mode=1" in (tmp_path / "qat" / "deepstream" / "config_infer_primary_qat.txt").read_text()
+
+
+def test_a_variant_that_is_another_variants_model_takes_its_engine_benchmark_and_scores(engines, tmp_path,
+                                                                                         monkeypatch):
+    """A ptq-partial that keeps no layer float is PTQ's file: given PTQ's engine and validation (same_as), its
+    engine is copied, its benchmark and scores taken, and nothing runs the model again; its own reports name it.
+    Another model, or the same one under other engine settings, is built, measured and scored as without."""
+    import qatpipe.stages.evaluate as evaluate_module
+    from qatpipe.stages.bench_engine import bench_engine
+    from qatpipe.stages.validate import validate
+
+    spec, built = engines
+    spec = spec.model_copy(deep=True)
+    spec.engine.cpu_form, spec.engine.fp16 = "fast", True  # so the validation scores TensorRT's numbers beside it
+    spec.engine.bench.batch_sizes, spec.engine.bench.iterations, spec.engine.bench.min_seconds = [1], 3, 0.0
+    qat_onnx = built["qat"][0]
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps({"map50": 0.0, "map": 0.0}))
+    build_engine(spec, qat_onnx, tmp_path / "ptq_engine", backend="onnxruntime")
+    measured = bench_engine(spec, tmp_path / "ptq_engine")
+    scored = validate(spec, tmp_path / "ptq_engine", baseline, tmp_path / "ptq_val", "ptq", onnx_model=qat_onnx)
+    assert "map50_tensorrt_emulated" in scored
+
+    same = tmp_path / "partial" / "model.onnx"
+    same.parent.mkdir()
+    shutil.copyfile(qat_onnx, same)
+    copied = build_engine(spec, same, tmp_path / "partial_engine", backend="onnxruntime", stage_name="build_p",
+                          same_as=tmp_path / "ptq_engine")
+    assert (tmp_path / "partial_engine" / "model.onnx").read_bytes() == \
+        (tmp_path / "ptq_engine" / "model.onnx").read_bytes()
+    assert copied["source_onnx"] == str(same) and copied["build_key"]
+    record = json.loads((tmp_path / "partial_engine" / "tracking.json").read_text())
+    assert record["stage"] == "build_p" and record["params"]["copied_from"] == str(tmp_path / "ptq_engine")
+    taken = bench_engine(spec, tmp_path / "partial_engine", same_as=tmp_path / "ptq_engine")
+    assert taken["batches"] == measured["batches"] and taken["measured_as"] == str(tmp_path / "ptq_engine")
+    assert taken["engine"] == str(tmp_path / "partial_engine")
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the model ran again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(evaluate_module, "predict", no_run)
+        partial = validate(spec, tmp_path / "partial_engine", baseline, tmp_path / "partial_val", "ptq-partial",
+                           onnx_model=same, same_as=tmp_path / "ptq_val")
+    for key in ("map50", "map", "map50_tensorrt_emulated", "passed"):
+        assert partial[key] == scored[key], key
+    for name in ("detections.json", "tensorrt_emulated/detections.json"):
+        assert (tmp_path / "partial_val" / name).read_bytes() == (tmp_path / "ptq_val" / name).read_bytes()
+    assert (tmp_path / "partial_val" / "validation.md").read_text().startswith("# Validation of ptq-partial")
+    record = json.loads((tmp_path / "partial_val" / "tracking.json").read_text())
+    assert record["stage"] == "validate_ptq_partial" and record["params"]["scores_from"] == str(tmp_path / "ptq_val")
+
+    other = spec.model_copy(deep=True)
+    other.engine.cpu_form = "exact"  # the same bytes under other engine settings: another engine
+    rebuilt = build_engine(other, same, tmp_path / "exact_engine", backend="onnxruntime",
+                           same_as=tmp_path / "ptq_engine")
+    assert rebuilt["cpu_form"] == "exact" and rebuilt["build_key"] != copied["build_key"]
+    assert "measured_as" not in bench_engine(other, tmp_path / "exact_engine", same_as=tmp_path / "ptq_engine")
+    fp32 = validate(spec, built["fp32"][1], baseline, tmp_path / "fp32_val", "fp32", same_as=tmp_path / "ptq_val")
+    plain = validate(spec, built["fp32"][1], baseline, tmp_path / "fp32_plain", "fp32")
+    assert fp32["map50"] == plain["map50"] != scored["map50"]
+    assert "scores_from" not in json.loads((tmp_path / "fp32_val" / "tracking.json").read_text())["params"]
 
 
 def test_gate_passes_and_fails_on_constructed_metrics():

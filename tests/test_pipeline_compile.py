@@ -126,10 +126,17 @@ def test_dag_shape(compiled):
         assert tasks[name]["inputs"]["parameters"][f"{view}_spec"]["taskOutputParameter"] == {
             "producerTask": "resolve-spec", "outputParameterKey": f"{view}_spec"}, name
     # each variant's engine is built from its ONNX and validated against the FP32 evaluation
+    # ptq-partial's also read PTQ's engine and validation, to take them where its model is PTQ's byte for byte
+    same = {"ptq-partial": "ptq"}
     for v in VARIANTS:
         onnx_task = ONNX_TASKS[v]
-        assert upstream(f"build-engine-{v}") == {onnx_task}
-        assert upstream(f"validate-{v}") == {"prepare-data", f"build-engine-{v}", onnx_task, "evaluate-fp32"}
+        also = {f"build-engine-{same[v]}"} if v in same else set()
+        assert upstream(f"build-engine-{v}") == {onnx_task, *also}
+        assert upstream(f"validate-{v}") == {"prepare-data", f"build-engine-{v}", onnx_task, "evaluate-fp32",
+                                             *({f"validate-{same[v]}"} if v in same else ())}
+        assert ("same_as" in tasks[f"validate-{v}"]["inputs"]["artifacts"]) == (v in same)
+    assert producer("build-engine-ptq-partial", "same_as") == ("build-engine-ptq", "engine")
+    assert producer("validate-ptq-partial", "same_as") == ("validate-ptq", "results")
     assert upstream("compare") == {"start-tracking", "prune", "evaluate-unpruned",
                                    *(f"validate-{v}" for v in VARIANTS)}
     # register logs every variant's model and registers the QAT one (the gate decides its alias, so it runs

@@ -531,6 +531,12 @@ def test_ptq_partial_stage_writes_the_variant_and_refuses_an_unknown_layer(ptq_m
         ptq_partial(spec, fp32_path, ptq_path, tmp_path / "kept" / "model.onnx")
     assert (tmp_path / "kept" / "model.onnx").read_bytes() == b"earlier"
 
+    spec.ptq.keep_float = []  # no layer float: PTQ's file byte for byte, no FP16 form (PTQ has none)
+    none = ptq_partial(spec, fp32_path, ptq_path, tmp_path / "none" / "model.onnx")
+    assert none["float_layers"] == [] and "fp16" not in none
+    assert (tmp_path / "none" / "model.onnx").read_bytes() == ptq_path.read_bytes()
+    assert not (tmp_path / "none" / "model_fp16.onnx").exists()
+
     spec.ptq.keep_float, spec.validate_.max_map_drop = "auto", PLANTED_BUDGET
     with pytest.raises(QatpipeError, match="sensitivity"):
         ptq_partial(spec, fp32_path, planted_path, tmp_path / "auto" / "model.onnx")

@@ -74,6 +74,9 @@ PARENT_RUN = From("start-tracking")
 ONNX = {"fp32": From("export-fp32", "onnx_model"), "ptq": From("ptq", "int8_onnx"),
         "ptq-partial": From("ptq-partial", "onnx_model"), "qat": From("export-qat", "onnx_model")}
 VALIDATED = {variant: From(f"validate-{variant}", "results") for variant in VARIANTS}
+# a variant that may be another's very model (ptq-partial keeping no layer float is PTQ): its engine and validation
+# take that variant's where the bytes match, instead of building, measuring and scoring the same model again
+SAME_AS = {"ptq-partial": "ptq"}
 
 
 def arg(variant: str) -> str:
@@ -124,13 +127,14 @@ STAGES: tuple[Stage, ...] = (
           reads_data=True, logs="results"),
     # per variant: its engine, then that engine validated against the FP32 evaluation
     *(row for variant in VARIANTS for row in (
-        Stage(f"build-engine-{variant}", build_engine, {"variant": variant, "onnx_model": ONNX[variant],
-                                                        "gpu_type": Param("gpu_type")},
+        Stage(f"build-engine-{variant}", build_engine, {
+            "variant": variant, "onnx_model": ONNX[variant], "gpu_type": Param("gpu_type"),
+            **({"same_as": From(f"build-engine-{SAME_AS[variant]}", "engine")} if variant in SAME_AS else {})},
               runs="gpu", engine=True, logs="engine"),
-        Stage(f"validate-{variant}", validate, {"variant": variant, "dataset": DATASET,
-                                                "engine": From(f"build-engine-{variant}", "engine"),
-                                                "onnx_model": ONNX[variant],
-                                                "baseline": From("evaluate-fp32", "results")},
+        Stage(f"validate-{variant}", validate, {
+            "variant": variant, "dataset": DATASET, "engine": From(f"build-engine-{variant}", "engine"),
+            "onnx_model": ONNX[variant], "baseline": From("evaluate-fp32", "results"),
+            **({"same_as": VALIDATED[SAME_AS[variant]]} if variant in SAME_AS else {})},
               runs="gpu", engine=True, reads_data=True, logs="results"))),
     Stage("compare", compare, {"parent_run_id": PARENT_RUN, **{arg(v): VALIDATED[v] for v in VARIANTS},
                                "unpruned": From("evaluate-unpruned", "results"), "pruned": From("prune", "pruned")},

@@ -40,6 +40,7 @@ class EngineMetadata:
     layer_precision: dict = field(default_factory=dict)  # compute layers per precision: {"int8": n, ...}
     compute_precision: str = ""  # for code: one of PRECISIONS
     cpu_form: str | None = None  # an ONNX Runtime CPU engine of a Q/DQ model: its form ("exact", "fast"); else None
+    build_key: str = ""  # the backend, source bytes and engine settings it was built from (build_engine's build_key)
 
     def __post_init__(self):
         # engine.json written before these fields: they are what its precision string said
@@ -91,6 +92,11 @@ class EngineBackend(abc.ABC):
         """The file of the export `bundle` (export/bundle.ExportBundle) this backend builds an engine from, under
         `settings` (the spec's EngineSpec): the export's ONNX unless a backend says otherwise."""
         return bundle.onnx
+
+    @classmethod
+    @abc.abstractmethod
+    def device(cls) -> str:
+        """The device an engine built here now is for (its EngineMetadata.device)."""
 
     @abc.abstractmethod
     def build(self, onnx_path: Path, folder: Path, settings) -> EngineMetadata:

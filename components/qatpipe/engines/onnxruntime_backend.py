@@ -101,6 +101,13 @@ class OnnxRuntimeBackend(EngineBackend):
     def unavailable_reason(cls) -> str | None:
         return None  # a dependency of qatpipe: always here
 
+    @classmethod
+    def device(cls) -> str:
+        from qatpipe.onnx_model import ENGINE_PROVIDERS, available_providers
+
+        provider = available_providers(ENGINE_PROVIDERS)[0]
+        return cpu_name() if provider == "CPUExecutionProvider" else provider
+
     def build(self, onnx_path: Path, folder: Path, settings) -> EngineMetadata:
         import onnxruntime as ort
 
@@ -125,7 +132,7 @@ class OnnxRuntimeBackend(EngineBackend):
             source_sha256=file_sha256(onnx_path), precision=precision, compute_precision=compute, cpu_form=cpu_form,
             label=engine_label(self.name, "cpu" if on_cpu else providers[0].removesuffix("ExecutionProvider").lower(),
                                compute),
-            runtime_version=ort.__version__, device=cpu_name() if on_cpu else providers[0],
+            runtime_version=ort.__version__, device=self.device(),
             input_name=model.graph.input[0].name,
             batch_profile={"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch},
             extra=rewrites,

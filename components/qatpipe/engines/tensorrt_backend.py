@@ -247,6 +247,10 @@ class TensorRTBackend(EngineBackend):
             return "no NVIDIA GPU visible (nvidia-smi)"
         return None
 
+    @classmethod
+    def device(cls) -> str:
+        return gpu_name() or "unknown GPU"
+
     def build(self, onnx_path: Path, folder: Path, settings) -> EngineMetadata:
         trt = _import_tensorrt()
         from qatpipe.models.decoding import read_decoding
@@ -310,7 +314,7 @@ class TensorRTBackend(EngineBackend):
             source_sha256=file_sha256(onnx_path), precision=precision, compute_precision=compute,
             label=engine_label(self.name, "", compute),
             runtime_version=trt.__version__,
-            device=gpu_name() or "unknown GPU", input_name=input_tensor.name,
+            device=self.device(), input_name=input_tensor.name,
             batch_profile=({"min": settings.min_batch, "opt": settings.opt_batch, "max": settings.max_batch}
                            if dla is None else dict.fromkeys(("min", "opt", "max"), dla.batch)),
             extra={"workspace_mb": settings.workspace_mb, "timing_cache": TIMING_CACHE_FILE,

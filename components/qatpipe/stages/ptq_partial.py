@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -57,7 +58,8 @@ def ptq_partial(spec: ExperimentSpec, fp32_onnx: str | Path, ptq_onnx: str | Pat
                 sensitivity_dir: str | Path | None = None) -> dict:
     """Write `output` (a Q/DQ .onnx: `ptq_onnx` with the layers spec.ptq.keep_float gives reading float, their
     weights the FP32 ONNX's), its FP16 form under export.fp16_onnx (the float layers FP16, as a strongly typed
-    TensorRT 11 build runs them), ptq_partial.json and a tracking record beside it. With keep_float auto the
+    TensorRT 11 build runs them), ptq_partial.json and a tracking record beside it; with no layer float,
+    `output` is `ptq_onnx`'s bytes and has no FP16 form, as PTQ's has none. With keep_float auto the
     layers come from `sensitivity_dir`'s sensitivity.json of the PTQ model, scored on the same val sample as
     the sensitivity stage (spec.sensitivity); a model within the budget there is scored on every val image too,
     and kept only if it is within the budget there as well."""
@@ -100,14 +102,18 @@ def ptq_partial(spec: ExperimentSpec, fp32_onnx: str | Path, ptq_onnx: str | Pat
     if check.problems:
         raise QatpipeError(f"{output}: the partial model breaks TensorRT's Q/DQ rules: {'; '.join(check.problems[:5])}")
     output.parent.mkdir(parents=True, exist_ok=True)
-    save_onnx(model, output)
+    if result.float_layers:
+        save_onnx(model, output)
+    else:  # the PTQ model byte for byte, so its engine, benchmark and scores are PTQ's (the pipeline's SAME_AS)
+        shutil.copyfile(ptq_onnx, output)
+        log.info("ptq-partial: no layer kept float: the PTQ model as it is, without an FP16 form (as PTQ's)")
     report = {"source": str(ptq_onnx), "fp32_onnx": str(fp32_onnx), "onnx": str(output),
               "keep_float": settings, "val_images": len(samples),
               "scored_by": f"ONNX Runtime {provider.removesuffix('ExecutionProvider')}, exact CPU form",
               **result.to_dict(), "qdq_check": check.to_dict(),
               "size_mb": round(output.stat().st_size / 2**20, 3)}
     files = [output.name, REPORT_FILE]
-    if spec.export.fp16_onnx:
+    if spec.export.fp16_onnx and result.float_layers:  # the float layers' FP16 form, for TensorRT 11
         from qatpipe.stages.export import write_fp16_form
 
         report["fp16"] = write_fp16_form(spec, output, qat=True)

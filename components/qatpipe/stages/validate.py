@@ -51,8 +51,8 @@ def within(drop: float, max_drop: float) -> bool:
 
 
 def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: Path,
-                            onnx_model: str | Path | None = None,
-                            variant: str | None = None) -> tuple[float | None, str]:
+                            onnx_model: str | Path | None = None, variant: str | None = None,
+                            same_as: Path | None = None) -> tuple[float | None, str]:
     """(mAP@0.5 of TensorRT's numbers, how it was had), or (None, why there is nothing to emulate).
 
     TensorRT builds what its backend's `source` picks (tensorrt_source): under `engine.fp16` the export's FP16
@@ -62,7 +62,8 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
     one.
     Otherwise the source ONNX (`onnx_model`, else the one engine.json names, checked by its SHA-256) is scored
     as TensorRT would run it, into output_dir/tensorrt_emulated: its FP16 form with every FP16 value rounded
-    as FP16 holds it (export/fp16.py `rounded_form`), in ONNX Runtime's exact CPU form."""
+    as FP16 holds it (export/fp16.py `rounded_form`), in ONNX Runtime's exact CPU form. `same_as`: another
+    validation's folder, whose emulated scores are taken when they scored the same model (evaluate's same_as)."""
     from qatpipe.engines.base import EngineMetadata
     from qatpipe.fileio import file_sha256
 
@@ -93,8 +94,8 @@ def tensorrt_emulated_map50(spec: ExperimentSpec, engine_dir: Path, output_dir: 
         scored = save_onnx(rounded_form(onnx.load(source), onnx.load(fp16_form)), folder / FP16_ROUNDED_FILE)
         how = (f"its FP16 form {fp16_form.name} (engine.fp16: what TensorRT builds), FP16 values rounded as FP16 "
                "holds them, in ONNX Runtime's exact CPU form")
-    return (exact_form_map50(spec, scored, folder, "tensorrt_emulated", _labelled(variant, "TensorRT's numbers")),
-            f"{how} ({EMULATED_FOLDER}/)")
+    return (exact_form_map50(spec, scored, folder, "tensorrt_emulated", _labelled(variant, "TensorRT's numbers"),
+                             same_as / EMULATED_FOLDER if same_as else None), f"{how} ({EMULATED_FOLDER}/)")
 
 
 def tensorrt_builds_fp16_form(spec: ExperimentSpec, source: Path) -> bool:
@@ -112,17 +113,18 @@ def _labelled(variant: str | None, what: str) -> str | None:
 
 
 def exact_form_map50(spec: ExperimentSpec, onnx_model: Path, folder: Path, name: str,
-                     variant: str | None = None) -> float:
+                     variant: str | None = None, same_as: Path | None = None) -> float:
     """mAP@0.5 of `onnx_model` as an ONNX Runtime engine in the exact CPU form (a Q/DQ model's numbers as
     TensorRT computes them), built in folder/engine and evaluated into `folder` (stages build_<name>,
-    validate_<name>; its report and PR curves name `variant`, default `name`)."""
+    validate_<name>; its report and PR curves name `variant`, default `name`; evaluate's `same_as`)."""
     from qatpipe.stages.build_engine import build_engine
     from qatpipe.stages.evaluate import evaluate
 
     exact = spec.model_copy(deep=True)
     exact.engine.cpu_form = "exact"
     build_engine(exact, onnx_model, folder / "engine", backend="onnxruntime", stage_name=f"build_{name}")
-    return evaluate(exact, folder / "engine", folder, stage_name=f"validate_{name}", variant=variant or name)["map50"]
+    return evaluate(exact, folder / "engine", folder, stage_name=f"validate_{name}", variant=variant or name,
+                    same_as=same_as)["map50"]
 
 
 def _quantized_by(onnx_path: Path) -> str | None:
@@ -134,8 +136,8 @@ def _quantized_by(onnx_path: Path) -> str | None:
     return {prop.key: prop.value for prop in load_onnx_proto(onnx_path).metadata_props}.get(QUANTIZED_BY_KEY)
 
 
-def dla_emulated_map50(spec: ExperimentSpec, source: Path, output_dir: Path,
-                       variant: str | None = None) -> tuple[float | None, str]:
+def dla_emulated_map50(spec: ExperimentSpec, source: Path, output_dir: Path, variant: str | None = None,
+                       same_as: Path | None = None) -> tuple[float | None, str]:
     """(mAP@0.5 of the export's DLA form as DLA's INT8 computes it, how), or (None, why not) without one.
 
     The DLA form's graph is the export's implicit FP32 ONNX (`<stem>_implicit.onnx`) with a fixed batch; its
@@ -161,19 +163,22 @@ def dla_emulated_map50(spec: ExperimentSpec, source: Path, output_dir: Path,
     scored = save_onnx(fake_quantized(onnx.load(implicit), scales), folder / "model.onnx")
     how = (f"{implicit.name} with an int8 Q/DQ on each of the {len(scales)} tensors of {cache.name}, in ONNX "
            f"Runtime's exact CPU form ({DLA_EMULATED_FOLDER}/)")
-    return exact_form_map50(spec, scored, folder, "dla_emulated", _labelled(variant, "Orin DLA's INT8")), how
+    return exact_form_map50(spec, scored, folder, "dla_emulated", _labelled(variant, "Orin DLA's INT8"),
+                            same_as / DLA_EMULATED_FOLDER if same_as else None), how
 
 
 def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str | Path,
              output_dir: str | Path | None = None, variant: str = "int8",
-             onnx_model: str | Path | None = None) -> dict:
+             onnx_model: str | Path | None = None, same_as: str | Path | None = None) -> dict:
     """Evaluate the engine, and TensorRT's numbers too where the engine does not compute them itself
     (`map50_tensorrt_emulated`: what the model will score on TensorRT, where the engine here runs a faster CPU
     form or float32 in place of the FP16 form; tensorrt_emulated_map50); compare both with the baseline; write
     validation.json / .md, a copy of the engine's bench.json when it has one, and for a passing model the
     DeepStream config (deepstream/, from `onnx_model`, else the engine's source ONNX). The gate passes only
     when both are within validate.max_map_drop. Never raises on a failed gate (the result says `passed`: the
-    caller decides, the CLI exits non-zero)."""
+    caller decides, the CLI exits non-zero). `same_as`: another validation's folder (of a variant that may be
+    the same model, as ptq-partial keeping no layer float is PTQ): its scores are taken wherever they scored the
+    same model bytes on the same images (evaluate's same_as), and the model runs wherever they did not."""
     from qatpipe.engines.base import EngineMetadata
     from qatpipe.stages.bench_engine import BENCH_FILE
     from qatpipe.stages.evaluate import evaluate
@@ -184,11 +189,12 @@ def validate(spec: ExperimentSpec, engine_dir: str | Path, baseline_metrics: str
     metadata = EngineMetadata.read(engine_dir)
     label = metadata.label
     # the record is validate_<variant>, "-" as "_" (validate_ptq_partial), as every stage record is named
+    same_as = Path(same_as) if same_as else None
     evaluation = evaluate(spec, engine_dir, output_dir, stage_name=f"validate_{variant.replace('-', '_')}",
-                          variant=variant)
+                          variant=variant, same_as=same_as)
     source = Path(onnx_model) if onnx_model else Path(metadata.source_onnx)  # the ONNX the engine was built from
-    emulated, emulation = tensorrt_emulated_map50(spec, engine_dir, output_dir, source, variant)
-    dla, dla_how = dla_emulated_map50(spec, source, output_dir, variant)
+    emulated, emulation = tensorrt_emulated_map50(spec, engine_dir, output_dir, source, variant, same_as)
+    dla, dla_how = dla_emulated_map50(spec, source, output_dir, variant, same_as)
     max_drop = spec.validate_.max_map_drop
     passed, drop = gate(evaluation["map50"], baseline["map50"], max_drop)
     report = {

@@ -1,6 +1,8 @@
 """build-engine: an inference engine from a variant's ONNX (TensorRT with a GPU, else ONNX Runtime), then
 its latency benchmark (the same harness for every backend)."""
 
+from typing import Optional
+
 from kfp.dsl import Input, Metrics, Model, Output
 
 from qatpipe_kfp.settings import component
@@ -8,7 +10,7 @@ from qatpipe_kfp.settings import component
 
 @component
 def build_engine(engine_spec: str, variant: str, onnx_model: Input[Model], engine: Output[Model],
-                 metrics: Output[Metrics], gpu_type: str = ""):
+                 metrics: Output[Metrics], gpu_type: str = "", same_as: Optional[Input[Model]] = None):
     """Build an inference engine from a variant's ONNX model, then benchmark its latency.
 
     TensorRT where it imports and a GPU is visible, else ONNX Runtime (`engine.backend` in the spec picks); every
@@ -21,6 +23,9 @@ def build_engine(engine_spec: str, variant: str, onnx_model: Input[Model], engin
         onnx_model: The variant's ONNX model folder; the file is its `file` metadata (default model.onnx).
         gpu_type: The GPU model the engine is built for, as nvidia.com/gpu.product names it; the task fails when the
             node's first GPU is another model or there is none. It keys the KFP cache. Empty: not checked.
+        same_as: Another variant's engine folder (ptq-partial's task gets PTQ's): copied with its benchmark,
+            instead of building and measuring, when it was built from the same bytes under the same settings for
+            this device (a ptq-partial that keeps no layer float is the PTQ model).
 
     Returns:
         engine: The engine folder: the engine file, engine.json, bench.json and tracking.json; its metadata names
@@ -39,8 +44,10 @@ def build_engine(engine_spec: str, variant: str, onnx_model: Input[Model], engin
         check_gpu_type(gpu_type)
         spec = load_stage_spec(engine_spec)
         source = Path(onnx_model.path) / onnx_model.metadata.get("file", "model.onnx")
-        info = build_stage(spec, source, engine.path, stage_name=f"build_engine_{variant.replace('-', '_')}")
-        report = bench_engine(spec, engine.path)  # bench.json, its figures added to the engine's tracking record
+        same = same_as.path if same_as is not None else None
+        info = build_stage(spec, source, engine.path, stage_name=f"build_engine_{variant.replace('-', '_')}",
+                           same_as=same)
+        report = bench_engine(spec, engine.path, same_as=same)  # bench.json, its figures in the tracking record
         engine.metadata.update({"backend": info["backend"], "precision": info["precision"], "variant": variant,
                                 "device": info["device"], "runtime_version": info["runtime_version"],
                                 "source_onnx_file": Path(info["source_onnx"]).name, "gpu_type": gpu_type})

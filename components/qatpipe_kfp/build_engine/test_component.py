@@ -28,5 +28,7 @@ def test_builds_and_benchmarks_an_onnx_runtime_engine(artifact, tmp_path):
 def test_interface():
     spec = build_engine.component_spec
     assert {k: v.type for k, v in spec.inputs.items()} == {"engine_spec": "String", "variant": "String",
-                                                           "onnx_model": "system.Model@0.0.1", "gpu_type": "String"}
+                                                           "onnx_model": "system.Model@0.0.1", "gpu_type": "String",
+                                                           "same_as": "system.Model@0.0.1"}
+    assert spec.inputs["same_as"].optional  # only ptq-partial's task gets one (PTQ's engine)
     assert set(spec.outputs) == {"engine", "metrics"}

@@ -30,9 +30,9 @@ def ptq_partial(ptq_partial_spec: str, dataset: Input[Dataset], fp32_onnx: Input
 
     Returns:
         onnx_model: Folder with model.onnx (Q/DQ, the chosen layers float), ptq_partial.json (the layers kept
-            float, every model scored in the search, the TensorRT Q/DQ rule check), with `export.fp16_onnx` the
-            FP16 form and its precision report, and tracking.json; its metadata names the framework, file,
-            variant, quantization and the float layers.
+            float, every model scored in the search, the TensorRT Q/DQ rule check), with `export.fp16_onnx` and a
+            float layer the FP16 form and its precision report, and tracking.json (no layer float: model.onnx is
+            PTQ's bytes); its metadata names the framework, file, variant, quantization and the float layers.
         metrics: The layers kept float and still INT8, mAP@0.5 on the val sample of the chosen, the FP32 and the
             all-INT8 model, whether the budget was met, the model's size in MB.
         report: The layers kept float and the search, step by step, as Markdown.

@@ -1,6 +1,8 @@
 """validate: mAP of a variant's engine on the val set against the FP32 baseline, the gate
 (`validate.max_map_drop`), and for a passing model the DeepStream nvinfer config."""
 
+from typing import Optional
+
 from kfp.dsl import Artifact, Dataset, Input, Markdown, Metrics, Model, Output
 
 from qatpipe_kfp.settings import component
@@ -9,7 +11,7 @@ from qatpipe_kfp.settings import component
 @component
 def validate(validate_spec: str, variant: str, dataset: Input[Dataset], engine: Input[Model],
              onnx_model: Input[Model], baseline: Input[Artifact], results: Output[Artifact],
-             metrics: Output[Metrics], report: Output[Markdown]) -> bool:
+             metrics: Output[Metrics], report: Output[Markdown], same_as: Optional[Input[Artifact]] = None) -> bool:
     """Validate a variant's engine on the val set against the FP32 baseline and apply the gate.
 
     The gate passes when the engine's mAP@0.5, and TensorRT's emulated mAP@0.5 where it is scored, are at most
@@ -26,6 +28,8 @@ def validate(validate_spec: str, variant: str, dataset: Input[Dataset], engine: 
         onnx_model: The ONNX model the engine was built from, for TensorRT's emulated numbers and the DeepStream
             config; the file is its `file` metadata (default model.onnx).
         baseline: The FP32 evaluation folder (evaluate's `results`); its metrics.json holds the baseline mAP.
+        same_as: Another variant's validation (ptq-partial's task gets PTQ's `results`): its scores are taken
+            wherever they scored the same model bytes on the same images, and the model runs wherever not.
 
     Returns:
         results: Folder with validation.json and validation.md, the evaluation's files, bench.json, and
@@ -47,7 +51,7 @@ def validate(validate_spec: str, variant: str, dataset: Input[Dataset], engine: 
         spec = spec_with_prepared_dataset(load_stage_spec(validate_spec), dataset.path)
         onnx_file = Path(onnx_model.path) / onnx_model.metadata.get("file", "model.onnx")
         result = validate_stage(spec, engine.path, Path(baseline.path) / METRICS_FILE, results.path, variant,
-                                onnx_model=onnx_file)
+                                onnx_model=onnx_file, same_as=same_as.path if same_as is not None else None)
         results.metadata.update({"variant": variant, "passed": result["passed"], "engine": result["engine_label"]})
         write_metrics(metrics, {key: float(result[key]) for key in
                                 ("map50", "map", "map50_drop", "map50_tensorrt_emulated", "map50_dla_emulated",
