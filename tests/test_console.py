@@ -35,6 +35,10 @@ TASK = """\
     dataset: Dataset( name='dataset',
                       uri='/out/prepare-data/dataset',
                       metadata={'source': 'synthetic'} )
+    data_spec: 'dataset:
+  train: null
+  classes: [car]
+'
 --------------------------------------------------------------------------------
 00:32:00.579 - INFO - Executing task \x1b[96m'train'\x1b[0m
     Traceback (most recent call last):

@@ -15,7 +15,8 @@ from typing import Iterator, TextIO
 _EXECUTOR_CHATTER = re.compile(r"\[KFP Executor [^\]]*\]: (Looking for component|Loading KFP component)"
                                r"| INFO root: Wrote executor output file| - INFO - Streamed logs:\s*$")
 _INPUT_JSON = "Got executor_input:"  # followed by the task's inputs as indented JSON, up to its closing brace
-_OUTPUTS = re.compile(r"Task .* outputs:\s*$")  # followed by one indented line (or more) per output
+_OUTPUTS = re.compile(r"Task .* outputs:\s*$")  # followed by each output's value, some over many lines
+_KFP_LOCAL_LINE = re.compile(r"^\d\d:\d\d:\d\d\.\d+ - |^-{20,}$")  # kfp.local's own: a time stamp, or its rule
 
 
 class ConsoleFilter(io.TextIOBase):
@@ -50,8 +51,8 @@ class ConsoleFilter(io.TextIOBase):
             if line.rstrip() == self._json_end:
                 self._json_end = None
             return False
-        if self._in_outputs:
-            if line[:1].isspace():
+        if self._in_outputs:  # a multi-line string output (a spec view's YAML) starts lines at column 0
+            if not _KFP_LOCAL_LINE.search(line):
                 return False
             self._in_outputs = False
         if _INPUT_JSON in line:
