@@ -80,6 +80,7 @@ def main() -> None:
     from qatpipe.pruning.cost import conv_flops
     from qatpipe.spec_sources import load_spec_uri
     from qatpipe.stages.train import build_optimizer
+    from qatpipe.training.precision import configure_precision
 
     spec = load_spec_uri(args.spec, args.overrides)
     synthetic = spec.dataset.synthetic
@@ -90,6 +91,7 @@ def main() -> None:
                                 image_width=spec.dataset.image_size.width)
     spec.dataset.train = str(data / "train")
     samples = load_split(spec, "train")
+    precision = configure_precision(spec.train.use_amp)  # train.use_amp as qatpipe train applies it
     arch = get_architecture(spec)
     model = arch.build_model()
     model.compile(optimizer=build_optimizer(spec, total_steps=10_000), loss=arch.losses(), jit_compile=args.jit)
@@ -114,7 +116,7 @@ def main() -> None:
     gflop = 3 * conv_flops(model) / 1e9
     result = {"spec": args.spec, "overrides": args.overrides, "arch": spec.model.arch,
               "backbone": spec.model.backbone.model_dump(), "image_size": spec.dataset.image_size.model_dump(),
-              "batch": batch, "jit": args.jit, "cache": args.cache, "cpu": machine,
+              "batch": batch, "jit": args.jit, "cache": args.cache, "precision": precision.policy, "cpu": machine,
               "gflop_per_training_image": round(gflop, 3),
               "img_per_s": {key: round(value, 1) for key, value in rates.items()},
               "gflops": {key: round(value * gflop, 1) for key, value in rates.items() if key != "input"}}
@@ -124,7 +126,8 @@ def main() -> None:
           f"; FP32 FMA peak {machine['peak_gflops']} GFLOP/s ({machine['fp32_flop_per_cycle']} FLOP/cycle/core)"
           + (f"; oneDNN kept to {machine['onednn_max_cpu_isa']}" if machine["onednn_max_cpu_isa"] else ""))
     print(f"{spec.model.arch} {arch_label(spec)} at {spec.dataset.image_size.height}x{spec.dataset.image_size.width}, "
-          f"batch {batch}: {gflop:.2f} GFLOP per training image; jit {args.jit}, cache {args.cache}")
+          f"batch {batch}: {gflop:.2f} GFLOP per training image; jit {args.jit}, cache {args.cache}, "
+          f"{precision.policy}")
     for key, label in (("input", "input pipeline alone"), ("model", "model on a fixed batch"),
                        ("train", "training as qatpipe train runs it")):
         extra = (f"  {result['gflops'][key]:7.1f} GFLOP/s  {result['gflops'][key] / machine['peak_gflops']:.0%} of peak"

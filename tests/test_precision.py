@@ -25,13 +25,27 @@ from qatpipe.training.precision import cast_model, cpu_flags, model_policy, sele
     (True, False, {"avx512f", "avx2"}, "float32"),
     (False, True, {"amx_bf16"}, "float32"),
     (False, False, {"amx_bf16"}, "float32"),
+    # auto: only where mixed precision measured faster (bench/README.md)
+    ("auto", True, set(), "mixed_float16"),
+    ("auto", False, {"avx512_bf16", "amx_bf16"}, "mixed_bfloat16"),
+    ("auto", False, {"avx512f", "avx512_bf16"}, "float32"),  # 0.57-0.72x on a Xeon whose AMX is hidden
+    ("auto", False, {"avx2", "fma"}, "float32"),
 ])
 def test_policy_follows_the_host(use_amp, gpu, flags, policy):
     chosen = select_precision(use_amp, gpu, frozenset(flags))
     assert chosen.policy == policy and chosen.mixed == (policy != "float32")
     assert chosen.device == ("gpu" if gpu else "cpu")
-    if use_amp and policy == "float32":
+    if use_amp is True and policy == "float32":
         assert "no bfloat16 CPU instructions" in chosen.reason
+    if use_amp == "auto" and policy == "float32":
+        assert "use_amp auto: no GPU and no amx_bf16" in chosen.reason
+
+
+def test_auto_on_a_cpu_where_bfloat16_does_not_pay_trains_fp32_without_a_warning(monkeypatch, caplog):
+    _host(monkeypatch, {"avx512f", "avx512_bf16"})
+    with caplog.at_level(logging.INFO):
+        assert precision.configure_precision("auto").policy == "float32"
+    assert "use_amp auto" in caplog.text and not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
@@ -103,3 +117,13 @@ def test_cast_model_keeps_weights_and_float32_outputs(trained_tiny):
     out32, out16 = model(batch), twin(batch)
     assert all(o.dtype == "float32" for o in out16)
     assert np.allclose(out32[0].numpy(), out16[0].numpy(), atol=0.05)  # bfloat16 keeps ~3 significant digits
+
+
+def test_train_use_amp_takes_true_false_or_auto_from_the_spec():
+    from qatpipe.errors import SpecError
+    from qatpipe.spec_sources import load_spec_uri
+
+    assert load_spec_uri("tiny", ["train.use_amp=auto"]).train.use_amp == "auto"
+    assert load_spec_uri("tiny", ["train.use_amp=true"]).train.use_amp is True
+    with pytest.raises(SpecError, match="train.use_amp"):
+        load_spec_uri("tiny", ["train.use_amp=sometimes"])

@@ -72,8 +72,10 @@ class TrainSpec(Section):
     keep: Literal["best", "last"] = Field(
         "best", description="which weights become model.keras: those of the epoch with the best val mAP@0.5 "
         "(ties: the later epoch), or the last epoch's; without validation, the last")
-    use_amp: bool = Field(False, description="mixed precision: float16 on a GPU, bfloat16 on a CPU with AMX-BF16 or "
-                            "AVX512-BF16, else FP32 with a warning (training/precision.py; docs/scale-out.md)")
+    use_amp: Union[bool, Literal["auto"]] = Field(
+        False, description="mixed precision: float16 on a GPU, bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, else "
+        "FP32 with a warning; auto: only where it measured faster (a GPU, a CPU with AMX-BF16), else FP32 "
+        "(training/precision.py; docs/scale-out.md). QAT always trains in FP32")
     log_every_n_steps: int = Field(25, ge=1)
 
 

@@ -82,7 +82,7 @@ def retrain(spec: ExperimentSpec, pruned_model_path: str | Path, results_dir: st
             found = auto_excluded_layers(spec, pruned_model_path, results_dir) if world.is_chief else None
             spec.qat.excluded_layers = world.broadcast(found and found["excluded_layers"],
                                                        "qat_excluded_layers_auto")
-        if use_amp or (use_amp is None and spec.train.use_amp):
+        if use_amp is True or (use_amp is None and spec.train.use_amp is True):  # asked for, not `auto`
             log.warning("QAT trains in FP32: fake quantization under mixed precision would not match TensorRT's int8")
         use_amp = False
         teacher = model  # the FP32 model as loaded; QAT trains a rebuilt twin with weights of its own

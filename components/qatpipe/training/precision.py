@@ -4,6 +4,9 @@
 - A CPU with bfloat16 instructions (Intel AMX-BF16, AVX512-BF16 on Intel and AMD): `mixed_bfloat16`, which
   TensorFlow's oneDNN kernels run on those units. bfloat16 keeps float32's exponent range: no loss scaling.
 - Anything else: float32, with a warning.
+`auto` takes mixed precision only where it measured faster (bench/README.md, amp.py and train_speed.py): a GPU,
+or a CPU with AMX-BF16; elsewhere float32, without a warning (AVX512-BF16 alone was 1.49x on an AMD EPYC but
+0.57-0.72x on an Intel Xeon whose AMX is hidden).
 
 Variables stay float32 under every policy; the detector's output layers are float32 by construction, so the
 losses are computed in float32; QAT's fake quantization always computes in float32 (quantization/transform.py).
@@ -21,6 +24,7 @@ from qatpipe.devices import cpu_flags
 log = logging.getLogger(__name__)
 
 FLOAT32, MIXED_FLOAT16, MIXED_BFLOAT16 = "float32", "mixed_float16", "mixed_bfloat16"
+AUTO = "auto"  # train.use_amp: mixed precision where it measured faster, else float32
 # /proc/cpuinfo flags of CPUs whose oneDNN kernels compute bfloat16 matrix products natively
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -36,13 +40,19 @@ class Precision:
         return self.policy != FLOAT32
 
 
-def select_precision(use_amp: bool, has_gpu: bool, flags: frozenset[str]) -> Precision:
-    """The policy for `use_amp` on a host with (or without) a GPU and these CPU flags."""
+def select_precision(use_amp: bool | str, has_gpu: bool, flags: frozenset[str]) -> Precision:
+    """The policy for `use_amp` (true, false or AUTO) on a host with (or without) a GPU and these CPU flags."""
     device = "gpu" if has_gpu else "cpu"
     if not use_amp:
         return Precision(FLOAT32, device, "mixed precision off (train.use_amp: false)")
     if has_gpu:
         return Precision(MIXED_FLOAT16, device, "GPU: float16 compute, float32 variables, loss scaling")
+    if use_amp == AUTO:
+        if "amx_bf16" in flags:
+            return Precision(MIXED_BFLOAT16, device, "use_amp auto, a CPU with amx_bf16: bfloat16 compute on its "
+                                                     "AMX tiles, float32 variables")
+        return Precision(FLOAT32, device, "use_amp auto: no GPU and no amx_bf16, where bfloat16 is not reliably "
+                                          "faster; float32")
     bf16 = [flag for flag in BF16_CPU_FLAGS if flag in flags]
     if bf16:
         return Precision(MIXED_BFLOAT16, device, f"CPU with {' and '.join(bf16)}: bfloat16 compute, float32 "
@@ -51,7 +61,7 @@ def select_precision(use_amp: bool, has_gpu: bool, flags: frozenset[str]) -> Pre
                                       f"({', '.join(BF16_CPU_FLAGS)}): mixed precision would be slower; float32")
 
 
-def configure_precision(use_amp: bool) -> Precision:
+def configure_precision(use_amp: bool | str) -> Precision:
     """Detect the host, set Keras' global policy accordingly and log the choice."""
     import tensorflow as tf
     import tf_keras as keras
@@ -59,7 +69,7 @@ def configure_precision(use_amp: bool) -> Precision:
     flags = cpu_flags()
     precision = select_precision(use_amp, bool(tf.config.list_physical_devices("GPU")), flags)
     keras.mixed_precision.set_global_policy(precision.policy)
-    if use_amp and not precision.mixed:
+    if use_amp is True and not precision.mixed:
         log.warning("--use-amp: %s", precision.reason)
     else:
         log.info("precision: %s (%s)", precision.policy, precision.reason)
