@@ -64,7 +64,7 @@ def match_detections(dataset: dict, results: list[dict], max_detections: int | N
 
     if max_detections is None:
         max_detections = max(Counter((r["image_id"], r["category_id"]) for r in results).values())
-    evaluator = coco_evaluator(dataset, results, max_detections)
+    evaluator = coco_evaluator(dataset, results, max_detections, area_ranges=False)  # the bootstrap reads "all"
     params = evaluator.params
     areas, images, thresholds = len(params.areaRng), len(params.imgIds), len(params.iouThrs)
     all_areas = params.areaRngLbl.index("all")

@@ -94,11 +94,13 @@ def write_coco_files(ground_truth: Sequence[GroundTruth], detections: Sequence[D
         atomic_write_text(path, json.dumps(data, separators=(",", ":")))
 
 
-def coco_evaluator(dataset: dict, results: list[dict], max_detections: int, at50_only: bool = False) -> COCOeval:
+def coco_evaluator(dataset: dict, results: list[dict], max_detections: int, at50_only: bool = False,
+                   area_ranges: bool = True) -> COCOeval:
     """pycocotools' bbox COCOeval of `results` against a COCO `dataset`, matched image by image (evaluate()
-    done, not accumulated); `max_detections` per image and class is its largest maxDets. `at50_only`: IoU 0.5,
-    every area and `max_detections` only (matching at each IoU threshold and area range is separate, so its
-    mAP@0.5 is the full evaluation's, for about a tenth of the work)."""
+    done, not accumulated); `max_detections` per image and class is its largest maxDets. `area_ranges` False:
+    the area range "all" only (a quarter of the matching; each range is matched on its own, so "all" is the
+    same). `at50_only`: that, IoU 0.5 and `max_detections` only (each threshold too is matched on its own, so
+    its mAP@0.5 is the full evaluation's, for about a tenth of the work)."""
     coco_gt = COCO()
     coco_gt.dataset = dataset
     with contextlib.redirect_stdout(io.StringIO()) as chatter:  # pycocotools prints progress
@@ -108,6 +110,7 @@ def coco_evaluator(dataset: dict, results: list[dict], max_detections: int, at50
         evaluator.params.maxDets = [1, 10, max_detections]
         if at50_only:
             evaluator.params.iouThrs, evaluator.params.maxDets = np.array([0.5]), [max_detections]
+        if at50_only or not area_ranges:
             evaluator.params.areaRng, evaluator.params.areaRngLbl = evaluator.params.areaRng[:1], ["all"]
         evaluator.evaluate()
     log.debug("pycocotools:\n%s", chatter.getvalue())
