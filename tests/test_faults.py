@@ -291,6 +291,35 @@ def test_a_torn_stage_log_line_is_skipped_and_named(tmp_path, caplog, monkeypatc
     assert f"'{stage_log}':3: not a whole stage record" in caplog.text
 
 
+EXECUTOR = """
+import sys, types
+sys.modules["__main__"].__spec__ = types.SimpleNamespace(name=sys.argv[2])  # as `python -m <name>` sets it
+import atexit
+atexit.register(lambda: print("teardown ran", flush=True))  # as TensorFlow's and logging's, registered before
+from qatpipe_kfp.runtime import stage
+with stage("prune"):
+    pass
+print("after the stage", flush=False)  # KFP's executor writes its outputs here, after the stage
+if sys.argv[1] == "raise":
+    raise RuntimeError("writing the executor output failed")
+"""
+
+
+@pytest.mark.parametrize("after, main, code", [("ok", "kfp.dsl.executor_main", 0),
+                                               ("raise", "kfp.dsl.executor_main", 1),
+                                               ("raise", "pytest", 1)])
+def test_an_executor_whose_stage_succeeded_skips_the_teardown_but_keeps_a_later_failure(after, main, code):
+    """A KFP executor process whose stage succeeded ends without the interpreter's teardown, its output flushed;
+    an exception after the stage (KFP failing to write its outputs) still fails the process, and a process that
+    is not KFP's executor (a test, the CLI) ends as Python ends it."""
+    done = subprocess.run([sys.executable, "-c", EXECUTOR, after, main], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == code, done.stderr
+    assert "after the stage" in done.stdout
+    assert ("writing the executor output failed" in done.stderr) == (after == "raise")
+    assert ("teardown ran" in done.stdout) == (code != 0 or main != "kfp.dsl.executor_main")
+
+
 # ------------------------------------------------------------------ a full disk
 
 
