@@ -4,8 +4,8 @@ saved model loads without custom objects), `label(backbone_spec) -> str` (the mo
 pretrained weights (models/pretrained.py, docs/pretrained.md), `FREEZE_BLOCKS` (the numbers
 `model.freeze_blocks` may name), `block_of(layer_name) -> int | None` (a backbone layer's block; None outside
 the backbone) and optionally `KERAS_APPLICATION` (where `keras:imagenet` takes its weights). Adding a backbone
-is one module and one line here: the spec's check, the tests and bench/backbones.py take the names from this
-registry (spec/registries.py, so the spec checks a name without importing from above its floor)."""
+is one module and one line of BACKBONES in spec/registries.py (on the spec's floor, so the spec checks a name
+without importing from above it); this module, the tests and bench/backbones.py read that registry."""
 
 from __future__ import annotations
 
