@@ -2,7 +2,7 @@
 
     python bench/backbones.py [--work DIR] [--backbones NAME ...] [--set KEY=VALUE ...]
 
-For each backbone (default: every one in the BACKBONES registry, spec/registries.py) it runs `qatpipe run --local` on the
+For each backbone (default: every one in spec/registries.py's BACKBONES) it runs `qatpipe run --local` on the
 full spec with only `model.backbone.name` (and the `--set` overrides, the same for every backbone) changed,
 and prints per backbone: the deployed (pruned) model's params and GFLOPs, FP32 / PTQ / QAT mAP@0.5 with their
 95% bootstrap CIs over the val images, the paired differences QAT - FP32, PTQ - FP32 and QAT - PTQ with their
