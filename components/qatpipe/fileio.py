@@ -169,6 +169,12 @@ def save_keras_model(model, path: str | Path) -> Path:
     return path
 
 
+def json_sha256(value, length: int = 32) -> str:
+    """The first `length` hex digits of the SHA-256 of `value` as canonical JSON (keys sorted): a digest of
+    settings and inputs, as build and scoring keys are."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:length]
+
+
 def file_sha256(path: str | Path) -> str:
     """The SHA-256 of a file's bytes, read in 1 MiB blocks."""
     digest = hashlib.sha256()

@@ -117,14 +117,19 @@ def coco_evaluator(dataset: dict, results: list[dict], max_detections: int, at50
     return evaluator
 
 
-def mean_ap50(ground_truth: Sequence[GroundTruth], detections: Sequence[Detections], class_names: Sequence[str],
-              max_detections: int = 100) -> float:
-    """evaluate_detections' mAP@0.5 alone, evaluated at IoU 0.5 only (coco_evaluator's at50_only): for
-    scoring many models, as sensitivity and ptq-partial do, and the learning check's class-agnostic mAP."""
+def _check_scorable(ground_truth: Sequence[GroundTruth], detections: Sequence[Detections]) -> None:
+    """An image's detections for each ground-truth image, and some ground truth: else mAP is undefined."""
     if len(ground_truth) != len(detections):
         raise ValueError(f"{len(ground_truth)} ground-truth images but {len(detections)} detection lists")
     if not any(len(gt.classes) for gt in ground_truth):
         raise ValueError("no ground-truth objects: mAP is undefined")
+
+
+def mean_ap50(ground_truth: Sequence[GroundTruth], detections: Sequence[Detections], class_names: Sequence[str],
+              max_detections: int = 100) -> float:
+    """evaluate_detections' mAP@0.5 alone, evaluated at IoU 0.5 only (coco_evaluator's at50_only): for
+    scoring many models, as sensitivity and ptq-partial do, and the learning check's class-agnostic mAP."""
+    _check_scorable(ground_truth, detections)
     results = coco_results(detections)
     if not results:
         return 0.0
@@ -144,10 +149,7 @@ def evaluate_detections(
 
     `max_detections` per image count (COCO's maxDets), so it must match the decoder's limit.
     """
-    if len(ground_truth) != len(detections):
-        raise ValueError(f"{len(ground_truth)} ground-truth images but {len(detections)} detection lists")
-    if not any(len(gt.classes) for gt in ground_truth):
-        raise ValueError("no ground-truth objects: mAP is undefined")
+    _check_scorable(ground_truth, detections)
     dataset, results = coco_ground_truth(ground_truth, class_names), coco_results(detections)
     images, annotations = dataset["images"], dataset["annotations"]
 

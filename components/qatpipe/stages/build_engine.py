@@ -3,8 +3,6 @@ or `--backend` names (`auto`: TensorRT with a GPU, else ONNX Runtime)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -57,12 +55,11 @@ def build_engine(spec: ExperimentSpec, onnx_path: str | Path, output: str | Path
 def build_key(backend: str, onnx_path: Path, spec: ExperimentSpec) -> str:
     """What an engine is built from, as a digest: the backend, the source's bytes and the engine settings (its
     latency benchmark's aside)."""
-    from qatpipe.fileio import file_sha256
+    from qatpipe.fileio import file_sha256, json_sha256
 
     settings = spec.engine.model_dump(mode="json", exclude={"bench"})
-    inputs = {"backend": backend, "source_sha256": file_sha256(onnx_path), "engine": settings,
-              "image_size": spec.dataset.image_size.model_dump()}
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
+    return json_sha256({"backend": backend, "source_sha256": file_sha256(onnx_path), "engine": settings,
+                        "image_size": spec.dataset.image_size.model_dump()})
 
 
 def _copied(folder: Path, output: Path, key: str, device: str):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -11,7 +10,7 @@ from pathlib import Path
 
 from qatpipe.data.splits import load_split
 from qatpipe.errors import DataError, QatpipeError
-from qatpipe.fileio import atomic_write_text, file_sha256, write_json
+from qatpipe.fileio import atomic_write_text, file_sha256, json_sha256, write_json
 from qatpipe.inference import engine_forward, onnx_forward, predict
 from qatpipe.metrics.coco import DetectionMetrics, GroundTruth, evaluate_detections, plot_pr_curves, write_coco_files
 from qatpipe.metrics.diagnostics import diagnostics_metrics, findings_tags, learning_check, log_findings
@@ -111,11 +110,10 @@ def _score(spec: ExperimentSpec, forward, samples, arch, output_dir: Path) -> di
 def scoring_key(spec: ExperimentSpec, model_file: Path, samples) -> str:
     """What an evaluation's detections depend on, as a digest: the model's bytes, the val images (path and
     size), the model and image-size settings (decoding, anchors) and the batch size."""
-    inputs = {"model_sha256": file_sha256(model_file),
-              "images": [[str(s.image_path), s.image_path.stat().st_size] for s in samples],
-              "model": spec.model.model_dump(mode="json"), "image_size": spec.dataset.image_size.model_dump(),
-              "batch_size": spec.evaluate.batch_size}
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
+    return json_sha256({"model_sha256": file_sha256(model_file),
+                        "images": [[str(s.image_path), s.image_path.stat().st_size] for s in samples],
+                        "model": spec.model.model_dump(mode="json"),
+                        "image_size": spec.dataset.image_size.model_dump(), "batch_size": spec.evaluate.batch_size})
 
 
 def _scores_of(folder: Path, key: str, output_dir: Path) -> dict | None:
