@@ -15,18 +15,20 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import unavailable
+from conftest import SMALL_IMAGES, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("training", "engine", "mlflow")
-# the tiny spec, shortened for a test (bench/README.md has the whole tiny spec's figures, both runners): the
-# gate is off (a 4-epoch model's INT8 drop is noise), sensitivity scores 2 layers
-SHORT = ["tracking.experiment=containers-test", "train.epochs=4", "retrain.epochs=1", "sensitivity.max_layers=2",
-         "validate.max_map_drop=1.0"]
+# the tiny spec, shortened for a test (bench/README.md has the whole tiny spec's figures, both runners): a quarter
+# of its pixels, the gate off (a 4-epoch model's INT8 drop is noise), sensitivity scoring 2 layers
+SHORT = ["tracking.experiment=containers-test", *SMALL_IMAGES, "train.epochs=4", "retrain.epochs=1",
+         "sensitivity.max_layers=2", "validate.max_map_drop=1.0"]
 SECRET_WORDS = ("PASSWORD", "SECRET", "TOKEN", "ACCESS_KEY")
 # podman's image store is the machine's, and every tree tags the same names: a run of this file in another checkout
 # (a worktree, a second clone) would retag them mid-run. This lock, the machine's too, makes such runs take turns.
@@ -102,14 +104,47 @@ def test_image_is_non_root_labelled_and_holds_no_secret(images, kind):
     assert found.stdout.split() == [], found.stdout
 
 
+def _kill_stage_container(log: Path, stage: str, image: str, killed: list, timeout: float = 900) -> None:
+    """Once `log` shows `stage` started, SIGKILL the running container of `image` (that stage's: kfp.local runs
+    one task at a time, and TensorFlow's import takes seconds), as a node loss or the OOM killer would; its id
+    goes in `killed`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.is_file() and f"stage {stage}: started" in log.read_text(errors="replace"):
+            running = subprocess.run(["podman", "ps", "-q", "--filter", f"ancestor={image}"], capture_output=True,
+                                     text=True).stdout.split()
+            for container in running:
+                subprocess.run(["podman", "kill", container], capture_output=True)
+            killed.extend(running)
+            return
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_tiny_pipeline_runs_in_its_images(images, tmp_path, monkeypatch):
-    from qatpipe_pipelines.local_run import run_local
+def test_tiny_pipeline_runs_in_its_images_and_a_killed_stage_resumes(images, tmp_path, monkeypatch):
+    from qatpipe_pipelines.local_run import PipelineFailed, run_local
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # MLflow from the MLflow image
     out = tmp_path / "run"
+    # the prune stage's container killed mid-stage (a stage without retries: kfp.local retries a killed
+    # training stage after its 60 s backoff, as the pipeline's pre-emption retries do): the run fails naming it
+    killed: list[str] = []
+    killer = threading.Thread(target=_kill_stage_container, daemon=True,
+                              args=(out / "containers.log", "prune", images["training"], killed))
+    killer.start()
+    with pytest.raises(PipelineFailed) as failure:
+        run_local(out, "tiny", SHORT, runner="docker")
+    killer.join(timeout=60)
+    assert len(killed) == 1, killed
+    assert str(failure.value).startswith("pipeline stage prune ended without a result (killed"), failure.value
+    assert "exited with status 137" in (out / "containers.log").read_text()
+    # ... and the re-run resumes as with the subprocess runner: the stages that finished (the training too) come
+    # from kfp.local's cache (though the run's MLflow server has a new port), the killed one runs again, and so
+    # does everything after it (fingerprint-data, start-tracking and resolve-spec run in every run)
     summary = run_local(out, "tiny", SHORT, runner="docker")
+    assert not {"prepare-data", "pretrain", "train"} & set(summary["stages"]), summary["stages"]
+    assert summary["stages"]["prune"]["status"] == "done"
 
     assert list(summary["variants"]) == ["fp32", "ptq", "ptq-partial", "qat"]
     assert summary["variants"]["fp32"]["engine"] == "onnxruntime cpu fp32"  # the engine image's CPU fallback

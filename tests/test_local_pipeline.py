@@ -276,6 +276,21 @@ def test_failed_stage_names_itself_and_how_to_resume(tmp_path, monkeypatch):
     assert parent.info.status == "FAILED"
 
 
+def test_a_stage_killed_without_a_record_is_named_by_its_stage_name(tmp_path):
+    """A task whose process (or container) was killed leaves no stage record: kfp.local's task name (retrain-2,
+    coloured) is named as the stage (finetune-fp32), with how to resume. tests/test_images_run.py kills one."""
+    from qatpipe_pipelines.local_run import _display_names, _failure_message
+    from qatpipe_pipelines.qat_pipeline import build_pipeline
+
+    stages = _display_names(build_pipeline(network_retries=0, placement=False, code_version="test"))
+    assert stages["retrain-2"] == "finetune-fp32" and stages["train"] == "train"
+    killed = RuntimeError("Task \x1b[96m'retrain-2'\x1b[0m finished with status \x1b[91mFAILURE\x1b[0m")
+    message = _failure_message(tmp_path / "stage_log.jsonl", killed, tmp_path / "run", "tiny", [], stages=stages)
+    assert message.startswith("pipeline stage finetune-fp32 ended without a result (killed, out of memory")
+    assert f"re-run `qatpipe run --local --spec tiny --output {tmp_path / 'run'}`" in message
+    assert "\x1b" not in _failure_message(tmp_path / "none", RuntimeError("\x1b[91mboom\x1b[0m"), tmp_path, "tiny", [])
+
+
 def test_unreachable_tracking_server_stops_before_any_stage(tmp_path, monkeypatch, closed_port_uri):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", closed_port_uri)
     with pytest.raises(TrackingError, match=f"MLflow at {closed_port_uri}: connecting failed after 3 attempt"):

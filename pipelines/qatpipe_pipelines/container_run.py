@@ -147,13 +147,15 @@ def _wait_until_up(container, uri: str) -> None:
     raise QatpipeError(f"the MLflow server container did not answer at {uri} within {MLFLOW_START_TIMEOUT:.0f} s")
 
 
-def docker_runner(out: Path):
+def docker_runner(out: Path, environment: dict[str, str]):
     """kfp.local's DockerRunner: host network, the calling user, OUT mounted at its own path and the working
-    directory (stage logs, the run folder and the dataset cache live there, beside kfp.local's pipeline root)."""
+    directory (stage logs, the run folder and the dataset cache live there, beside kfp.local's pipeline root),
+    and `environment` in every container: kfp.local adds it to the tasks' own variables when it starts one, but
+    leaves it out of its cache key, so a re-run's new MLflow port still finds the finished stages."""
     import kfp.local
     from docker.types import Mount
 
-    return kfp.local.DockerRunner(network_mode="host", user=user(), working_dir=str(out),
+    return kfp.local.DockerRunner(network_mode="host", user=user(), working_dir=str(out), environment=environment,
                                   mounts=[Mount(target=str(out), source=str(out), type="bind")])
 
 
@@ -176,7 +178,10 @@ def run_container(client, image: str, command: list[str], volumes: dict, **run_a
     try:
         for line in container.logs(stream=True, follow=True):
             print(line.decode(errors="replace"), end="")
-        return container.wait()["StatusCode"]
+        status = container.wait()["StatusCode"]
+        if status:  # 137: killed (SIGKILL, as `podman kill` or the OOM killer ends it)
+            print(f"image {image}: container {container.short_id} exited with status {status}\n")
+        return status
     finally:
         with contextlib.suppress(Exception):
             container.remove(force=True)
@@ -198,8 +203,8 @@ def exit_status_kept():
 class Tee:
     """sys.stdout, also written to a file: kfp.local prints each container's output, then removes it."""
 
-    def __init__(self, stream, path: Path):
-        self.stream, self.file = stream, path.open("a", encoding="utf-8")
+    def __init__(self, stream, path: Path):  # line-buffered: the file follows the run (`tail -f` it)
+        self.stream, self.file = stream, path.open("a", encoding="utf-8", buffering=1)
 
     def write(self, text):
         self.file.write(text)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shlex
 import time
 import warnings
@@ -28,6 +29,7 @@ RUN_LOG_FILE = "run.log"  # everything kfp.local printed, appended run after run
 DEFAULT_OUTPUT = Path("results/pipeline")  # `qatpipe run --local`'s and `make main`'s
 MLFLOW_STORE = "mlflow.db"  # the SQLite MLflow store in the output folder, unless $MLFLOW_TRACKING_URI names one
 RUNNERS = ("subprocess", "docker")
+_ANSI_CODE = re.compile(r"\x1b\[[0-9;]*m")  # kfp.local colours its task names
 
 
 class PipelineFailed(QatpipeError):
@@ -66,14 +68,17 @@ def _run_in_containers(out: Path, spec_uri: str, overrides: list[str], run_name:
         logs = stack.enter_context(container_run.container_logs(out))
         stack.enter_context(container_run.exit_status_kept())
         try:
-            return _run_locked(out, spec_uri, overrides, run_name, runner=container_run.docker_runner(out),
-                               task_env=container_run.task_env(out), images=IMAGES)
+            home = container_run.task_env(out)
+            return _run_locked(out, spec_uri, overrides, run_name, images=IMAGES,
+                               runner=lambda env: container_run.docker_runner(out, {**env, **home}))
         except PipelineFailed as exc:
             raise PipelineFailed(f"{exc} Every container's output: {logs}") from None
 
 
 def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str, runner=None,
-                task_env: dict[str, str] | None = None, images: dict[str, str] | None = None) -> dict:
+                images: dict[str, str] | None = None) -> dict:
+    """runner: None (each stage a subprocess here) or a function of the stages' environment that makes the
+    kfp.local runner to use instead (container_run.docker_runner's)."""
     import kfp.local
 
     from qatpipe.spec_sources import load_spec_uri
@@ -96,12 +101,13 @@ def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str, r
 
     stage_log = out / STAGE_LOG_FILE
     stage_log.unlink(missing_ok=True)
-    kfp.local.init(runner=runner or kfp.local.SubprocessRunner(use_venv=False),
-                   pipeline_root=str(out / PIPELINE_ROOT), enable_caching=True, cache_root=str(out / "kfp-cache"), raise_on_error=True)
-    # the stages' environment: inherited by subprocesses; containers get it as the tasks' own variables
+    # the stages' environment: inherited by subprocesses, given to containers by their runner (kfp.local keys
+    # its cache on the tasks' own variables: the MLflow server's port, new each run, must not be one of them)
     stage_env = {TRACKING_URI_ENV: tracking_uri, STAGE_LOG_ENV: str(stage_log), RUN_FOLDER_ENV: str(out)}
+    kfp.local.init(runner=runner(stage_env) if runner else kfp.local.SubprocessRunner(use_venv=False),
+                   pipeline_root=str(out / PIPELINE_ROOT), enable_caching=True, cache_root=str(out / "kfp-cache"),
+                   raise_on_error=True)
     qat_pipeline = build_pipeline(network_retries=0, placement=False, code_version=code_version(),
-                                  task_env={**stage_env, **(task_env or {})} if runner is not None else None,
                                   local_images=images)
     started = time.time()
     log.info("running the pipeline locally into %s (spec %s; kfp.local's whole output in %s)", out, spec_uri,
@@ -122,7 +128,8 @@ def _run_locked(out: Path, spec_uri: str, overrides: list[str], run_name: str, r
             _close_stale_runs(tracker, experiment, out, "the pipeline failed")
             if isinstance(exc, RuntimeError):
                 raise PipelineFailed(_failure_message(stage_log, exc, out, spec_uri, overrides,
-                                                     containers=runner is not None)) from None
+                                                     containers=runner is not None,
+                                                     stages=_display_names(qat_pipeline))) from None
             raise
 
     summary = _collect_summary(out, started)
@@ -215,8 +222,14 @@ def _stage_outcomes(stage_log: Path) -> dict:
     return outcomes
 
 
+def _display_names(pipeline) -> dict[str, str]:
+    """kfp.local's task names (retrain-2) -> the stages' names (finetune-fp32), from the compiled DAGs."""
+    return {key: task.task_info.name for component in pipeline.pipeline_spec.components.values()
+            if component.HasField("dag") for key, task in component.dag.tasks.items()}
+
+
 def _failure_message(stage_log: Path, exc: Exception, out: Path, spec_uri: str, overrides: list[str],
-                     containers: bool = False) -> str:
+                     containers: bool = False, stages: dict[str, str] | None = None) -> str:
     failed = [(name, o) for name, o in _stage_outcomes(stage_log).items() if o["status"] == "failed"]
     runner = ["--runner docker"] if containers else []
     command = " ".join(["qatpipe run --local", *runner, "--spec", shlex.quote(spec_uri), "--output",
@@ -226,4 +239,10 @@ def _failure_message(stage_log: Path, exc: Exception, out: Path, spec_uri: str, 
         (name, outcome), later = failed[0], [other for other, _ in failed[1:]]
         also = f" (then also: {', '.join(later)})" if later else ""
         return f"pipeline stage {name} failed: {outcome.get('reason', 'see the log above')}{also}. {resume}"
-    return f"pipeline failed: {exc}. {resume}"
+    # no stage recorded a failure: its process (or container) was killed, or died before it could say why
+    task = re.search(r"(?:Task|Inner task failed:) '([^']+)'", _ANSI_CODE.sub("", str(exc)))
+    if task:
+        name = (stages or {}).get(task.group(1), task.group(1))
+        return (f"pipeline stage {name} ended without a result (killed, out of memory, or its process died "
+                f"before it could say why). {resume}")
+    return f"pipeline failed: {_ANSI_CODE.sub('', str(exc))}. {resume}"

@@ -70,13 +70,12 @@ class _TaskSettings:
     """
 
     def __init__(self, image, engine_image, secret, gpus, node_selector, tolerations, *, sizes, cache_pvc,
-                 network_retries, placement, code_version, shm_size, task_env=None):
+                 network_retries, placement, code_version, shm_size):
         self.image, self.engine_image, self.secret = image, engine_image, secret
         self.gpus, self.node_selector, self.tolerations = gpus, node_selector, tolerations
         self.sizes = sizes  # kind -> (cpu, memory), pipeline parameters
         self.cache_pvc, self.network_retries, self.placement = cache_pvc, network_retries, placement
         self.code_version, self.shm_size = code_version, shm_size
-        self.task_env = dict(task_env or {})
         self.training_gpus = gpus  # the GPUs of a training task; gpu-placement's output once it exists
 
     def cpu(self, task: dsl.PipelineTask, *, network: bool = False, per_run: bool = False,
@@ -93,8 +92,6 @@ class _TaskSettings:
         kubernetes.add_pod_label(task, *MLFLOW_CLIENT_LABEL)
         if self.code_version:
             task.set_env_variable("QATPIPE_CODE_VERSION", self.code_version)
-        for name, value in self.task_env.items():
-            task.set_env_variable(name, value)
         kubernetes.use_secret_as_env(task, secret_name=self.secret, secret_key_to_env=SECRET_KEYS_TO_ENV,
                                      optional=True)
         if network and self.network_retries:
@@ -212,8 +209,7 @@ def _caller_names_only(build):
 @_caller_names_only
 def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWORK_RETRIES,
                    placement: bool = True, code_version: str = "", mpijob: bool = False,
-                   shm_size: str = SHM_SIZE, task_env: "dict[str, str] | None" = None,
-                   local_images: "dict[str, str] | None" = None):
+                   shm_size: str = SHM_SIZE, local_images: "dict[str, str] | None" = None):
     """The pipeline function. Compile-time options:
     cache_pvc: mount this existing PVC as the dataset cache of every stage that reads data (a mount cannot be
         made optional at run time);
@@ -229,8 +225,6 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
         a request KFP cannot make depend on a run-time parameter). Needs cache_pvc;
     shm_size: the size limit of the training tasks' memory-backed /dev/shm (counted in their memory limit; KFP
         takes no run-time parameter there);
-    task_env: environment variables set in every task: the local container run's (kfp.local's DockerRunner
-        passes a task's own variables, not the caller's environment);
     local_images: {"training": ..., "engine": ...}, the tasks' images as fixed names instead of the
         training_image / engine_image parameters, which kfp.local's DockerRunner does not resolve.
     """
@@ -321,8 +315,7 @@ def build_pipeline(cache_pvc: "str | None" = None, network_retries: int = NETWOR
             training_image, engine_image = local_images["training"], local_images["engine"]
         run = _TaskSettings(training_image, engine_image, credentials_secret, gpus, node_selector, tolerations,
                             sizes=sizes, cache_pvc=cache_pvc, network_retries=network_retries,
-                            placement=placement, code_version=code_version, shm_size=shm_size,
-                            task_env=task_env)
+                            placement=placement, code_version=code_version, shm_size=shm_size)
 
         # an exit task may not depend on other tasks: it finds the MLflow run by the KFP run id
         finish = run.cpu(finish_tracking(kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), per_run=True, size="light")
