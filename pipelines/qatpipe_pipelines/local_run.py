@@ -240,9 +240,10 @@ def _failure_message(stage_log: Path, exc: Exception, out: Path, spec_uri: str, 
         also = f" (then also: {', '.join(later)})" if later else ""
         return f"pipeline stage {name} failed: {outcome.get('reason', 'see the log above')}{also}. {resume}"
     # no stage recorded a failure: its process (or container) was killed, or died before it could say why
-    task = re.search(r"(?:Task|Inner task failed:) '([^']+)'", _ANSI_CODE.sub("", str(exc)))
+    reason = _ANSI_CODE.sub("", str(exc))
+    task = re.search(r"(?:Task|Inner task failed:) '([^']+)'", reason)
     if task:
         name = (stages or {}).get(task.group(1), task.group(1))
         return (f"pipeline stage {name} ended without a result (killed, out of memory, or its process died "
                 f"before it could say why). {resume}")
-    return f"pipeline failed: {_ANSI_CODE.sub('', str(exc))}. {resume}"
+    return f"pipeline failed: {reason}. {resume}"
