@@ -153,37 +153,52 @@ git_commit="$(git rev-parse HEAD 2>/dev/null || true)"
 source_url="$(git remote get-url origin 2>/dev/null || true)"
 source_url="$(printf '%s' "$source_url" | sed -E 's#^([a-z+]+://)[^/@]*@#\1#')"
 
-# --cpu: the local bases and the wheelhouse, each made once and cached under .cache/
+# --cpu: the local bases and the wheelhouse, each made once and cached under $QATPIPE_CACHE (default .cache/;
+# a folder outside the clone lets fresh clones on one machine share them, as they share podman's image store)
 cpu_args=()
 declare -A base_of=()
 if ((cpu)); then
-    wheelhouse="$root/.cache/wheelhouse"
+    cache="${QATPIPE_CACHE:-$root/.cache}"
+    wheelhouse="$cache/wheelhouse"
     if ((dry_run)); then
         base_of=([runtime]=BASE_RUNTIME [devel]=BASE_DEVEL [mlflow]=BASE_MLFLOW)
     else
-        "$python" images/wheelhouse.py --cpu --dest "$wheelhouse" "${selected[@]}" \
-            || fail "the wheelhouse is incomplete (above); images/wheelhouse.py --cpu makes it"
-        while read -r kind base; do base_of[$kind]="$base"; done < <(DOCKER="$docker" images/local-base.sh)
+        # both at once: the wheelhouse waits on PyPI, the bases mostly on the distributions' archives
+        "$python" images/wheelhouse.py --cpu --dest "$wheelhouse" "${selected[@]}" &
+        wheelhouse_pid=$!
+        if ! bases="$(DOCKER="$docker" images/local-base.sh "$cache/images")"; then
+            wait "$wheelhouse_pid" || true
+            fail "images/local-base.sh failed (above)"
+        fi
+        wait "$wheelhouse_pid" || fail "the wheelhouse is incomplete (above); images/wheelhouse.py --cpu makes it"
+        while read -r kind base; do base_of[$kind]="$base"; done <<<"$bases"
         [[ -n "${base_of[runtime]:-}" ]] || fail "images/local-base.sh made no base (above)"
     fi
     cpu_args=(--build-arg VARIANT=cpu --build-arg PIP_NO_INDEX=1 --build-context "wheelhouse=$wheelhouse")
 fi
 
-# Cache keys (the Dockerfiles' QATPIPE_LOCK_SHA256, QATPIPE_SOURCE_SHA256): podman does not hash what a
+# Cache keys (the Dockerfiles' QATPIPE_*LOCK_SHA256, QATPIPE_SOURCE_SHA256): podman does not hash what a
 # RUN --mount binds, so without them it would reuse a layer installed from an older lock or older sources
 hash_files() { find "$@" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum \
     | sha256sum | cut -c1-64; }
 source_sha="$(hash_files pyproject.toml README.md components pipelines)"
 
 images=()
+pids=()
+logs="${QATPIPE_CACHE:-$root/.cache}/logs"
+if ((!dry_run)); then mkdir -p "$logs"; fi
 for kind in "${selected[@]}"; do
     image="$(image_of "$kind")"
     images+=("$image")
     command=("$docker" build -f "images/$kind/Dockerfile" -t "$image" --build-arg "QATPIPE_VERSION=${image##*:}"
              --build-arg "QATPIPE_GIT_COMMIT=$git_commit" --build-arg "QATPIPE_SOURCE_SHA256=$source_sha")
-    locks=("images/$kind"/*.lock)
-    if [[ "$kind" == training ]]; then locks+=(images/modelopt/*.lock); fi
-    command+=(--build-arg "QATPIPE_LOCK_SHA256=$(hash_files "${locks[@]}")")
+    if [[ "$kind" == training ]]; then  # a key per layer group: TensorFlow and Horovod, the rest, Model Optimizer
+        command+=(--build-arg "QATPIPE_BASE_LOCK_SHA256=$(hash_files images/training/requirements-base.lock)"
+                  --build-arg "QATPIPE_LOCK_SHA256=$(hash_files images/training/requirements.lock)"
+                  --build-arg "QATPIPE_MODELOPT_LOCK_SHA256=$(hash_files images/modelopt/*.lock)")
+    else
+        command+=(--build-arg "QATPIPE_LOCK_SHA256=$(hash_files "images/$kind"/*.lock)")
+    fi
     if [[ -n "$source_url" ]]; then command+=(--build-arg "QATPIPE_SOURCE=$source_url"); fi
     if ((cpu)); then
         command+=("${cpu_args[@]}")
@@ -194,8 +209,47 @@ for kind in "${selected[@]}"; do
         esac
     fi
     if [[ -n "$platform" ]]; then command+=(--platform "$platform"); fi
-    run "${command[@]}" .
+    if ((dry_run)); then
+        run "${command[@]}" .
+        continue
+    fi
+    # the builds run side by side (pip's installs are single-threaded: two keep both cores busy), each into its log
+    log="$logs/build-$kind.log"
+    echo "images/build.sh: building $image (log: $log)" >&2
+    (
+        start=$SECONDS
+        "${command[@]}" . >"$log" 2>&1
+        echo "images/build.sh: $kind built in $((SECONDS - start)) s" >&2
+    ) &
+    pids+=($!)
 done
+
+if ((!dry_run)); then  # wait for the builds, saying every minute where each one is; a failed one shows its log
+    start=$SECONDS
+    while (($(jobs -rp | wc -l))); do
+        sleep 5
+        if (((SECONDS - start) % 60 < 5)); then
+            for i in "${!pids[@]}"; do
+                kill -0 "${pids[i]}" 2>/dev/null || continue  # done
+                kind="${selected[i]}"
+                step="$(grep -o '^\[[0-9]*/[0-9]*\] STEP [0-9]*/[0-9]*' "$logs/build-$kind.log" 2>/dev/null | tail -n 1)"
+                if [[ -n "$step" ]]; then echo "images/build.sh: $((SECONDS - start)) s: $kind at $step" >&2; fi
+            done
+        fi
+    done
+    failed=()
+    for i in "${!pids[@]}"; do
+        wait "${pids[i]}" || failed+=("${selected[i]}")
+    done
+    for kind in "${failed[@]}"; do
+        echo "images/build.sh: building $kind failed; the end of $logs/build-$kind.log:" >&2
+        tail -n 40 "$logs/build-$kind.log" >&2
+    done
+    if ((${#failed[@]})); then
+        echo "images/build.sh: not built: ${failed[*]} (logs in $logs)" >&2
+        exit 1
+    fi
+fi
 
 if ((push)); then
     for image in "${images[@]}"; do

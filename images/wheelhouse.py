@@ -5,7 +5,9 @@
 
 The builds of `images/build.sh --cpu` have no network: the Dockerfiles install from this folder (`pip install
 --no-index --find-links`, still --require-hashes against the same locks). pip downloads each pin for the image's
-Python and platform (images/lock.py's targets) with its hash checked; files already there are kept. --cpu leaves
+Python and platform (images/lock.py's targets) with its hash checked; only the pins whose file is missing are
+downloaded, so a complete wheelhouse needs no network (a fresh clone can share one: --dest, or images/build.sh's
+QATPIPE_CACHE). --cpu leaves
 out what only a GPU uses: NVIDIA's CUDA wheels (the training lock's nvidia-* pins, TensorFlow's [and-cuda]) and
 the Model Optimizer venv (its torch and CUDA wheels). Also the Horovod sdist, which the training image builds.
 --check names the first pin without its file (the lock changed since the wheelhouse was made) and exits 2.
@@ -62,6 +64,10 @@ def _hashes(dest: Path) -> set[str]:
     return found
 
 
+def _horovod_sdist(dest: Path) -> bool:
+    return bool(list(dest.glob(f"horovod-{HOROVOD_VERSION}.tar.gz")))
+
+
 def check(kinds: list[str], cpu: bool, dest: Path) -> str | None:
     """The first pin whose file is not in DEST, as a message; None when every one is there."""
     if not dest.is_dir():
@@ -74,23 +80,31 @@ def check(kinds: list[str], cpu: bool, dest: Path) -> str | None:
                     return (f"{path.relative_to(ROOT)}: {pin.name}=={pin.version} (sha256 {pin.sha256[:12]}...) is "
                             f"not in the wheelhouse {dest}: run `python images/wheelhouse.py"
                             f"{' --cpu' if cpu else ''}` (the lock changed since it was made)")
-    if "training" in kinds and not list(dest.glob(f"horovod-{HOROVOD_VERSION}.tar.gz")):
+    if "training" in kinds and not _horovod_sdist(dest):
         return f"horovod-{HOROVOD_VERSION}.tar.gz is not in the wheelhouse {dest}"
     return None
 
 
 def download(kinds: list[str], cpu: bool, dest: Path) -> None:
+    """pip downloads the pins whose file is not in DEST yet (none: pip is not run, nothing goes to the network)."""
     dest.mkdir(parents=True, exist_ok=True)
+    present = _hashes(dest)
     with tempfile.TemporaryDirectory(prefix="qatpipe-wheelhouse-") as tmp:
         for kind in kinds:
             for target, path in locks(kind, cpu):
+                pinned = pins(path, cpu)
+                missing = [pin for pin in pinned if pin.sha256 not in present]
+                if not missing:
+                    continue
                 requirements = Path(tmp) / f"{kind}-{path.name}"
-                requirements.write_text("".join(pin.line().split("  #")[0] + "\n" for pin in pins(path, cpu)))
+                requirements.write_text("".join(pin.line().split("  #")[0] + "\n" for pin in missing))
                 options = [o for o in target.pip_options() if o != "--use-feature=fast-deps"]
-                print(f"{kind}: {path.relative_to(ROOT)} -> {dest}", file=sys.stderr)
+                print(f"{kind}: {path.relative_to(ROOT)}: {len(missing)} of its {len(pinned)} files -> {dest}",
+                      file=sys.stderr)
                 LOCK.run_pip(target, ["download", "--quiet", "--no-deps", "--require-hashes", "--dest", str(dest),
                                       "-r", str(requirements), *options], check=True)
-        if "training" in kinds:
+                present.update(pin.sha256 for pin in missing)  # the next lock's copies of the same files
+        if "training" in kinds and not _horovod_sdist(dest):
             LOCK.run_pip(LOCK.TARGETS["training"], ["download", "--quiet", "--no-deps", "--no-binary", ":all:",
                                                     "--dest", str(dest), f"horovod=={HOROVOD_VERSION}"], check=True)
 

@@ -208,14 +208,19 @@ def test_compile_retargets_the_images_for_a_registry(tmp_path):
     assert inputs["engine_image"]["defaultValue"] == "registry.example.com:5000/team/qatpipe-engine:7.7"
 
 
-def test_wheelhouse_check_names_what_is_missing(tmp_path):
-    """images/wheelhouse.py --check (build.sh --cpu runs it before building): no wheelhouse, or one made for an
-    older lock, is named with the package, before any build."""
+def _wheelhouse_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("qatpipe_images_wheelhouse", ROOT / "images" / "wheelhouse.py")
     wheelhouse = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(wheelhouse)
+    return wheelhouse
+
+
+def test_wheelhouse_check_names_what_is_missing(tmp_path):
+    """images/wheelhouse.py --check (build.sh --cpu runs it before building): no wheelhouse, or one made for an
+    older lock, is named with the package, before any build."""
+    wheelhouse = _wheelhouse_module()
 
     assert "no wheelhouse at" in wheelhouse.check(["mlflow"], True, tmp_path / "none")
     (tmp_path / "stale").mkdir()
@@ -227,3 +232,25 @@ def test_wheelhouse_check_names_what_is_missing(tmp_path):
     training = [pin.name for pin in wheelhouse.pins(ROOT / "images" / "training" / "requirements.lock", True)]
     assert "tensorflow" in training and not [name for name in training if name.startswith("nvidia-")]
     assert wheelhouse.main(["--check", "--cpu", "--dest", str(tmp_path / "none"), "mlflow"]) == 2
+
+
+def test_wheelhouse_downloads_only_the_missing_files_and_a_complete_one_needs_no_pip(tmp_path, monkeypatch):
+    """A wheelhouse that holds every pinned file is left alone (no pip, no network: offline rebuilds work); one
+    that lacks a file asks pip for that file only. pip is replaced by a recorder here (the real download is the
+    images fixture's); the files present are given by their hashes."""
+    wheelhouse = _wheelhouse_module()
+    lock = ROOT / "images" / "mlflow" / "requirements.lock"
+    pinned = wheelhouse.pins(lock, True)
+    asked = []
+
+    def pip(target, args, check):
+        asked.append(Path(args[args.index("-r") + 1]).read_text())
+
+    monkeypatch.setattr(wheelhouse.LOCK, "run_pip", pip)
+    monkeypatch.setattr(wheelhouse, "_hashes", lambda dest: {pin.sha256 for pin in pinned[1:]})
+    wheelhouse.download(["mlflow"], True, tmp_path)
+    assert asked == [f"{pinned[0].name}=={pinned[0].version} --hash=sha256:{pinned[0].sha256}\n"]
+    asked.clear()
+    monkeypatch.setattr(wheelhouse, "_hashes", lambda dest: {pin.sha256 for pin in pinned})
+    wheelhouse.download(["mlflow"], True, tmp_path)
+    assert asked == []

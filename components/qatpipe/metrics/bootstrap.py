@@ -109,7 +109,7 @@ def weighted_ap(matched: MatchedDetections, weights: np.ndarray) -> np.ndarray:
     the detections since the checkpoint before, summed up: one product per class, not a running sum over every
     detection per IoU threshold. For integer weights (image multiplicities) every sum is an exact integer, so
     the numbers are COCO's accumulate's bit for bit."""
-    from scipy.sparse import csr_array  # scipy comes with mlflow and scikit-image (quantization/ptq.py uses it)
+    from scipy.sparse import csr_array
 
     weights = np.asarray(weights, float)
     recall_thresholds = matched.recall_thresholds
