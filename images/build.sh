@@ -174,7 +174,9 @@ if ((cpu)); then
         while read -r kind base; do base_of[$kind]="$base"; done <<<"$bases"
         [[ -n "${base_of[runtime]:-}" ]] || fail "images/local-base.sh made no base (above)"
     fi
-    cpu_args=(--build-arg VARIANT=cpu --build-arg PIP_NO_INDEX=1 --build-context "wheelhouse=$wheelhouse")
+    # --network none: the offline build shown to be one (its packages from the wheelhouse, its bases preinstalled)
+    cpu_args=(--build-arg VARIANT=cpu --build-arg PIP_NO_INDEX=1 --build-context "wheelhouse=$wheelhouse"
+              --network none)
 fi
 
 # Cache keys (the Dockerfiles' QATPIPE_*LOCK_SHA256, QATPIPE_SOURCE_SHA256): podman does not hash what a
@@ -232,7 +234,9 @@ if ((!dry_run)); then  # wait for the builds, saying every minute where each one
             for i in "${!pids[@]}"; do
                 kill -0 "${pids[i]}" 2>/dev/null || continue  # done
                 kind="${selected[i]}"
-                step="$(grep -o '^\[[0-9]*/[0-9]*\] STEP [0-9]*/[0-9]*' "$logs/build-$kind.log" 2>/dev/null | tail -n 1)"
+                # podman's `[2/3] STEP 8/19`, BuildKit's `#18 [builder 6/8]`
+                step="$(grep -oE '^(\[[0-9]+/[0-9]+\] STEP [0-9]+/[0-9]+|#[0-9]+ \[[^]]+\])' "$logs/build-$kind.log" \
+                    2>/dev/null | tail -n 1 | sed -E 's/^#[0-9]+ //' || true)"
                 if [[ -n "$step" ]]; then echo "images/build.sh: $((SECONDS - start)) s: $kind at $step" >&2; fi
             done
         fi

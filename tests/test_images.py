@@ -198,6 +198,17 @@ def test_hadolint_finds_nothing(dockerfile, tmp_path):
         f"hadolint on {relative(dockerfile)} (exit {result.returncode}):\n{listing}{result.stderr}")
 
 
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=relative)
+def test_dockerfile_names_no_frontend_image(dockerfile):
+    """No `# syntax=` directive: BuildKit would pull that Dockerfile frontend from Docker Hub before building, which
+    an offline or air-gapped Docker build cannot (seen with Docker 26 and buildx 0.13: "failed to resolve source
+    metadata for docker.io/docker/dockerfile:1"); the frontend bundled with BuildKit reads these files."""
+    for number, line in enumerate(dockerfile.read_text().splitlines(), 1):
+        if not line.startswith("#"):
+            break  # parser directives come before any instruction
+        assert not re.match(r"#\s*syntax\s*=", line, re.I), f"{relative(dockerfile)}:{number}: {line}"
+
+
 # --- users and base images -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=relative)
