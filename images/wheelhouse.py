@@ -6,11 +6,11 @@
 The builds of `images/build.sh --cpu` have no network: the Dockerfiles install from this folder (`pip install
 --no-index --find-links`, still --require-hashes against the same locks). pip downloads each pin for the image's
 Python and platform (images/lock.py's targets) with its hash checked; only the pins whose file is missing are
-downloaded, so a complete wheelhouse needs no network (a fresh clone can share one: --dest, or images/build.sh's
-QATPIPE_CACHE). --cpu leaves
-out what only a GPU uses: NVIDIA's CUDA wheels (the training lock's nvidia-* pins, TensorFlow's [and-cuda]) and
-the Model Optimizer venv (its torch and CUDA wheels). Also the Horovod sdist, which the training image builds.
---check names the first pin without its file (the lock changed since the wheelhouse was made) and exits 2.
+downloaded, so a complete wheelhouse needs no network (fresh clones can share one: --dest, or images/build.sh's
+QATPIPE_CACHE). --cpu leaves out what only a GPU uses: NVIDIA's CUDA wheels (the training lock's nvidia-* pins,
+TensorFlow's [and-cuda]) and the Model Optimizer venv (its torch and CUDA wheels). Also the Horovod sdist, which
+the training image builds. --check names the first pin without its file (the lock changed since the wheelhouse
+was made) and exits 2.
 """
 
 from __future__ import annotations
