@@ -159,9 +159,9 @@ def docker_runner(out: Path, environment: dict[str, str]):
                                   mounts=[Mount(target=str(out), source=str(out), type="bind")])
 
 
-def task_env(out: Path) -> dict[str, str]:
-    """Variables every container gets (the caller's environment does not reach them). HOME: the calling user may
-    have no home in the image; Keras and MLflow write there."""
+def home_env(out: Path) -> dict[str, str]:
+    """HOME for every container, a folder in the run's output: the calling user may have no home in the image, and
+    Keras and MLflow write there (the caller's environment does not reach the containers)."""
     home = out / ".home"
     home.mkdir(parents=True, exist_ok=True)
     return {"HOME": str(home)}

@@ -68,7 +68,7 @@ def _run_in_containers(out: Path, spec_uri: str, overrides: list[str], run_name:
         logs = stack.enter_context(container_run.container_logs(out))
         stack.enter_context(container_run.exit_status_kept())
         try:
-            home = container_run.task_env(out)
+            home = container_run.home_env(out)
             return _run_locked(out, spec_uri, overrides, run_name, images=IMAGES,
                                runner=lambda env: container_run.docker_runner(out, {**env, **home}))
         except PipelineFailed as exc:
