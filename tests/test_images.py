@@ -404,6 +404,28 @@ def test_dry_run_builds_the_names_the_pipeline_uses():
     assert f"engine_image={expected['engine']}" in result.stdout
 
 
+def test_training_lock_keys_come_just_before_their_layers():
+    """podman keys a RUN on the build arguments declared before it (it does not hash what a RUN --mount binds), so
+    each lock's sha256 is declared just before the layers that install it: a change to requirements.lock rebuilds
+    that layer and leaves TensorFlow's and Horovod's cached. build.sh passes each its own file's hash."""
+    _, stages = read_dockerfile(IMAGES / "training" / "Dockerfile")
+    builder = next(stage for stage in stages if stage.name == "builder")
+
+    def line(keyword: str, text: str) -> int:
+        return next(i.line for i in builder.all(keyword) if text in i.args)
+
+    order = [line("ARG", "QATPIPE_BASE_LOCK_SHA256"), line("RUN", "requirements-base.lock"),
+             line("RUN", "build-wheel.sh"), line("ARG", "QATPIPE_LOCK_SHA256"),
+             line("RUN", "source=images/training/requirements.lock"), line("ARG", "QATPIPE_MODELOPT_LOCK_SHA256"),
+             line("RUN", "images/modelopt/requirements.lock")]
+    assert order == sorted(order), order
+    assert not [i for i in builder.all("ARG") if i.args.startswith("QATPIPE_LOCK_SHA256") and i.line < order[2]]
+    (training,) = [c for c in docker_commands(build("--dry-run", "--only", "training").stdout) if c[1] == "build"]
+    keys = {word.partition("=")[0]: word.partition("=")[2] for word in training if "LOCK_SHA256=" in word}
+    assert set(keys) == {"QATPIPE_BASE_LOCK_SHA256", "QATPIPE_LOCK_SHA256", "QATPIPE_MODELOPT_LOCK_SHA256"}
+    assert len(set(keys.values())) == 3, keys
+
+
 def test_dry_run_push_pushes_every_image_after_building_them():
     result = build("--dry-run", "--push", "--tag", TAG, "--repository", REPOSITORY, "--platform", "linux/amd64")
     assert result.returncode == 0, result.stderr
