@@ -2,8 +2,9 @@
 stage in its image (`qatpipe run --local --runner docker`) and MLflow in the MLflow image.
 
 Needs root, podman (or a Docker engine) and debootstrap, and on a cold machine the Ubuntu/Debian archives and PyPI
-(the bases and the wheelhouse, cached under .cache/); .ci/run installs them. The build is podman's layer cache
-keyed on the lock files' and sources' hashes: unchanged, it takes seconds. Cold: bench/README.md.
+(the bases and the wheelhouse, cached under $QATPIPE_CACHE, default .cache/); .ci/run installs them. The build is
+podman's layer cache keyed on the lock files' and sources' hashes: unchanged, it takes seconds. Cold:
+bench/README.md.
 """
 
 from __future__ import annotations
