@@ -154,11 +154,12 @@ source_url="$(git remote get-url origin 2>/dev/null || true)"
 source_url="$(printf '%s' "$source_url" | sed -E 's#^([a-z+]+://)[^/@]*@#\1#')"
 
 # --cpu: the local bases and the wheelhouse, each made once and cached under $QATPIPE_CACHE (default .cache/;
-# a folder outside the clone lets fresh clones on one machine share them, as they share podman's image store)
+# a folder outside the clone lets fresh clones on one machine share them, as they share podman's image store);
+# the builds' logs go there too
+cache="${QATPIPE_CACHE:-$root/.cache}"
 cpu_args=()
 declare -A base_of=()
 if ((cpu)); then
-    cache="${QATPIPE_CACHE:-$root/.cache}"
     wheelhouse="$cache/wheelhouse"
     if ((dry_run)); then
         base_of=([runtime]=BASE_RUNTIME [devel]=BASE_DEVEL [mlflow]=BASE_MLFLOW)
@@ -187,7 +188,7 @@ source_sha="$(hash_files pyproject.toml README.md components pipelines)"
 
 images=()
 pids=()
-logs="${QATPIPE_CACHE:-$root/.cache}/logs"
+logs="$cache/logs"
 if ((!dry_run)); then mkdir -p "$logs"; fi
 for kind in "${selected[@]}"; do
     image="$(image_of "$kind")"
