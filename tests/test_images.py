@@ -426,6 +426,25 @@ def test_training_lock_keys_come_just_before_their_layers():
     assert len(set(keys.values())) == 3, keys
 
 
+def test_a_failed_build_names_its_image_shows_its_log_and_the_others_still_finish(tmp_path):
+    """The builds run side by side, each into its log: one that fails is named with the end of its log, exit 1,
+    and pushes nothing. The engine is a stand-in script here (failing one build for real needs a broken
+    Dockerfile and a registry for the GPU bases); the side-by-side waiting and reporting are build.sh's own."""
+    engine = tmp_path / "engine"
+    engine.write_text('#!/bin/sh\ncase "$*" in *images/engine/*) echo "STEP 3/9: no such package"; exit 1;; esac\n'
+                      'echo "built $*"\n')
+    engine.chmod(0o755)
+    env = _clean_env() | {"DOCKER": str(engine), "QATPIPE_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run(["bash", str(BUILD_SCRIPT), "--push"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "building engine failed" in result.stderr and "STEP 3/9: no such package" in result.stderr
+    assert "not built: engine" in result.stderr
+    logs = tmp_path / "cache" / "logs"
+    assert "built" in (logs / "build-training.log").read_text() and "built" in (logs / "build-mlflow.log").read_text()
+    assert "push" not in result.stdout + result.stderr
+
+
 def test_dry_run_push_pushes_every_image_after_building_them():
     result = build("--dry-run", "--push", "--tag", TAG, "--repository", REPOSITORY, "--platform", "linux/amd64")
     assert result.returncode == 0, result.stderr
