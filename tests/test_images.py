@@ -575,6 +575,24 @@ def test_dockerignore_keeps_what_the_dockerfiles_use():
     assert not left_out, f".dockerignore leaves out files the images need: {left_out[:10]}"
 
 
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_no_build_writes_into_the_checkout(dockerfile):
+    """podman's bind mount of the context is the checkout itself, .dockerignore unread and writes kept: a rw one
+    left setuptools' build/ in the checkout, and the training and engine builds, side by side, broke on each
+    other's build/ folder (a CI failure). Every context mount is read-only, and a pip build of the package runs on
+    a copy, never on the mount."""
+    for instruction in read_dockerfile(dockerfile)[0]:
+        for mount in re.findall(r"--mount=(\S+)", instruction.args):
+            fields = dict(f.partition("=")[::2] for f in mount.split(","))
+            if fields.get("type", "bind") == "bind" and "from" not in fields:
+                writable = {"rw", "readwrite"} & set(fields) or fields.get("readonly", "true") == "false"
+                assert not writable, f"{relative(dockerfile)}:{instruction.line}: {mount} writes into the checkout"
+        for target, source in _bind_mounts(instruction).items():
+            build_on_mount = rf"pip\s+(wheel|install)\b[^&|;]*\s{re.escape(target)}/?(\s|$)"
+            assert source != "." or not re.search(build_on_mount, instruction.args), (
+                f"{relative(dockerfile)}:{instruction.line}: pip builds in {target}, the checkout, not in a copy")
+
+
 # --- lock files: images/<kind>/requirements.lock (`make lock`, images/lock.py) ------------------------------------
 
 # pip options that take a value (the next word)
@@ -645,7 +663,7 @@ def test_dockerfile_installs_exactly_its_lock(kind):
     for stage in read_dockerfile(dockerfile)[1]:
         for run in stage.all("RUN"):
             where = f"{relative(dockerfile)}:{run.line}"
-            assert "pyproject.toml" not in run.args and "tomllib" not in run.args, (
+            assert not re.search(r"pip\b[^&|;]*pyproject\.toml|tomllib", run.args), (
                 f"{where}: dependencies come from the lock, no longer from pyproject.toml's ranges")
             mounts = _bind_mounts(run)
             # VARIANT=cpu's guard: the lock less its CUDA wheels (`grep -v "${exclude}" LOCK > COPY`), no other line
