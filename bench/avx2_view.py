@@ -27,8 +27,8 @@ log = logging.getLogger("bench.avx2_view")
 CPUINFO = Path("/proc/cpuinfo")
 # the flags the AVX2-only kind lacks: AVX-512 (every subset), the VNNI forms, AMX
 HIDDEN = re.compile(r"^(avx512\w*|avx_vnni\w*|amx\w*)$")
-# bind-mount the edited file over /proc/cpuinfo, then become the command
-MOUNT_AND_RUN = 'mount --bind "$0" /proc/cpuinfo && exec "$@"'
+# bind-mount the edited file over /proc/cpuinfo (the mount keeps it once its name is gone), then become the command
+MOUNT_AND_RUN = 'mount --bind "$0" /proc/cpuinfo && rm -f "$0" && exec "$@"'
 
 
 def avx2_cpuinfo(text: str) -> str:
