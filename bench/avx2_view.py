@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from qatpipe.devices import cpu_flags
+
 log = logging.getLogger("bench.avx2_view")
 
 CPUINFO = Path("/proc/cpuinfo")
@@ -53,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.NamedTemporaryFile("w", prefix="cpuinfo-avx2-", delete=False) as edited:
         edited.write(avx2_cpuinfo(CPUINFO.read_text()))
-    hidden = sorted({f for line in CPUINFO.read_text().splitlines() if line.startswith("flags")
-                     for f in line.split(":", 1)[1].split() if HIDDEN.match(f)})
+    hidden = sorted(flag for flag in cpu_flags(CPUINFO) if HIDDEN.match(flag))
     log.info("avx2 view: hiding %s; ONEDNN_MAX_CPU_ISA=AVX2", " ".join(hidden) or "nothing (no such flag here)")
     os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
     os.execvp("unshare", ["unshare", "-m", "--propagation", "private", "sh", "-c", MOUNT_AND_RUN, edited.name,

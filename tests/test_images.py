@@ -557,10 +557,7 @@ def test_dockerignore_keeps_what_the_dockerfiles_use():
         for instruction in read_dockerfile(dockerfile)[0]:
             if instruction.keyword in ("COPY", "ADD") and "--from=" not in instruction.args:
                 needed.update(w for w in instruction.args.split()[:-1] if not w.startswith("--"))
-            for mount in re.findall(r"--mount=(\S+)", instruction.args):
-                fields = dict(f.partition("=")[::2] for f in mount.split(","))
-                if fields.get("type", "bind") == "bind" and "from" not in fields:
-                    needed.add(fields.get("source", "."))
+            needed.update(fields.get("source", ".") for fields in _context_mounts(instruction))
     files = set()
     for item in needed:
         path = ROOT / item
@@ -582,11 +579,9 @@ def test_no_build_writes_into_the_checkout(dockerfile):
     other's build/ folder (a CI failure). Every context mount is read-only, and a pip build of the package runs on
     a copy, never on the mount."""
     for instruction in read_dockerfile(dockerfile)[0]:
-        for mount in re.findall(r"--mount=(\S+)", instruction.args):
-            fields = dict(f.partition("=")[::2] for f in mount.split(","))
-            if fields.get("type", "bind") == "bind" and "from" not in fields:
-                writable = {"rw", "readwrite"} & set(fields) or fields.get("readonly", "true") == "false"
-                assert not writable, f"{relative(dockerfile)}:{instruction.line}: {mount} writes into the checkout"
+        for fields in _context_mounts(instruction):
+            writable = {"rw", "readwrite"} & set(fields) or fields.get("readonly", "true") == "false"
+            assert not writable, f"{relative(dockerfile)}:{instruction.line}: {fields} writes into the checkout"
         for target, source in _bind_mounts(instruction).items():
             build_on_mount = rf"pip\s+(wheel|install)\b[^&|;]*\s{re.escape(target)}/?(\s|$)"
             assert source != "." or not re.search(build_on_mount, instruction.args), (
@@ -602,14 +597,16 @@ PIP_VALUE_OPTIONS = {"-r", "--requirement", "-c", "--constraint", "-f", "--find-
                      "--editable", "--src", "--cache-dir", "--progress-bar", "--upgrade-strategy"}
 
 
+def _context_mounts(instruction: Instruction) -> list[dict[str, str]]:
+    """The fields of the instruction's bind mounts of the build context (not of a stage or named context)."""
+    mounts = [dict(f.partition("=")[::2] for f in m.split(",")) for m in re.findall(r"--mount=(\S+)", instruction.args)]
+    return [fields for fields in mounts if fields.get("type", "bind") == "bind" and "from" not in fields]
+
+
 def _bind_mounts(run: Instruction) -> dict[str, str]:
     """target -> source of the RUN's bind mounts of the build context (source defaults to the context itself)."""
-    mounts = {}
-    for mount in re.findall(r"--mount=(\S+)", run.args):
-        fields = dict(f.partition("=")[::2] for f in mount.split(","))
-        if fields.get("type", "bind") == "bind" and "from" not in fields:
-            mounts[fields.get("target") or fields.get("dst") or fields.get("destination")] = fields.get("source", ".")
-    return mounts
+    return {(f.get("target") or f.get("dst") or f.get("destination")): f.get("source", ".")
+            for f in _context_mounts(run)}
 
 
 def _pip_installs(run: Instruction) -> list[list[str]]:
